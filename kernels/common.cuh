@@ -1,0 +1,132 @@
+// Helpers shared by every kernel in this folder. sbnet_cupy/_kernels.py puts this file in front
+// of each kernel source, so the kernels need no include path and no CUDA header (NVRTC compiles
+// them wherever CuPy finds it), and CuPy's disk-cache key covers this file too.
+
+typedef long long i64;
+
+// Storage of the 16-bit floats, converted with PTX instead of cuda_fp16.h / cuda_bf16.h.
+struct half_t { unsigned short bits; };
+struct bfloat16_t { unsigned short bits; };
+
+// Sums and comparisons run in float, or in double for double data.
+template <typename T> struct acc_type { typedef float type; };
+template <> struct acc_type<double> { typedef double type; };
+
+template <typename T> static __device__ __forceinline__ float to_acc(T v) { return (float)v; }
+static __device__ __forceinline__ double to_acc(double v) { return v; }
+static __device__ __forceinline__ float to_acc(half_t v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+}
+static __device__ __forceinline__ float to_acc(bfloat16_t v) {
+    return __uint_as_float((unsigned)v.bits << 16);
+}
+
+template <typename T> static __device__ __forceinline__ T from_acc(typename acc_type<T>::type v) {
+    return (T)v;
+}
+template <> __device__ __forceinline__ half_t from_acc<half_t>(float v) {
+    half_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+    return h;
+}
+template <> __device__ __forceinline__ bfloat16_t from_acc<bfloat16_t>(float v) {
+    bfloat16_t h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+    return h;
+}
+
+static __device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
+static __device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
+static __device__ __forceinline__ void atomic_add(half_t* p, half_t v) {
+    asm volatile("red.global.add.noftz.f16 [%0], %1;" ::"l"(p), "h"(v.bits) : "memory");
+}
+static __device__ __forceinline__ void atomic_add(bfloat16_t* p, bfloat16_t v) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.noftz.bf16 [%0], %1;" ::"l"(p), "h"(v.bits) : "memory");
+#else
+    unsigned short* bits = &p->bits;
+    unsigned short seen = *bits, expected;
+    do {
+        expected = seen;
+        bfloat16_t old = {expected};
+        seen = atomicCAS(bits, expected, from_acc<bfloat16_t>(to_acc(old) + to_acc(v)).bits);
+    } while (seen != expected);
+#endif
+}
+
+// V elements moved as one aligned access.
+template <typename T, int V> struct alignas(sizeof(T) * V) vec_t { T v[V]; };
+
+// How a scatter combines a value with what is already in the output.
+struct Assign {
+    template <typename T> static __device__ __forceinline__ void apply(T* dst, const T& v) { *dst = v; }
+};
+struct Add {
+    template <typename T> static __device__ __forceinline__ void apply(T* dst, const T& v) {
+        *dst = from_acc<T>(to_acc(*dst) + to_acc(v));
+    }
+    template <typename T, int V>
+    static __device__ __forceinline__ void apply(vec_t<T, V>* dst, const vec_t<T, V>& v) {
+        vec_t<T, V> y = *dst;
+#pragma unroll
+        for (int i = 0; i < V; ++i) y.v[i] = from_acc<T>(to_acc(y.v[i]) + to_acc(v.v[i]));
+        *dst = y;
+    }
+};
+struct AtomicAdd {
+    template <typename T> static __device__ __forceinline__ void apply(T* dst, const T& v) {
+        atomic_add(dst, v);
+    }
+    template <typename T, int V>
+    static __device__ __forceinline__ void apply(vec_t<T, V>* dst, const vec_t<T, V>& v) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) atomic_add(&dst->v[i], v.v[i]);
+    }
+};
+
+// Number of valid rows of an index list: the count the op was given, clamped to the rows the
+// list has (capacity mode reports the true count, which may exceed them).
+static __device__ __forceinline__ int valid_rows(const int* count, int rows) {
+    return min(max(*count, 0), rows);
+}
+
+// Where block m of the index list sits in the image. `inside` is false for rows past the count
+// and for indices that point outside the batch: such blocks read as zeros and write nothing.
+struct block_origin {
+    i64 n, h, w;  // batch index and top-left pixel (h, w may be negative or past the image)
+    bool inside;
+};
+
+static __device__ __forceinline__ block_origin locate_block(
+    const int* __restrict__ indices, const int* __restrict__ count, int rows, int m,
+    int n_batch, int off_h, int off_w, int str_h, int str_w) {
+    block_origin b = {0, 0, 0, false};
+    if (m >= valid_rows(count, rows)) return b;
+    const int* row = indices + 3 * (i64)m;
+    b.n = row[0];
+    b.h = off_h + (i64)str_h * row[1];
+    b.w = off_w + (i64)str_w * row[2];
+    b.inside = b.n >= 0 && b.n < n_batch;
+    return b;
+}
+
+// Pixels [first, last) of row r of a block lie inside the image; `offset` is the pixel index of
+// the row's first pixel (column b.w) in the flattened [N, H, W] image, meaningful only when
+// first < last.
+struct block_row {
+    i64 offset;
+    int first, last;
+};
+
+static __device__ __forceinline__ block_row locate_row(
+    const block_origin& b, int r, int height, int width, int bw) {
+    block_row row = {0, 0, 0};
+    const i64 h = b.h + r;
+    if (!b.inside || h < 0 || h >= height) return row;
+    row.first = (int)min(max(-b.w, (i64)0), (i64)bw);
+    row.last = (int)min(max(width - b.w, (i64)0), (i64)bw);
+    row.offset = (b.n * height + h) * width + b.w;
+    return row;
+}

@@ -1,0 +1,121 @@
+// reduce_mask: pool every block of a mask and list the active ones, in raster order.
+//
+// One warp pools one block; the 32 warps of a CTA pool 32 consecutive blocks and store their
+// flags as one 32-bit word. The last CTA to finish (a ticket counter) turns the words into the
+// index list with a prefix sum over their popcounts. So the op is a single launch, needs no host
+// round trip, and its order does not depend on scheduling.
+
+#define WARPS 32
+
+// Inclusive prefix sum over the 1024 threads of a CTA; `total` receives the sum of all threads.
+static __device__ __forceinline__ int cta_inclusive_scan(int value, int* warp_sums, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int d = 1; d < 32; d <<= 1) {
+        const int other = __shfl_up_sync(~0u, value, d);
+        if (lane >= d) value += other;
+    }
+    if (lane == 31) warp_sums[warp] = value;
+    __syncthreads();
+    if (warp == 0) {
+        int sum = warp_sums[lane];
+        for (int d = 1; d < 32; d <<= 1) {
+            const int other = __shfl_up_sync(~0u, sum, d);
+            if (lane >= d) sum += other;
+        }
+        warp_sums[lane] = sum;
+        if (lane == 31) *total = sum;
+    }
+    __syncthreads();
+    const int before = warp == 0 ? 0 : warp_sums[warp - 1];
+    __syncthreads();  // warp_sums is reused by the next call
+    return before + value;
+}
+
+// BH, BW: block size, or 0 to read it from bh, bw at run time.
+// tickets: one counter, zero before the launch; the last CTA sets it back to zero.
+// capacity: rows of `indices`; rows past the count up to fill_rows are set to -1.
+template <typename T, bool AVG, int BH, int BW>
+__global__ void __launch_bounds__(WARPS * 32) reduce_mask(
+    const T* __restrict__ mask, int n_batch, int height, int width, int bh_rt, int bw_rt,
+    int off_h, int off_w, int str_h, int str_w, int bcount_h, int bcount_w, double tol,
+    unsigned* __restrict__ words, unsigned* __restrict__ tickets, int* __restrict__ indices,
+    int* __restrict__ count, int capacity, int fill_rows) {
+    typedef typename acc_type<T>::type Acc;
+    const int bh = BH ? BH : bh_rt;
+    const int bw = BW ? BW : bw_rt;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int per_image = bcount_h * bcount_w;
+    const int total = per_image * n_batch;
+
+    __shared__ int flags[WARPS];
+    __shared__ int warp_sums[WARPS];
+    __shared__ int chunk_total;
+    __shared__ bool last_cta;
+
+    const int block = blockIdx.x * WARPS + warp;
+    bool active = false;
+    if (block < total) {  // uniform across the warp, as the shuffles below need
+        const int n = block / per_image, bhi = (block % per_image) / bcount_w;
+        const int bwi = block % bcount_w;
+        const i64 h0 = off_h + (i64)str_h * bhi, w0 = off_w + (i64)str_w * bwi;
+        const T* image = mask + (i64)n * height * width;
+        Acc acc = AVG ? Acc(0) : Acc(__int_as_float(0xff800000));  // -inf
+#pragma unroll 8
+        for (int p = lane; p < bh * bw; p += 32) {
+            const int r = p / bw;
+            const i64 h = h0 + r, w = w0 + (p - r * bw);
+            if (h >= 0 && h < height && w >= 0 && w < width) {
+                const Acc v = to_acc(image[h * width + w]);
+                acc = AVG ? acc + v : (v > acc ? v : acc);
+            }
+        }
+        for (int d = 16; d; d >>= 1) {
+            const Acc other = __shfl_xor_sync(~0u, acc, d);
+            acc = AVG ? acc + other : (other > acc ? other : acc);
+        }
+        // Average over the whole block area, out-of-range pixels counting as zero, as SBNet does.
+        active = (AVG ? acc / Acc(bh * bw) : acc) > Acc(tol);
+    }
+    if (lane == 0) flags[warp] = active;
+    __syncthreads();
+    if (warp == 0) {
+        const unsigned word = __ballot_sync(~0u, flags[lane]);
+        if (lane == 0) {
+            words[blockIdx.x] = word;
+            __threadfence();  // publish the word before taking a ticket
+            last_cta = atomicAdd(tickets, 1u) == gridDim.x - 1;
+        }
+    }
+    __syncthreads();
+    if (!last_cta) return;
+    __threadfence();
+
+    // The last CTA: every word is written. Compact them 1024 words at a time.
+    const volatile unsigned* all_words = words;
+    int written = 0;
+    for (int w0 = 0; w0 < (int)gridDim.x; w0 += WARPS * 32) {
+        const int w = w0 + threadIdx.x;
+        unsigned bits = w < (int)gridDim.x ? all_words[w] : 0u;
+        const int n_set = __popc(bits);
+        int pos = written + cta_inclusive_scan(n_set, warp_sums, &chunk_total) - n_set;
+        while (bits) {
+            const int block_id = w * 32 + __ffs(bits) - 1;
+            bits &= bits - 1;
+            if (pos < capacity) {
+                int* row = indices + 3 * (i64)pos;
+                row[0] = block_id / per_image;
+                row[1] = (block_id % per_image) / bcount_w;
+                row[2] = block_id % bcount_w;
+            }
+            ++pos;
+        }
+        written += chunk_total;
+    }
+    if (threadIdx.x == 0) {
+        *count = written;
+        *tickets = 0;
+    }
+    for (i64 i = written + threadIdx.x; i < fill_rows; i += blockDim.x) {
+        indices[3 * i] = indices[3 * i + 1] = indices[3 * i + 2] = -1;
+    }
+}

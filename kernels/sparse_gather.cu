@@ -1,0 +1,79 @@
+// sparse_gather: copy each listed block out of an NHWC tensor into a dense stack.
+// Out-of-range pixels read as zero; rows of the stack past the block count are zero.
+
+#define UNROLL 4
+
+// Stack [rows, bh, bw, C]. Each pixel row of a block is contiguous in both tensors, so this is
+// a copy of rows of bw * words_per_pixel words, a word being 1 to 16 bytes (the widest access
+// that the channel count and the pointers' alignment allow).
+// Grid (rows, ceil(bh / blockDim.y)); threadIdx.y picks the block row, threadIdx.x the word.
+template <typename Word>
+__global__ void sparse_gather(
+    const Word* __restrict__ x, Word* __restrict__ blocks, const int* __restrict__ indices,
+    const int* __restrict__ count, int rows, int n_batch, int height, int width,
+    int words_per_pixel, int bh, int bw, int off_h, int off_w, int str_h, int str_w) {
+    const int r = blockIdx.y * blockDim.y + threadIdx.y;
+    if (r >= bh) return;
+    const int m = blockIdx.x;
+    const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
+    const block_row row = locate_row(b, r, height, width, bw);
+    const int row_words = bw * words_per_pixel;
+    const int first = row.first * words_per_pixel, last = row.last * words_per_pixel;
+    const i64 src = row.offset * words_per_pixel;
+    Word* dst = blocks + ((i64)m * bh + r) * row_words;
+    for (int c0 = threadIdx.x; c0 < row_words; c0 += UNROLL * blockDim.x) {
+        Word v[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {  // all loads first, so several are in flight
+            const int c = c0 + k * blockDim.x;
+            v[k] = c >= first && c < last ? x[src + c] : Word{};
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            const int c = c0 + k * blockDim.x;
+            if (c < row_words) dst[c] = v[k];
+        }
+    }
+}
+
+// Stack [rows, C, bh, bw]: a transpose through shared memory. A CTA moves a tile of
+// tile_rows block rows by 2**log2_tile_c channels: it reads the tile along channels (contiguous
+// in x) and writes it along pixels (contiguous in the stack). E is a storage type of the
+// element size; BW is the block width, or 0 to read it from bw at run time.
+// Grid (rows, ceil(C / tile_c), ceil(bh / tile_rows)).
+template <typename E, int BW>
+__global__ void sparse_gather_transposed(
+    const E* __restrict__ x, E* __restrict__ blocks, const int* __restrict__ indices,
+    const int* __restrict__ count, int rows, int n_batch, int height, int width, int channels,
+    int bh, int bw_rt, int off_h, int off_w, int str_h, int str_w, int tile_rows,
+    int log2_tile_c) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    E* tile = reinterpret_cast<E*>(smem);  // [tile_rows * bw][tile_c + 1], padded against bank conflicts
+    const int bw = BW ? BW : bw_rt;
+    const int tile_c = 1 << log2_tile_c, pitch = tile_c + 1;
+    const int m = blockIdx.x, c0 = blockIdx.y * tile_c, r0 = blockIdx.z * tile_rows;
+    const int pixels = min(tile_rows, bh - r0) * bw;
+    const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
+
+    for (int i = threadIdx.x; i < (pixels << log2_tile_c); i += blockDim.x) {
+        const int p = i >> log2_tile_c, c = i & (tile_c - 1);
+        const int r = p / bw;
+        const i64 h = b.h + r0 + r, w = b.w + (p - r * bw);
+        const bool inside = b.inside && h >= 0 && h < height && w >= 0 && w < width &&
+                            c0 + c < channels;
+        tile[p * pitch + c] = inside ? x[((b.n * height + h) * width + w) * channels + c0 + c] : E{};
+    }
+    __syncthreads();
+
+    // Warps share out the channels; when there are fewer channels than warps, several warps
+    // split one channel's pixels.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const int warps_per_c = max(1, n_warps >> log2_tile_c);
+    const int c_step = n_warps / warps_per_c;
+    for (int c = warp / warps_per_c; c < tile_c && c0 + c < channels; c += c_step) {
+        E* dst = blocks + (((i64)m * channels + c0 + c) * bh + r0) * bw;
+        for (int p = (warp % warps_per_c) * 32 + lane; p < pixels; p += warps_per_c * 32) {
+            dst[p] = tile[p * pitch + c];
+        }
+    }
+}

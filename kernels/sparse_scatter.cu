@@ -1,0 +1,78 @@
+// sparse_scatter: write (Assign) or add (Add, AtomicAdd) each block of a dense stack into an
+// NHWC tensor, in place. Out-of-range pixels and rows past the block count write nothing.
+
+#define UNROLL 4
+
+// Stack [rows, bh, bw, C]: each pixel row of a block is contiguous in both tensors. Word is a
+// storage type of 1 to 16 bytes for Assign, or vec_t<T, V> (V elements of the data type) for the
+// adds. Grid (rows, ceil(bh / blockDim.y)); threadIdx.y picks the block row, threadIdx.x the word.
+template <typename Word, typename Op>
+__global__ void sparse_scatter(
+    const Word* __restrict__ blocks, Word* __restrict__ y, const int* __restrict__ indices,
+    const int* __restrict__ count, int rows, int n_batch, int height, int width,
+    int words_per_pixel, int bh, int bw, int off_h, int off_w, int str_h, int str_w) {
+    const int r = blockIdx.y * blockDim.y + threadIdx.y;
+    if (r >= bh) return;
+    const int m = blockIdx.x;
+    const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
+    const block_row row = locate_row(b, r, height, width, bw);
+    const int first = row.first * words_per_pixel, last = row.last * words_per_pixel;
+    const Word* src = blocks + ((i64)m * bh + r) * bw * words_per_pixel;
+    const i64 dst = row.offset * words_per_pixel;
+    for (int c0 = first + threadIdx.x; c0 < last; c0 += UNROLL * blockDim.x) {
+        Word v[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {  // all loads first, so several are in flight
+            const int c = c0 + k * blockDim.x;
+            if (c < last) v[k] = src[c];
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            const int c = c0 + k * blockDim.x;
+            if (c < last) Op::apply(y + dst + c, v[k]);
+        }
+    }
+}
+
+// Stack [rows, C, bh, bw]: a transpose through shared memory, the mirror of
+// sparse_gather_transposed. A CTA reads a tile of tile_rows block rows by 2**log2_tile_c
+// channels along pixels (contiguous in the stack) and writes it along channels (contiguous in
+// y). E is a storage type for Assign, the data type for the adds; BW is the block width, or 0
+// to read it from bw at run time. Grid (rows, ceil(C / tile_c), ceil(bh / tile_rows)).
+template <typename E, typename Op, int BW>
+__global__ void sparse_scatter_transposed(
+    const E* __restrict__ blocks, E* __restrict__ y, const int* __restrict__ indices,
+    const int* __restrict__ count, int rows, int n_batch, int height, int width, int channels,
+    int bh, int bw_rt, int off_h, int off_w, int str_h, int str_w, int tile_rows,
+    int log2_tile_c) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    E* tile = reinterpret_cast<E*>(smem);  // [tile_rows * bw][tile_c + 1], padded against bank conflicts
+    const int bw = BW ? BW : bw_rt;
+    const int tile_c = 1 << log2_tile_c, pitch = tile_c + 1;
+    const int m = blockIdx.x, c0 = blockIdx.y * tile_c, r0 = blockIdx.z * tile_rows;
+    const int pixels = min(tile_rows, bh - r0) * bw;
+    const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
+    if (!b.inside) return;  // uniform across the CTA, so no thread misses the barrier
+
+    // Warps share out the channels; when there are fewer channels than warps, several warps
+    // split one channel's pixels.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const int warps_per_c = max(1, n_warps >> log2_tile_c);
+    const int c_step = n_warps / warps_per_c;
+    for (int c = warp / warps_per_c; c < tile_c && c0 + c < channels; c += c_step) {
+        const E* src = blocks + (((i64)m * channels + c0 + c) * bh + r0) * bw;
+        for (int p = (warp % warps_per_c) * 32 + lane; p < pixels; p += warps_per_c * 32) {
+            tile[p * pitch + c] = src[p];
+        }
+    }
+    __syncthreads();
+
+    for (int i = threadIdx.x; i < (pixels << log2_tile_c); i += blockDim.x) {
+        const int p = i >> log2_tile_c, c = i & (tile_c - 1);
+        const int r = p / bw;
+        const i64 h = b.h + r0 + r, w = b.w + (p - r * bw);
+        if (h >= 0 && h < height && w >= 0 && w < width && c0 + c < channels) {
+            Op::apply(y + ((b.n * height + h) * width + w) * channels + c0 + c, tile[p * pitch + c]);
+        }
+    }
+}

@@ -1,0 +1,23 @@
+"""Block-sparse convolution ops (SBNet) as run-time compiled CuPy kernels, with a NumPy backend.
+
+The backend follows the arrays: CuPy arrays run the CUDA kernels in kernels/*.cu, NumPy arrays
+run a vectorised NumPy implementation (the reference, and the path on machines with no GPU).
+"""
+
+from .block_params import BlockParams, calc_block_params, calc_block_params_res_block
+from .reduce_mask import ReduceMask, reduce_mask
+from .sparse_gather import sparse_gather
+from .sparse_scatter import sparse_scatter, sparse_scatter_var
+
+__all__ = [
+    "BlockParams",
+    "ReduceMask",
+    "calc_block_params",
+    "calc_block_params_res_block",
+    "reduce_mask",
+    "sparse_gather",
+    "sparse_scatter",
+    "sparse_scatter_var",
+]
+
+__version__ = "0.1.0"

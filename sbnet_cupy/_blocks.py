@@ -1,0 +1,51 @@
+"""What sparse_gather and sparse_scatter share: block geometry on NumPy, launch shapes on CuPy."""
+
+import math
+
+import numpy
+
+from . import _checks
+
+THREADS = 256
+_UNROLL = 4  # words per thread per pass, as in the kernels
+_TILE_BYTES = 32 * 1024  # shared-memory tile of the transposing kernels: aim
+_TILE_LIMIT = 48 * 1024  # and limit (no opt-in needed below it)
+
+
+def block_pixels(indices, n_valid, image_shape, geometry):
+    """Batch index, row and column of every pixel of the first n_valid blocks, each [M, BH, BW],
+    and whether the pixel lies inside the image."""
+    (bh, bw), (oh, ow), (sh, sw) = geometry
+    n_batch, height, width = image_shape
+    blocks = indices[:n_valid].astype(numpy.int64)
+    n = blocks[:, 0, None, None]
+    h = oh + sh * blocks[:, 1, None, None] + numpy.arange(bh)[None, :, None]
+    w = ow + sw * blocks[:, 2, None, None] + numpy.arange(bw)[None, None, :]
+    inside = (n >= 0) & (n < n_batch) & (h >= 0) & (h < height) & (w >= 0) & (w < width)
+    shape = (n_valid, bh, bw)
+    return (numpy.broadcast_to(n, shape), numpy.broadcast_to(h, shape),
+            numpy.broadcast_to(w, shape), inside)
+
+
+def row_launch(rows, bh, row_words):
+    """Grid and CTA shape of the row-copy kernels: threadIdx.x over a row's words (about
+    _UNROLL each), threadIdx.y over block rows."""
+    threads_x = min(THREADS, max(32, 32 * math.ceil(row_words / _UNROLL / 32)))
+    threads_y = max(1, min(THREADS // threads_x, bh))
+    grid_y = _checks.grid_dim("bsize[0]", math.ceil(bh / threads_y))
+    return (rows, grid_y), (threads_x, threads_y)
+
+
+def transpose_launch(rows, bh, bw, channels, itemsize):
+    """Grid, CTA shape, shared-memory bytes and tile arguments of the transposing kernels."""
+    tile_c = min(1 << max(channels - 1, 0).bit_length(), max(1, 128 // itemsize))
+    while tile_c > 1 and bw * (tile_c + 1) * itemsize > _TILE_LIMIT:
+        tile_c //= 2
+    row_bytes = bw * (tile_c + 1) * itemsize
+    if row_bytes > _TILE_LIMIT:
+        raise ValueError(f"bsize[1]={bw} is too wide for transpose=True with "
+                         f"{itemsize}-byte elements (at most {_TILE_LIMIT // (2 * itemsize)})")
+    tile_rows = max(1, min(bh, _TILE_BYTES // row_bytes))
+    grid = (rows, _checks.grid_dim("channels", math.ceil(channels / tile_c)),
+            _checks.grid_dim("bsize[0]", math.ceil(bh / tile_rows)))
+    return grid, (THREADS,), tile_rows * row_bytes, (tile_rows, tile_c.bit_length() - 1)

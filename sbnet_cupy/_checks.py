@@ -1,0 +1,104 @@
+"""Argument checks shared by the ops: each raises ValueError/TypeError naming the argument."""
+
+import numbers
+from collections import namedtuple
+
+import numpy
+
+try:
+    import cupy
+except ImportError:  # the NumPy backend needs no GPU stack
+    cupy = None
+
+BlockGeometry = namedtuple("BlockGeometry", ["bsize", "boffset", "bstride"])
+
+
+def int_pair(name, value, *, minimum=None):
+    """Two ints from an int or a length-2 sequence; each at least `minimum` if given."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = (value, value)
+    try:
+        pair = tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}") from None
+    if len(pair) != 2 or not all(
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in pair):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+    pair = (int(pair[0]), int(pair[1]))
+    if minimum is not None and min(pair) < minimum:
+        kind = "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{name} must be two {kind} ints, got {pair}")
+    return pair
+
+
+def block_geometry(bsize, boffset, bstride):
+    """Checked (bsize, boffset, bstride); bstride defaults to bsize."""
+    bsize = int_pair("bsize", bsize, minimum=1)
+    boffset = int_pair("boffset", boffset)
+    bstride = bsize if bstride is None else int_pair("bstride", bstride, minimum=1)
+    for name, pair in (("bsize", bsize), ("boffset", boffset), ("bstride", bstride)):
+        if max(abs(v) for v in pair) >= 2**31:
+            raise ValueError(f"{name} must fit in int32, got {pair}")
+    return BlockGeometry(bsize, boffset, bstride)
+
+
+def array_module(**arrays):
+    """numpy or cupy, whichever holds all the named arrays (on one device, for cupy)."""
+    kinds = {}
+    for name, a in arrays.items():
+        if cupy is not None and isinstance(a, cupy.ndarray):
+            kinds[name] = "cupy"
+        elif isinstance(a, numpy.ndarray):
+            kinds[name] = "numpy"
+        else:
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, "
+                            f"got {type(a).__name__}")
+    if len(set(kinds.values())) > 1:
+        described = ", ".join(f"{n} is a {k} array" for n, k in kinds.items())
+        raise TypeError(f"mixed backends: {described}")
+    if "cupy" not in kinds.values():
+        return numpy
+    devices = {name: a.device.id for name, a in arrays.items()}
+    if len(set(devices.values())) > 1:
+        described = ", ".join(f"{n} is on device {d}" for n, d in devices.items())
+        raise ValueError(f"arrays on different devices: {described}")
+    return cupy
+
+
+def nhwc(name, a):
+    """Checks that `a` is a 4-D NHWC tensor."""
+    if a.ndim != 4:
+        raise ValueError(f"{name} must be 4-D [N, H, W, C], got shape {a.shape}")
+    return a
+
+
+def block_list(xp, active_block_indices, bin_counts):
+    """int32 [rows, 3] indices and int32 [1] count, converted (on the device) where needed."""
+    indices, counts = active_block_indices, bin_counts
+    if indices.ndim != 2 or indices.shape[1] != 3:
+        raise ValueError(f"active_block_indices must be [M, 3], got shape {indices.shape}")
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"active_block_indices must be integers, got {indices.dtype}")
+    if counts.size != 1 or counts.dtype.kind not in "iu":
+        raise ValueError(f"bin_counts must be one integer, as an array of shape [1], "
+                         f"got shape {counts.shape} dtype {counts.dtype}")
+    if indices.shape[0] >= 2**31:
+        raise ValueError(f"active_block_indices has too many rows: {indices.shape[0]}")
+    # Indices past int32 point outside any tensor; clipping keeps them outside.
+    if indices.dtype != xp.int32:
+        limits = xp.iinfo(xp.int32)
+        indices = xp.clip(indices, limits.min, limits.max).astype(xp.int32)
+    if counts.dtype != xp.int32:
+        counts = xp.clip(counts, 0, xp.iinfo(xp.int32).max).astype(xp.int32)
+    return xp.ascontiguousarray(indices), xp.ascontiguousarray(counts.reshape(1))
+
+
+def valid_rows_numpy(indices, counts):
+    """Rows of the index list that the ops use: the count clamped to [0, rows]."""
+    return min(max(int(counts[0]), 0), indices.shape[0])
+
+
+def grid_dim(name, value, limit=65535):
+    if value > limit:
+        raise ValueError(f"{name} is too large for one launch ({value} tiles, limit {limit})")
+    return value

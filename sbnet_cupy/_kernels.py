@@ -1,0 +1,105 @@
+"""Loads the CUDA sources in kernels/*.cu and compiles the instantiation a call needs.
+
+Every kernel is a C++ template; a call names one instantiation (``op<T, ...>``) and CuPy
+compiles it with NVRTC once per device and process (``cupy.memoize``), keeping the binary in
+its disk cache so later processes load it without compiling. The tables below are the only
+place that says which types and sizes the kernels are instantiated for.
+"""
+
+import functools
+import pathlib
+
+COMPILE_OPTIONS = ("--std=c++17",)
+
+# Block sizes with a kernel of their own (the loops over a block's pixels unroll and divide by a
+# constant). Other sizes run the same kernels with the size read at run time (template value 0).
+SPECIALISED_BLOCK_SIZES = (8, 10, 16, 18, 32, 34)
+
+# Storage types by byte size, for the kernels that only move bytes.
+STORAGE_CTYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
+                  8: "unsigned long long", 16: "uint4"}
+# Types that the adding kernels do arithmetic in, by dtype name.
+ARITHMETIC_CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float",
+                     "float64": "double"}
+# Mask types reduce_mask reads, by dtype name.
+MASK_CTYPES = {"bool": "bool", "uint8": "unsigned char", "int32": "int", "float16": "half_t",
+               "float32": "float", "float64": "double"}
+
+
+def specialised_size(size):
+    """The template value for a block size: the size itself if it has a kernel, else 0."""
+    return size if size in SPECIALISED_BLOCK_SIZES else 0
+
+
+def name_expression(kernel, *template_args):
+    """``kernel<a, b, ...>``, as NVRTC and the profiler see it."""
+    args = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in template_args)
+    return f"{kernel}<{args}>"
+
+
+def _source_dir():
+    # A wheel ships the sources inside the package; a source checkout keeps them beside it.
+    packaged = pathlib.Path(__file__).with_name("kernels")
+    return packaged if packaged.is_dir() else pathlib.Path(__file__).parent.parent / "kernels"
+
+
+@functools.cache
+def kernel_source(op):
+    """Source of kernels/<op>.cu with kernels/common.cuh in front of it."""
+    folder = _source_dir()
+    return (folder / "common.cuh").read_text() + "\n" + (folder / f"{op}.cu").read_text()
+
+
+@functools.cache
+def _compiler():
+    import cupy
+
+    @cupy.memoize(for_each_device=True)
+    def compile_one(op, name):
+        module = cupy.RawModule(code=kernel_source(op), options=COMPILE_OPTIONS,
+                                name_expressions=(name,))
+        return module.get_function(name)
+
+    return compile_one
+
+
+def get_kernel(op, kernel, *template_args):
+    """The compiled ``kernel<template_args>`` of kernels/<op>.cu, for the current device."""
+    return _compiler()(op, name_expression(kernel, *template_args))
+
+
+def widest_access(row_bytes, *arrays):
+    """Largest access (16, 8, 4, 2 or 1 bytes) that divides row_bytes and every array's address."""
+    for width in (16, 8, 4, 2):
+        if row_bytes % width == 0 and all(a.data.ptr % width == 0 for a in arrays):
+            return width
+    return 1
+
+
+def all_instantiations():
+    """Every name expression the ops can ask for, by op: what the compile check builds."""
+    sizes = (0,) + SPECIALISED_BLOCK_SIZES
+    adds = ("Add", "AtomicAdd")
+    vectors = [f"vec_t<{ctype}, {16 // size >> v}>"
+               for ctype, size in ((c, _ITEMSIZE[n]) for n, c in ARITHMETIC_CTYPES.items())
+               for v in range((16 // size).bit_length())]
+    return {
+        "reduce_mask": [name_expression("reduce_mask", ctype, avg, s, s)
+                        for ctype in MASK_CTYPES.values() for avg in (False, True)
+                        for s in sizes],
+        "sparse_gather": (
+            [name_expression("sparse_gather", word) for word in STORAGE_CTYPES.values()]
+            + [name_expression("sparse_gather_transposed", STORAGE_CTYPES[b], s)
+               for b in (1, 2, 4, 8) for s in sizes]),
+        "sparse_scatter": (
+            [name_expression("sparse_scatter", word, "Assign")
+             for word in STORAGE_CTYPES.values()]
+            + [name_expression("sparse_scatter", vec, op) for vec in vectors for op in adds]
+            + [name_expression("sparse_scatter_transposed", STORAGE_CTYPES[b], "Assign", s)
+               for b in (1, 2, 4, 8) for s in sizes]
+            + [name_expression("sparse_scatter_transposed", ctype, op, s)
+               for ctype in ARITHMETIC_CTYPES.values() for op in adds for s in sizes]),
+    }
+
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}

@@ -1,0 +1,160 @@
+"""reduce_mask: turn a dense mask into the list of active blocks."""
+
+import math
+import numbers
+from collections import namedtuple
+
+import numpy
+
+from . import _checks, _kernels
+
+_THREADS = 1024  # 32 warps, one block each; kernels/reduce_mask.cu assumes this
+
+
+class ReduceMask(namedtuple("ReduceMask", ["active_block_indices", "bin_counts"])):
+    """Result of reduce_mask.
+
+    active_block_indices: int32 [M, 3] rows (n, hi, wi) in raster order; with `capacity=K`,
+        [K, 3] whose first bin_counts[0] rows are valid and the rest are -1.
+    bin_counts: int32 [1] holding the number of active blocks, on the mask's device.
+    """
+
+    __slots__ = ()
+
+    @property
+    def overflowed(self):
+        """0-d bool array, on the device: more blocks were active than `capacity` rows hold.
+
+        The ops then use the first `capacity` blocks; `bool(result.overflowed)` syncs.
+        """
+        return self.bin_counts[0] > self.active_block_indices.shape[0]
+
+
+def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, avgpool=False,
+                capacity=None):
+    """List the blocks of a mask whose max (or average) is greater than `tol`.
+
+    Args:
+        mask: [N, H, W] or [N, H, W, 1] array (numpy or cupy) of bool, uint8, int32, float16,
+            float32 or float64.
+        bcount: (BCH, BCW), the number of blocks in height and width.
+        bsize: (BH, BW) block size. boffset: (OH, OW), may be negative (usually -padding).
+        bstride: (SH, SW), defaults to bsize.
+        tol: a block is active when its pooled value is strictly greater than tol.
+        avgpool: pool by average (the in-range sum over the full block area, as SBNet does)
+            instead of max.
+        capacity: None, or K to run without any device-to-host copy: the result then has K
+            rows and the true count (see ReduceMask.overflowed).
+
+    Returns:
+        ReduceMask(active_block_indices, bin_counts).
+
+    Block (n, hi, wi) covers the mask pixels, out-of-range ones ignored::
+
+        mask[n, OH + SH*hi : OH + SH*hi + BH, OW + SW*wi : OW + SW*wi + BW]
+
+    and the result lists, in raster order (n, then hi, then wi)::
+
+        [(n, hi, wi) for n in range(N) for hi in range(BCH) for wi in range(BCW)
+         if pool(block(n, hi, wi)) > tol]
+    """
+    xp = _checks.array_module(mask=mask)
+    if mask.ndim == 4 and mask.shape[3] == 1:
+        mask = mask[..., 0]
+    if mask.ndim != 3:
+        raise ValueError(f"mask must be [N, H, W] or [N, H, W, 1], got shape {mask.shape}")
+    if mask.dtype.name not in _kernels.MASK_CTYPES:
+        raise TypeError(f"mask dtype must be one of {sorted(_kernels.MASK_CTYPES)}, "
+                        f"got {mask.dtype}")
+    bcount = _checks.int_pair("bcount", bcount, minimum=0)
+    geometry = _checks.block_geometry(bsize, boffset, bstride)
+    if not isinstance(tol, (int, float, numpy.number)) or isinstance(tol, bool):
+        raise TypeError(f"tol must be a number, got {tol!r}")
+    if capacity is not None:
+        if (not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool)
+                or capacity < 0):
+            raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
+    capacity = None if capacity is None else int(capacity)
+    total = mask.shape[0] * bcount[0] * bcount[1]
+    if total >= 2**31 or (capacity or 0) >= 2**31:
+        raise ValueError(f"too many blocks for int32 indices: {total} (capacity {capacity})")
+    if xp is numpy:
+        return _reduce_mask_numpy(mask, bcount, geometry, float(tol), bool(avgpool), capacity)
+    return _reduce_mask_cupy(mask, bcount, geometry, float(tol), bool(avgpool), capacity)
+
+
+def _with_capacity(xp, active, capacity):
+    """Fit the active rows into a capacity-sized list: the first rows, then -1."""
+    count = xp.asarray([active.shape[0]], dtype=xp.int32)
+    if capacity is None:
+        return ReduceMask(active, count)
+    indices = xp.full((capacity, 3), -1, dtype=xp.int32)
+    kept = min(capacity, active.shape[0])
+    indices[:kept] = active[:kept]
+    return ReduceMask(indices, count)
+
+
+def _reduce_mask_numpy(mask, bcount, geometry, tol, avgpool, capacity):
+    (bh, bw), (oh, ow), (sh, sw) = geometry
+    n, height, width = mask.shape
+    acc = numpy.float64 if mask.dtype == numpy.float64 else numpy.float32
+    rows = oh + sh * numpy.arange(bcount[0])[:, None] + numpy.arange(bh)  # [BCH, BH]
+    cols = ow + sw * numpy.arange(bcount[1])[:, None] + numpy.arange(bw)  # [BCW, BW]
+    inside = (((rows >= 0) & (rows < height))[:, :, None, None]
+              & ((cols >= 0) & (cols < width))[None, None])  # [BCH, BH, BCW, BW]
+    if mask.size == 0 or not inside.any():
+        active = numpy.zeros((0, 3), numpy.int32)
+        return _with_capacity(numpy, active, capacity)
+    values = mask[:, rows.clip(0, height - 1)[:, :, None, None],
+                  cols.clip(0, width - 1)[None, None]].astype(acc)  # [N, BCH, BH, BCW, BW]
+    if avgpool:
+        pooled = numpy.where(inside, values, acc(0)).sum(axis=(2, 4)) / acc(bh * bw)
+    else:
+        pooled = numpy.where(inside, values, acc(-numpy.inf)).max(axis=(2, 4))
+    active = numpy.argwhere(pooled > acc(tol)).astype(numpy.int32)  # raster order
+    return _with_capacity(numpy, active, capacity)
+
+
+# Counter and flag words of the kernel, one set per (device, stream): launches on one stream
+# run in order, and the kernel leaves the counter at zero for the next one.
+_workspaces = {}
+
+
+def _workspace(cupy, n_words):
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    buffer = _workspaces.get(key)
+    if buffer is None or buffer.size < n_words + 1:
+        size = max(n_words + 1, 2 * (0 if buffer is None else buffer.size))
+        buffer = _workspaces[key] = cupy.zeros(size, dtype=cupy.uint32)
+    return buffer[1:n_words + 1], buffer[:1]
+
+
+def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity):
+    import cupy
+
+    (bh, bw), (oh, ow), (sh, sw) = geometry
+    n, height, width = mask.shape
+    total = n * bcount[0] * bcount[1]
+    rows = total if capacity is None else capacity
+    with mask.device:
+        mask = cupy.ascontiguousarray(mask)
+        indices = cupy.empty((rows, 3), dtype=cupy.int32)
+        count = cupy.empty(1, dtype=cupy.int32)
+        if total == 0:
+            count.fill(0)
+            indices.fill(-1)
+            return ReduceMask(indices, count)
+        size = _kernels.specialised_size(bh) if bh == bw else 0
+        kernel = _kernels.get_kernel("reduce_mask", "reduce_mask",
+                                     _kernels.MASK_CTYPES[mask.dtype.name], bool(avgpool),
+                                     size, size)
+        n_words = math.ceil(total / 32)
+        words, tickets = _workspace(cupy, n_words)
+        i32 = numpy.int32
+        kernel((n_words,), (_THREADS,),
+               (mask, i32(n), i32(height), i32(width), i32(bh), i32(bw), i32(oh), i32(ow),
+                i32(sh), i32(sw), i32(bcount[0]), i32(bcount[1]), numpy.float64(tol), words,
+                tickets, indices, count, i32(rows), i32(0 if capacity is None else rows)))
+        if capacity is None:
+            indices = indices[:int(count.get()[0])]
+    return ReduceMask(indices, count)

@@ -1,0 +1,131 @@
+"""sparse_scatter, sparse_scatter_var: put a stack of blocks back into an NHWC tensor."""
+
+import numpy
+
+from . import _blocks, _checks, _kernels
+
+
+def sparse_scatter(blocks, bin_counts, active_block_indices, ybase, *, bsize, boffset=(0, 0),
+                   bstride=None, add=False, atomic=False, transpose=False):
+    """Write (or add) a stack of blocks into a copy of `ybase`.
+
+    Args:
+        blocks: [M, BH, BW, C] (or [M, C, BH, BW] with transpose) array, ybase's dtype.
+        bin_counts, active_block_indices: the block list, as for sparse_gather; M rows.
+        ybase: [N, H, W, C] array; it is not modified.
+        bsize, boffset, bstride: block geometry (bstride defaults to bsize).
+        add: add the blocks to ybase's values instead of overwriting them (float dtypes).
+        atomic: add with atomics. Needed when blocks overlap (bstride < bsize, or an index
+            listed twice); the order of the additions, and so float rounding, then varies from
+            run to run.
+        transpose: blocks are [M, C, BH, BW].
+
+    Returns:
+        A new [N, H, W, C] array: ybase with, for each valid row m = (n, hi, wi)::
+
+            y[n, OH + SH*hi : OH + SH*hi + BH, OW + SW*wi : OW + SW*wi + BW, :] = blocks[m]
+            # or += blocks[m] with add=True
+
+        Pixels outside y and rows past bin_counts[0] write nothing. Where blocks overlap
+        without add, which block's value lands is unspecified.
+    """
+    return _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride,
+                    add, atomic, transpose, in_place=False)
+
+
+def sparse_scatter_var(blocks, bin_counts, active_block_indices, ybase, *, bsize,
+                       boffset=(0, 0), bstride=None, add=False, atomic=False, transpose=False):
+    """sparse_scatter that writes into `ybase` itself and returns it (no copy of ybase).
+
+    The arguments and the result are those of sparse_scatter.
+    """
+    return _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride,
+                    add, atomic, transpose, in_place=True)
+
+
+def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,
+             atomic, transpose, in_place):
+    xp = _checks.array_module(blocks=blocks, bin_counts=bin_counts,
+                              active_block_indices=active_block_indices, ybase=ybase)
+    ybase = _checks.nhwc("ybase", ybase)
+    geometry = _checks.block_geometry(bsize, boffset, bstride)
+    indices, counts = _checks.block_list(xp, active_block_indices, bin_counts)
+    add, atomic, transpose = bool(add), bool(atomic), bool(transpose)
+    (bh, bw), channels = geometry.bsize, ybase.shape[3]
+    expected = (indices.shape[0],) + ((channels, bh, bw) if transpose else (bh, bw, channels))
+    if blocks.shape != expected:
+        raise ValueError(f"blocks must have shape {expected} (rows of active_block_indices, "
+                         f"{'C, BH, BW' if transpose else 'BH, BW, C'}), got {blocks.shape}")
+    if blocks.dtype != ybase.dtype:
+        raise TypeError(f"blocks dtype {blocks.dtype} differs from ybase dtype {ybase.dtype}")
+    if add and ybase.dtype.name not in _kernels.ARITHMETIC_CTYPES:
+        raise TypeError(f"add=True needs a float dtype "
+                        f"({', '.join(_kernels.ARITHMETIC_CTYPES)}), got {ybase.dtype}")
+    if add and not atomic and (geometry.bstride[0] < bh or geometry.bstride[1] < bw):
+        raise ValueError(f"add=True with overlapping blocks (bstride {geometry.bstride} < "
+                         f"bsize {geometry.bsize}) needs atomic=True")
+    if in_place and not ybase.flags.writeable:
+        raise ValueError("ybase must be writeable for sparse_scatter_var")
+    if xp is numpy:
+        y = ybase if in_place else ybase.copy()
+        _scatter_numpy(blocks, counts, indices, y, geometry, add, transpose)
+        return y
+    with ybase.device:
+        y = ybase if in_place else ybase.copy(order="C")
+        # The kernels need a C-contiguous output: scatter into a copy, then copy back.
+        work = y if y.flags.c_contiguous else y.copy(order="C")
+        _scatter_cupy(blocks, counts, indices, work, geometry, add, atomic, transpose)
+        if work is not y:
+            y[...] = work
+    return y
+
+
+def _scatter_numpy(blocks, counts, indices, y, geometry, add, transpose):
+    n_valid = _checks.valid_rows_numpy(indices, counts)
+    stack = blocks.transpose(0, 2, 3, 1) if transpose else blocks
+    n, h, w, inside = _blocks.block_pixels(indices, n_valid, y.shape[:3], geometry)
+    values = stack[:n_valid][inside]
+    where = (n[inside], h[inside], w[inside])
+    if add:
+        numpy.add.at(y, where, values)  # unbuffered: a pixel listed twice gets both
+    else:
+        y[where] = values
+
+
+def _scatter_cupy(blocks, counts, indices, y, geometry, add, atomic, transpose):
+    import cupy
+
+    (bh, bw), (oh, ow), (sh, sw) = geometry
+    n, height, width, channels = y.shape
+    rows = indices.shape[0]
+    if rows == 0 or y.size == 0 or blocks.size == 0:
+        return
+    blocks = cupy.ascontiguousarray(blocks)
+    op = ("AtomicAdd" if atomic else "Add") if add else "Assign"
+    i32 = numpy.int32
+    geometry_args = (i32(oh), i32(ow), i32(sh), i32(sw))
+    if transpose:
+        grid, block, smem, (tile_rows, log2_tile_c) = _blocks.transpose_launch(
+            rows, bh, bw, channels, y.itemsize)
+        element = (_kernels.ARITHMETIC_CTYPES[y.dtype.name] if add
+                   else _kernels.STORAGE_CTYPES[y.itemsize])
+        kernel = _kernels.get_kernel("sparse_scatter", "sparse_scatter_transposed", element, op,
+                                     _kernels.specialised_size(bw))
+        kernel(grid, block,
+               (blocks, y, indices, counts, i32(rows), i32(n), i32(height), i32(width),
+                i32(channels), i32(bh), i32(bw), *geometry_args, i32(tile_rows),
+                i32(log2_tile_c)), shared_mem=smem)
+        return
+    pixel_bytes = channels * y.itemsize
+    width_bytes = _kernels.widest_access(pixel_bytes, blocks, y)
+    if add:
+        word = (f"vec_t<{_kernels.ARITHMETIC_CTYPES[y.dtype.name]}, "
+                f"{width_bytes // y.itemsize}>")
+    else:
+        word = _kernels.STORAGE_CTYPES[width_bytes]
+    words_per_pixel = pixel_bytes // width_bytes
+    grid, block = _blocks.row_launch(rows, bh, bw * words_per_pixel)
+    kernel = _kernels.get_kernel("sparse_scatter", "sparse_scatter", word, op)
+    kernel(grid, block,
+           (blocks, y, indices, counts, i32(rows), i32(n), i32(height), i32(width),
+            i32(words_per_pixel), i32(bh), i32(bw), *geometry_args))

@@ -1,0 +1,76 @@
+"""Plain-loop references, written straight from the SBNet README's pseudo-code.
+
+Slow and obvious on purpose: every backend is compared against these.
+"""
+
+import numpy
+
+
+def block_window(geometry, hi, wi):
+    """Top-left pixel of block (hi, wi)."""
+    (_, _), (oh, ow), (sh, sw) = geometry
+    return oh + sh * hi, ow + sw * wi
+
+
+def reduce_mask(mask, bcount, geometry, tol, avgpool):
+    (bh, bw) = geometry[0]
+    n_batch, height, width = mask.shape
+    active = []
+    for n in range(n_batch):
+        for hi in range(bcount[0]):
+            for wi in range(bcount[1]):
+                h0, w0 = block_window(geometry, hi, wi)
+                values = [float(mask[n, h, w])
+                          for h in range(h0, h0 + bh) for w in range(w0, w0 + bw)
+                          if 0 <= h < height and 0 <= w < width]
+                if avgpool:
+                    pooled = sum(values) / (bh * bw)
+                else:
+                    pooled = max(values, default=-numpy.inf)
+                if pooled > tol:
+                    active.append((n, hi, wi))
+    return numpy.array(active, dtype=numpy.int32).reshape(-1, 3)
+
+
+def _pixels(x_shape, geometry, block):
+    """(r, c, n, h, w) for the pixels of one block that lie inside the tensor."""
+    n_batch, height, width = x_shape[:3]
+    (bh, bw) = geometry[0]
+    n, hi, wi = (int(v) for v in block)
+    h0, w0 = block_window(geometry, hi, wi)
+    for r in range(bh):
+        for c in range(bw):
+            h, w = h0 + r, w0 + c
+            if 0 <= n < n_batch and 0 <= h < height and 0 <= w < width:
+                yield r, c, n, h, w
+
+
+def sparse_gather(x, indices, count, geometry, transpose):
+    (bh, bw) = geometry[0]
+    out = numpy.zeros((len(indices), bh, bw, x.shape[3]), x.dtype)
+    for m in range(min(count, len(indices))):
+        for r, c, n, h, w in _pixels(x.shape, geometry, indices[m]):
+            out[m, r, c, :] = x[n, h, w, :]
+    return out.transpose(0, 3, 1, 2) if transpose else out
+
+
+def sparse_scatter(blocks, indices, count, ybase, geometry, add, transpose):
+    y = ybase.copy()
+    stack = blocks.transpose(0, 2, 3, 1) if transpose else blocks
+    for m in range(min(count, len(indices))):
+        for r, c, n, h, w in _pixels(y.shape, geometry, indices[m]):
+            if add:
+                y[n, h, w, :] += stack[m, r, c, :]
+            else:
+                y[n, h, w, :] = stack[m, r, c, :]
+    return y
+
+
+def covering_values(blocks, indices, count, y_shape, geometry, transpose):
+    """For each pixel, the values that the blocks covering it would write there."""
+    stack = blocks.transpose(0, 2, 3, 1) if transpose else blocks
+    candidates = {}
+    for m in range(min(count, len(indices))):
+        for r, c, n, h, w in _pixels(y_shape, geometry, indices[m]):
+            candidates.setdefault((n, h, w), []).append(stack[m, r, c, :])
+    return candidates

@@ -1,0 +1,39 @@
+"""Every kernel instantiation the library can ask for compiles with NVRTC, for sm_80 and sm_90,
+with the options CuPy's RawModule uses: needs CuPy and NVRTC, no GPU.
+
+CI sets SBNET_REQUIRE_NVRTC=1 so that a missing compiler fails instead of skipping.
+"""
+
+import os
+
+import pytest
+
+from sbnet_cupy import _kernels
+
+
+def _nvrtc_program_class():
+    try:
+        from cupy.cuda import compiler
+        compiler._get_nvrtc_version()
+        return compiler._NVRTCProgram
+    except Exception as error:  # no CuPy, or no NVRTC library
+        if os.environ.get("SBNET_REQUIRE_NVRTC") == "1":
+            raise
+        pytest.skip(f"CuPy with NVRTC is not available: {error}")
+
+
+# The options CuPy's RawModule adds to ours (cupy/cuda/compiler.py, CuPy 14.2).
+CUPY_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+@pytest.mark.parametrize("op", sorted(_kernels.all_instantiations()))
+def test_every_instantiation_compiles(op, arch):
+    program_class = _nvrtc_program_class()
+    names = _kernels.all_instantiations()[op]
+    program = program_class(_kernels.kernel_source(op), f"{op}.cu", (), (),
+                            name_expressions=names, method="cubin")
+    cubin, mapping = program.compile(_kernels.COMPILE_OPTIONS + CUPY_OPTIONS
+                                     + (f"-arch=sm_{arch}",))
+    assert len(cubin) > 0
+    assert sorted(mapping) == sorted(names)
