@@ -1,5 +1,6 @@
 """Argument checks shared by the ops: each raises ValueError/TypeError naming the argument."""
 
+import contextlib
 import numbers
 from collections import namedtuple
 
@@ -63,6 +64,11 @@ def array_module(**arrays):
         described = ", ".join(f"{n} is on device {d}" for n, d in devices.items())
         raise ValueError(f"arrays on different devices: {described}")
     return cupy
+
+
+def device_of(a):
+    """Context that makes a's device current (for allocations and launches), for CuPy arrays."""
+    return a.device if cupy is not None and isinstance(a, cupy.ndarray) else contextlib.nullcontext()
 
 
 def nhwc(name, a):

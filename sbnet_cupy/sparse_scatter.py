@@ -49,13 +49,12 @@ def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bs
                               active_block_indices=active_block_indices, ybase=ybase)
     ybase = _checks.nhwc("ybase", ybase)
     geometry = _checks.block_geometry(bsize, boffset, bstride)
-    indices, counts = _checks.block_list(xp, active_block_indices, bin_counts)
     add, atomic, transpose = bool(add), bool(atomic), bool(transpose)
     (bh, bw), channels = geometry.bsize, ybase.shape[3]
-    expected = (indices.shape[0],) + ((channels, bh, bw) if transpose else (bh, bw, channels))
-    if blocks.shape != expected:
-        raise ValueError(f"blocks must have shape {expected} (rows of active_block_indices, "
-                         f"{'C, BH, BW' if transpose else 'BH, BW, C'}), got {blocks.shape}")
+    expected = (channels, bh, bw) if transpose else (bh, bw, channels)
+    if blocks.ndim != 4 or blocks.shape[1:] != expected:
+        raise ValueError(f"blocks must have shape [M, {'C, BH, BW' if transpose else 'BH, BW, C'}]"
+                         f" = [M, {', '.join(map(str, expected))}], got {blocks.shape}")
     if blocks.dtype != ybase.dtype:
         raise TypeError(f"blocks dtype {blocks.dtype} differs from ybase dtype {ybase.dtype}")
     if add and ybase.dtype.name not in _kernels.ARITHMETIC_CTYPES:
@@ -66,15 +65,18 @@ def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bs
                          f"bsize {geometry.bsize}) needs atomic=True")
     if in_place and not ybase.flags.writeable:
         raise ValueError("ybase must be writeable for sparse_scatter_var")
-    if xp is numpy:
-        y = ybase if in_place else ybase.copy()
-        _scatter_numpy(blocks, counts, indices, y, geometry, add, transpose)
-        return y
-    with ybase.device:
+    with _checks.device_of(ybase):
+        indices, counts = _checks.block_list(xp, active_block_indices, bin_counts)
+        if blocks.shape[0] != indices.shape[0]:
+            raise ValueError(f"blocks has {blocks.shape[0]} rows but active_block_indices has "
+                             f"{indices.shape[0]}")
         y = ybase if in_place else ybase.copy(order="C")
         # The kernels need a C-contiguous output: scatter into a copy, then copy back.
         work = y if y.flags.c_contiguous else y.copy(order="C")
-        _scatter_cupy(blocks, counts, indices, work, geometry, add, atomic, transpose)
+        if xp is numpy:
+            _scatter_numpy(blocks, counts, indices, work, geometry, add, transpose)
+        else:
+            _scatter_cupy(blocks, counts, indices, work, geometry, add, atomic, transpose)
         if work is not y:
             y[...] = work
     return y

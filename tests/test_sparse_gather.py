@@ -92,3 +92,18 @@ def test_bad_arrays(xp):
         sbnet_cupy.sparse_gather(x, xp.ones(2, xp.int32), indices, bsize=4)
     with pytest.raises(TypeError, match="x must be a numpy.ndarray or cupy.ndarray, got list"):
         sbnet_cupy.sparse_gather([[1]], counts, indices, bsize=4)
+
+
+def test_out_argument(xp, rng):
+    x = random_array(rng, (1, 8, 8, 3), numpy.float32)
+    indices = numpy.array([[0, 1, 0], [0, 0, 1]], numpy.int32)
+    out = xp.full((2, 3, 4, 4), numpy.nan, xp.float32)
+    result = sbnet_cupy.sparse_gather(xp.asarray(x), xp.asarray([2], xp.int32),
+                                      xp.asarray(indices), bsize=4, transpose=True, out=out)
+    assert result is out
+    numpy.testing.assert_array_equal(
+        to_numpy(out), reference.sparse_gather(x, indices, 2, ((4, 4), (0, 0), (4, 4)), True))
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous float32 array of shape "
+                                         r"\(2, 4, 4, 3\)"):
+        sbnet_cupy.sparse_gather(xp.asarray(x), xp.asarray([2], xp.int32), xp.asarray(indices),
+                                 bsize=4, out=out)

@@ -137,10 +137,13 @@ def test_bad_arguments(xp):
     counts, indices = xp.ones(1, xp.int32), xp.zeros((1, 3), xp.int32)
     blocks = xp.ones((1, 4, 4, 4), xp.float32)
     scatter = sbnet_cupy.sparse_scatter
-    with pytest.raises(ValueError, match=r"blocks must have shape \(1, 4, 4, 4\)"):
+    with pytest.raises(ValueError, match=r"blocks must have shape \[M, BH, BW, C\] = "
+                                         r"\[M, 4, 4, 4\], got \(1, 4, 4, 3\)"):
         scatter(xp.ones((1, 4, 4, 3), xp.float32), counts, indices, ybase, bsize=4)
-    with pytest.raises(ValueError, match=r"blocks must have shape \(1, 4, 4, 4\)"):
-        scatter(blocks[:, :, :2], counts, indices, ybase, bsize=4)
+    with pytest.raises(ValueError, match=r"blocks must have shape \[M, C, BH, BW\]"):
+        scatter(blocks[:, :, :2], counts, indices, ybase, bsize=4, transpose=True)
+    with pytest.raises(ValueError, match="blocks has 2 rows but active_block_indices has 1"):
+        scatter(xp.ones((2, 4, 4, 4), xp.float32), counts, indices, ybase, bsize=4)
     with pytest.raises(TypeError, match="blocks dtype float64 differs from ybase dtype float32"):
         scatter(blocks.astype(xp.float64), counts, indices, ybase, bsize=4)
     with pytest.raises(TypeError, match="add=True needs a float dtype"):

@@ -1,0 +1,1 @@
+"""Benchmarks of sbnet_cupy on the GPU (python -m bench.ops)."""
