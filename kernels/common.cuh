@@ -75,14 +75,52 @@ struct Add {
         *dst = y;
     }
 };
+// Hopper adds vector reductions: one instruction for up to 16 bytes of float, half or bfloat16.
+template <typename T, int V>
+static __device__ __forceinline__ void atomic_add_vec(vec_t<T, V>* dst, const vec_t<T, V>& v) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) atomic_add(&dst->v[i], v.v[i]);
+}
+#if __CUDA_ARCH__ >= 900
+static __device__ __forceinline__ void atomic_add_vec(vec_t<float, 2>* p, const vec_t<float, 2>& v) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v.v[0]), "f"(v.v[1])
+                 : "memory");
+}
+static __device__ __forceinline__ void atomic_add_vec(vec_t<float, 4>* p, const vec_t<float, 4>& v) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.v[0]),
+                 "f"(v.v[1]), "f"(v.v[2]), "f"(v.v[3])
+                 : "memory");
+}
+#define SBNET_RED_16BIT(T, PTX_TYPE)                                                              \
+    static __device__ __forceinline__ void atomic_add_vec(vec_t<T, 2>* p, const vec_t<T, 2>& v) { \
+        asm volatile("red.global.add.noftz.v2." PTX_TYPE " [%0], {%1, %2};" ::"l"(p),             \
+                     "h"(v.v[0].bits), "h"(v.v[1].bits)                                           \
+                     : "memory");                                                                 \
+    }                                                                                             \
+    static __device__ __forceinline__ void atomic_add_vec(vec_t<T, 4>* p, const vec_t<T, 4>& v) { \
+        asm volatile("red.global.add.noftz.v4." PTX_TYPE " [%0], {%1, %2, %3, %4};" ::"l"(p),     \
+                     "h"(v.v[0].bits), "h"(v.v[1].bits), "h"(v.v[2].bits), "h"(v.v[3].bits)       \
+                     : "memory");                                                                 \
+    }                                                                                             \
+    static __device__ __forceinline__ void atomic_add_vec(vec_t<T, 8>* p, const vec_t<T, 8>& v) { \
+        asm volatile("red.global.add.noftz.v8." PTX_TYPE                                          \
+                     " [%0], {%1, %2, %3, %4, %5, %6, %7, %8};" ::"l"(p),                         \
+                     "h"(v.v[0].bits), "h"(v.v[1].bits), "h"(v.v[2].bits), "h"(v.v[3].bits),      \
+                     "h"(v.v[4].bits), "h"(v.v[5].bits), "h"(v.v[6].bits), "h"(v.v[7].bits)       \
+                     : "memory");                                                                 \
+    }
+SBNET_RED_16BIT(half_t, "f16")
+SBNET_RED_16BIT(bfloat16_t, "bf16")
+#undef SBNET_RED_16BIT
+#endif
+
 struct AtomicAdd {
     template <typename T> static __device__ __forceinline__ void apply(T* dst, const T& v) {
         atomic_add(dst, v);
     }
     template <typename T, int V>
     static __device__ __forceinline__ void apply(vec_t<T, V>* dst, const vec_t<T, V>& v) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) atomic_add(&dst->v[i], v.v[i]);
+        atomic_add_vec(dst, v);
     }
 };
 

@@ -36,43 +36,43 @@ __global__ void sparse_scatter(
 
 // Stack [rows, C, bh, bw]: a transpose through shared memory, the mirror of
 // sparse_gather_transposed. A CTA reads a tile of tile_rows block rows by 2**log2_tile_c
-// channels along pixels (contiguous in the stack) and writes it along channels (contiguous in
-// y). E is a storage type for Assign, the data type for the adds; BW is the block width, or 0
-// to read it from bw at run time. Grid (rows, ceil(C / tile_c), ceil(bh / tile_rows)).
-template <typename E, typename Op, int BW>
+// channels from the stack in vectors of V pixels of a channel, and applies it to y in vectors of
+// V channels of a pixel. E is a storage type for Assign, the data type for the adds. V divides
+// the channel count, the tile's pixels and bh * bw, and the pointers are aligned to it.
+// Grid (rows, ceil(C / tile_c), ceil(bh / tile_rows)).
+template <typename E, int V, typename Op>
 __global__ void sparse_scatter_transposed(
     const E* __restrict__ blocks, E* __restrict__ y, const int* __restrict__ indices,
     const int* __restrict__ count, int rows, int n_batch, int height, int width, int channels,
-    int bh, int bw_rt, int off_h, int off_w, int str_h, int str_w, int tile_rows,
-    int log2_tile_c) {
+    int bh, int bw, int off_h, int off_w, int str_h, int str_w, int tile_rows, int log2_tile_c) {
+    typedef vec_t<E, V> Vec;
     extern __shared__ __align__(16) unsigned char smem[];
-    E* tile = reinterpret_cast<E*>(smem);  // [tile_rows * bw][tile_c + 1], padded against bank conflicts
-    const int bw = BW ? BW : bw_rt;
-    const int tile_c = 1 << log2_tile_c, pitch = tile_c + 1;
+    // [pixels][tile_c + V]: rows stay vector-aligned and start V elements further round the banks
+    E* tile = reinterpret_cast<E*>(smem);
+    const int tile_c = 1 << log2_tile_c, pitch = tile_c + V, c_vectors = tile_c / V;
     const int m = blockIdx.x, c0 = blockIdx.y * tile_c, r0 = blockIdx.z * tile_rows;
     const int pixels = min(tile_rows, bh - r0) * bw;
     const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
     if (!b.inside) return;  // uniform across the CTA, so no thread misses the barrier
 
-    // Warps share out the channels; when there are fewer channels than warps, several warps
-    // split one channel's pixels.
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    const int warps_per_c = max(1, n_warps >> log2_tile_c);
-    const int c_step = n_warps / warps_per_c;
-    for (int c = warp / warps_per_c; c < tile_c && c0 + c < channels; c += c_step) {
-        const E* src = blocks + (((i64)m * channels + c0 + c) * bh + r0) * bw;
-        for (int p = (warp % warps_per_c) * 32 + lane; p < pixels; p += warps_per_c * 32) {
-            tile[p * pitch + c] = src[p];
-        }
+    // Consecutive threads take consecutive channels, so the shared-memory writes hit distinct banks.
+    const E* in = blocks + ((i64)m * channels + c0) * bh * bw + (i64)r0 * bw;
+    for (int i = threadIdx.x; i < (pixels / V) << log2_tile_c; i += blockDim.x) {
+        const int c = i & (tile_c - 1), p = (i >> log2_tile_c) * V;
+        if (c0 + c >= channels) continue;
+        const Vec v = *reinterpret_cast<const Vec*>(in + (i64)c * bh * bw + p);
+#pragma unroll
+        for (int k = 0; k < V; ++k) tile[(p + k) * pitch + c] = v.v[k];
     }
     __syncthreads();
 
-    for (int i = threadIdx.x; i < (pixels << log2_tile_c); i += blockDim.x) {
-        const int p = i >> log2_tile_c, c = i & (tile_c - 1);
+    for (int i = threadIdx.x; i < pixels * c_vectors; i += blockDim.x) {
+        const int p = i / c_vectors, c = (i % c_vectors) * V;
         const int r = p / bw;
         const i64 h = b.h + r0 + r, w = b.w + (p - r * bw);
         if (h >= 0 && h < height && w >= 0 && w < width && c0 + c < channels) {
-            Op::apply(y + ((b.n * height + h) * width + w) * channels + c0 + c, tile[p * pitch + c]);
+            Op::apply(reinterpret_cast<Vec*>(y + ((b.n * height + h) * width + w) * channels + c0 + c),
+                      *reinterpret_cast<const Vec*>(tile + p * pitch + c));
         }
     }
 }

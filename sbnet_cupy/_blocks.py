@@ -36,16 +36,22 @@ def row_launch(rows, bh, row_words):
     return (rows, grid_y), (threads_x, threads_y)
 
 
-def transpose_launch(rows, bh, bw, channels, itemsize):
-    """Grid, CTA shape, shared-memory bytes and tile arguments of the transposing kernels."""
-    tile_c = min(1 << max(channels - 1, 0).bit_length(), max(1, 128 // itemsize))
-    while tile_c > 1 and bw * (tile_c + 1) * itemsize > _TILE_LIMIT:
+def transpose_launch(rows, bh, bw, channels, itemsize, *arrays):
+    """Launch shape of the transposing kernels: (grid, block, shared-memory bytes, vector
+    width V, tile rows, log2 of tile channels). V elements (at most 16 bytes) move as one
+    access; it divides the channels, bh * bw and every tile's pixels, and the arrays' addresses."""
+    vector = next(v for v in (8, 4, 2, 1)
+                  if v * itemsize <= 16 and channels % v == 0 and (bh * bw) % v == 0
+                  and all(a.data.ptr % (v * itemsize) == 0 for a in arrays))
+    step = vector // math.gcd(bw, vector)  # tile rows come in multiples of this
+    tile_c = max(vector, min(1 << max(channels - 1, 0).bit_length(), 128 // itemsize))
+    while tile_c > vector and step * bw * (tile_c + vector) * itemsize > _TILE_LIMIT:
         tile_c //= 2
-    row_bytes = bw * (tile_c + 1) * itemsize
-    if row_bytes > _TILE_LIMIT:
+    row_bytes = bw * (tile_c + vector) * itemsize
+    if step * row_bytes > _TILE_LIMIT:
         raise ValueError(f"bsize[1]={bw} is too wide for transpose=True with "
-                         f"{itemsize}-byte elements (at most {_TILE_LIMIT // (2 * itemsize)})")
-    tile_rows = max(1, min(bh, _TILE_BYTES // row_bytes))
+                         f"{itemsize}-byte elements")
+    tile_rows = min(bh, max(step, _TILE_BYTES // row_bytes // step * step))
     grid = (rows, _checks.grid_dim("channels", math.ceil(channels / tile_c)),
             _checks.grid_dim("bsize[0]", math.ceil(bh / tile_rows)))
-    return grid, (THREADS,), tile_rows * row_bytes, (tile_rows, tile_c.bit_length() - 1)
+    return grid, (THREADS,), tile_rows * row_bytes, vector, tile_rows, tile_c.bit_length() - 1

@@ -11,8 +11,9 @@ import pathlib
 
 COMPILE_OPTIONS = ("--std=c++17",)
 
-# Block sizes with a kernel of their own (the loops over a block's pixels unroll and divide by a
-# constant). Other sizes run the same kernels with the size read at run time (template value 0).
+# Block sizes that reduce_mask has a kernel of its own for (its loop over a block's pixels
+# unrolls and divides by a constant). Other sizes run the same kernel with the size read at run
+# time (template value 0). Gather and scatter copy whole pixel rows and need no such table.
 SPECIALISED_BLOCK_SIZES = (8, 10, 16, 18, 32, 34)
 
 # Storage types by byte size, for the kernels that only move bytes.
@@ -80,25 +81,29 @@ def all_instantiations():
     """Every name expression the ops can ask for, by op: what the compile check builds."""
     sizes = (0,) + SPECIALISED_BLOCK_SIZES
     adds = ("Add", "AtomicAdd")
-    vectors = [f"vec_t<{ctype}, {16 // size >> v}>"
-               for ctype, size in ((c, _ITEMSIZE[n]) for n, c in ARITHMETIC_CTYPES.items())
-               for v in range((16 // size).bit_length())]
+    storage = [(STORAGE_CTYPES[b], b) for b in (1, 2, 4, 8)]
+    arithmetic = [(ctype, _ITEMSIZE[name]) for name, ctype in ARITHMETIC_CTYPES.items()]
+
+    def vectors(itemsize, widest):  # element counts of the accesses the kernels may use
+        return [v for v in (1, 2, 4, 8, 16) if v * itemsize <= 16 and v <= widest]
+
     return {
         "reduce_mask": [name_expression("reduce_mask", ctype, avg, s, s)
                         for ctype in MASK_CTYPES.values() for avg in (False, True)
                         for s in sizes],
         "sparse_gather": (
             [name_expression("sparse_gather", word) for word in STORAGE_CTYPES.values()]
-            + [name_expression("sparse_gather_transposed", STORAGE_CTYPES[b], s)
-               for b in (1, 2, 4, 8) for s in sizes]),
+            + [name_expression("sparse_gather_transposed", ctype, v)
+               for ctype, size in storage for v in vectors(size, 8)]),
         "sparse_scatter": (
             [name_expression("sparse_scatter", word, "Assign")
              for word in STORAGE_CTYPES.values()]
-            + [name_expression("sparse_scatter", vec, op) for vec in vectors for op in adds]
-            + [name_expression("sparse_scatter_transposed", STORAGE_CTYPES[b], "Assign", s)
-               for b in (1, 2, 4, 8) for s in sizes]
-            + [name_expression("sparse_scatter_transposed", ctype, op, s)
-               for ctype in ARITHMETIC_CTYPES.values() for op in adds for s in sizes]),
+            + [name_expression("sparse_scatter", f"vec_t<{ctype}, {v}>", op)
+               for ctype, size in arithmetic for v in vectors(size, 16) for op in adds]
+            + [name_expression("sparse_scatter_transposed", ctype, v, "Assign")
+               for ctype, size in storage for v in vectors(size, 8)]
+            + [name_expression("sparse_scatter_transposed", ctype, v, op)
+               for ctype, size in arithmetic for v in vectors(size, 8) for op in adds]),
     }
 
 

@@ -71,11 +71,10 @@ def _gather_cupy(x, counts, indices, geometry, transpose, out):
         return
     geometry_args = (i32(oh), i32(ow), i32(sh), i32(sw))
     if transpose:
-        grid, block, smem, (tile_rows, log2_tile_c) = _blocks.transpose_launch(
-            rows, bh, bw, channels, x.itemsize)
+        grid, block, smem, vector, tile_rows, log2_tile_c = _blocks.transpose_launch(
+            rows, bh, bw, channels, x.itemsize, x, out)
         kernel = _kernels.get_kernel("sparse_gather", "sparse_gather_transposed",
-                                     _kernels.STORAGE_CTYPES[x.itemsize],
-                                     _kernels.specialised_size(bw))
+                                     _kernels.STORAGE_CTYPES[x.itemsize], vector)
         kernel(grid, block,
                (x, out, indices, counts, i32(rows), i32(n), i32(height), i32(width),
                 i32(channels), i32(bh), i32(bw), *geometry_args, i32(tile_rows),

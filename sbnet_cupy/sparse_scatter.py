@@ -63,7 +63,7 @@ def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bs
     if add and not atomic and (geometry.bstride[0] < bh or geometry.bstride[1] < bw):
         raise ValueError(f"add=True with overlapping blocks (bstride {geometry.bstride} < "
                          f"bsize {geometry.bsize}) needs atomic=True")
-    if in_place and not ybase.flags.writeable:
+    if in_place and xp is numpy and not ybase.flags.writeable:
         raise ValueError("ybase must be writeable for sparse_scatter_var")
     with _checks.device_of(ybase):
         indices, counts = _checks.block_list(xp, active_block_indices, bin_counts)
@@ -107,12 +107,12 @@ def _scatter_cupy(blocks, counts, indices, y, geometry, add, atomic, transpose):
     i32 = numpy.int32
     geometry_args = (i32(oh), i32(ow), i32(sh), i32(sw))
     if transpose:
-        grid, block, smem, (tile_rows, log2_tile_c) = _blocks.transpose_launch(
-            rows, bh, bw, channels, y.itemsize)
+        grid, block, smem, vector, tile_rows, log2_tile_c = _blocks.transpose_launch(
+            rows, bh, bw, channels, y.itemsize, blocks, y)
         element = (_kernels.ARITHMETIC_CTYPES[y.dtype.name] if add
                    else _kernels.STORAGE_CTYPES[y.itemsize])
-        kernel = _kernels.get_kernel("sparse_scatter", "sparse_scatter_transposed", element, op,
-                                     _kernels.specialised_size(bw))
+        kernel = _kernels.get_kernel("sparse_scatter", "sparse_scatter_transposed", element,
+                                     vector, op)
         kernel(grid, block,
                (blocks, y, indices, counts, i32(rows), i32(n), i32(height), i32(width),
                 i32(channels), i32(bh), i32(bw), *geometry_args, i32(tile_rows),

@@ -4,7 +4,7 @@ import pytest
 import sbnet_cupy
 from axes import (CHANNELS, FLOAT_DTYPES, GEOMETRIES, MOVE_DTYPES, block_list,
                   distinct_block_list, overlapping, random_array)
-from conftest import to_numpy
+from conftest import HAS_GPU, cupy, requires_gpu, to_numpy
 import reference
 
 SCATTERS = {"scatter": sbnet_cupy.sparse_scatter, "scatter_var": sbnet_cupy.sparse_scatter_var}
@@ -159,3 +159,44 @@ def test_bad_arguments(xp):
         with pytest.raises(TypeError, match="mixed backends: blocks is a cupy array, .* "
                                             "ybase is a numpy array"):
             scatter(blocks, counts, indices, numpy.ones((1, 8, 8, 4), numpy.float32), bsize=4)
+
+
+@requires_gpu
+def test_tensors_past_int32_elements():
+    """Offsets past 2**31 elements (64-bit index arithmetic), gather and scatter, both layouts."""
+    import cupy
+
+    width, channels = 1 << 20, 1100  # 2 * 2**20 * 1100 = 2.3e9 elements
+    x = cupy.zeros((1, 2, width, channels), dtype=cupy.uint8)
+    tail = cupy.random.randint(1, 255, size=(2, 8, channels), dtype=cupy.uint8)
+    x[0, :, width - 8:] = tail
+    indices = cupy.asarray([[0, 0, width // 4 - 2], [0, 0, width // 4 - 1]], dtype=cupy.int32)
+    counts = cupy.asarray([2], dtype=cupy.int32)
+    for transpose in (False, True):
+        stack = sbnet_cupy.sparse_gather(x, counts, indices, bsize=(2, 4), transpose=transpose)
+        got = stack.transpose(0, 2, 3, 1) if transpose else stack
+        assert bool((got[0] == tail[:, :4]).all()) and bool((got[1] == tail[:, 4:]).all())
+        y = cupy.zeros_like(x)
+        sbnet_cupy.sparse_scatter_var(stack, counts, indices, y, bsize=(2, 4), transpose=transpose)
+        assert bool((y[0, :, width - 8:] == tail).all())
+        assert int(y[0, :, :width - 8].max()) == 0
+        del y
+
+
+@pytest.mark.skipif(not HAS_GPU or cupy.cuda.runtime.getDeviceCount() < 2,
+                    reason="needs two CUDA GPUs")
+def test_arrays_on_a_non_default_device(rng):
+    ybase = random_array(rng, (1, 8, 8, 3), numpy.float32)
+    blocks = random_array(rng, (2, 4, 4, 3), numpy.float32)
+    indices = numpy.array([[0, 0, 0], [0, 1, 1]], numpy.int32)
+    with cupy.cuda.Device(1):
+        args = [cupy.asarray(a) for a in (blocks, [2], indices, ybase)]
+        args[1] = args[1].astype(cupy.int32)
+    y = sbnet_cupy.sparse_scatter(*args, bsize=4, add=True)  # device 0 is current here
+    assert y.device.id == 1
+    found = sbnet_cupy.reduce_mask(args[3][..., 0] > 0, (2, 2), bsize=4)
+    stack = sbnet_cupy.sparse_gather(y, found.bin_counts, found.active_block_indices, bsize=4)
+    assert found.active_block_indices.device.id == 1 and stack.device.id == 1
+    numpy.testing.assert_array_equal(
+        cupy.asnumpy(y), reference.sparse_scatter(blocks, indices, 2, ybase, ((4, 4), (0, 0), (4, 4)),
+                                                  True, False))
