@@ -3,7 +3,8 @@
     python -m bench.ops [--out bench/results] [--quick]
 
 Each op runs on a CUDA graph of --calls back-to-back launches (so Python launch overhead stays
-out of the kernel numbers), timed with CUDA events: warm-up, then the median of --repeats
+out of the kernel numbers), each on its own block list and stack (so that the L2 cache does not
+hold the data between launches), timed with CUDA events: warm-up, then the median of --repeats
 replays. Effective bandwidth = bytes the op must read and write / time, reported as a fraction
 of a large copy's bandwidth measured in the same run. reduce_mask is timed per call, eagerly,
 as a user calls it. Results go to <out>/ops_<device>.csv and ops_<device>.md.
@@ -36,16 +37,16 @@ def _events_ms(cupy, run, repeats, warmup=3):
     return statistics.median(times)
 
 
-def _graph_ms(cupy, launch, calls, repeats):
-    """Median time of one launch, from a graph of `calls` launches."""
-    launch()  # compile outside the capture
+def _graph_ms(cupy, launches, repeats):
+    """Median time of one launch, from a CUDA graph of all `launches` back to back."""
+    launches[0]()  # compile outside the capture
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        for _ in range(calls):
+        for launch in launches:
             launch()
         graph = stream.end_capture()
-        return _events_ms(cupy, lambda: graph.launch(stream), repeats) / calls
+        return _events_ms(cupy, lambda: graph.launch(stream), repeats) / len(launches)
 
 
 def copy_bandwidth(cupy, repeats):
@@ -82,41 +83,48 @@ def bench_ops(cupy, args, copy_gbs):
     for dtype, channels, bsize, active, transpose in configs:
         rng = numpy.random.default_rng(1)
         x = cupy.random.standard_normal(shape + (channels,), dtype=cupy.float32).astype(dtype)
+        y = cupy.zeros_like(x)
         bcount = (args.height // bsize, args.width // bsize)
         n_total = args.batch * bcount[0] * bcount[1]
         n_active = max(1, round(active * n_total))
-        ids = numpy.sort(rng.choice(n_total, n_active, replace=False))
-        n, rest = numpy.divmod(ids, bcount[0] * bcount[1])
-        indices = cupy.asarray(numpy.stack([n, *numpy.divmod(rest, bcount[1])], 1)
-                               .astype(numpy.int32))
         counts = cupy.asarray([n_active], dtype=cupy.int32)
         kw = dict(bsize=bsize, transpose=transpose)
-        stack = sbnet_cupy.sparse_gather(x, counts, indices, **kw)
-        y = cupy.zeros_like(x)
+        # Each launch of a graph takes its own block list and stack, so that the set of graph
+        # launches touches more memory than the L2 cache holds.
+        sets = []
+        for _ in range(args.calls):
+            ids = numpy.sort(rng.choice(n_total, n_active, replace=False))
+            n, rest = numpy.divmod(ids, bcount[0] * bcount[1])
+            indices = cupy.asarray(numpy.stack([n, *numpy.divmod(rest, bcount[1])], 1)
+                                   .astype(numpy.int32))
+            sets.append((indices, sbnet_cupy.sparse_gather(x, counts, indices, **kw)))
+        indices, stack = sets[0]
         sbnet_cupy.sparse_scatter_var(stack, counts, indices, y, **kw)
         _check(cupy, x, stack, y, indices, bsize, transpose)
 
         block_bytes = stack.nbytes
+        gather = sbnet_cupy.sparse_gather
+        scatter = sbnet_cupy.sparse_scatter_var
         ops = {
-            "gather": (lambda: sbnet_cupy.sparse_gather(x, counts, indices, out=stack, **kw),
+            "gather": ([lambda i=i, s=s: gather(x, counts, i, out=s, **kw) for i, s in sets],
                        2 * block_bytes),
-            "scatter": (lambda: sbnet_cupy.sparse_scatter_var(stack, counts, indices, y, **kw),
+            "scatter": ([lambda i=i, s=s: scatter(s, counts, i, y, **kw) for i, s in sets],
                         2 * block_bytes),
-            "scatter_add": (lambda: sbnet_cupy.sparse_scatter_var(stack, counts, indices, y,
-                                                                  add=True, **kw),
-                            3 * block_bytes),
-            "scatter_add_atomic": (lambda: sbnet_cupy.sparse_scatter_var(
-                stack, counts, indices, y, add=True, atomic=True, **kw), 3 * block_bytes),
+            "scatter_add": ([lambda i=i, s=s: scatter(s, counts, i, y, add=True, **kw)
+                             for i, s in sets], 3 * block_bytes),
+            "scatter_add_atomic": ([lambda i=i, s=s: scatter(s, counts, i, y, add=True,
+                                                             atomic=True, **kw)
+                                    for i, s in sets], 3 * block_bytes),
         }
-        for op, (launch, nbytes) in ops.items():
-            ms = _graph_ms(cupy, launch, args.calls, args.repeats)
+        for op, (launches, nbytes) in ops.items():
+            ms = _graph_ms(cupy, launches, args.repeats)
             gbs = nbytes / ms / 1e6
             rows.append(dict(op=op, dtype=numpy.dtype(dtype).name, C=channels, bsize=bsize,
                              active=active, transpose=transpose, blocks=n_active,
                              MB=round(nbytes / 1e6, 2), us=round(ms * 1e3, 2),
                              GBs=round(gbs, 1), of_copy=round(gbs / copy_gbs, 3)))
             print(_row_text(rows[-1]), flush=True)
-        del x, stack, y
+        del x, y, sets, stack
         cupy.get_default_memory_pool().free_all_blocks()
     return rows
 

@@ -55,15 +55,26 @@ __global__ void sparse_gather_transposed(
     const int pixels = min(tile_rows, bh - r0) * bw;
     const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
 
-    for (int i = threadIdx.x; i < pixels * c_vectors; i += blockDim.x) {
-        const int p = i / c_vectors, c = (i % c_vectors) * V;
-        const int r = p / bw;
-        const i64 h = b.h + r0 + r, w = b.w + (p - r * bw);
-        Vec v = {};
-        if (b.inside && h >= 0 && h < height && w >= 0 && w < width && c0 + c < channels) {
-            v = *reinterpret_cast<const Vec*>(x + ((b.n * height + h) * width + w) * channels + c0 + c);
+    const int n_vectors = pixels * c_vectors;
+    for (int i0 = threadIdx.x; i0 < n_vectors; i0 += UNROLL * blockDim.x) {
+        Vec v[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {  // all loads first, so several are in flight
+            const int i = i0 + k * blockDim.x, p = i / c_vectors, c = (i % c_vectors) * V;
+            const int r = p / bw;
+            const i64 h = b.h + r0 + r, w = b.w + (p - r * bw);
+            v[k] = Vec{};
+            if (i < n_vectors && b.inside && h >= 0 && h < height && w >= 0 && w < width &&
+                c0 + c < channels) {
+                v[k] = *reinterpret_cast<const Vec*>(
+                    x + ((b.n * height + h) * width + w) * channels + c0 + c);
+            }
         }
-        *reinterpret_cast<Vec*>(tile + p * pitch + c) = v;
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            const int i = i0 + k * blockDim.x;
+            if (i < n_vectors) *reinterpret_cast<Vec*>(tile + (i / c_vectors) * pitch + (i % c_vectors) * V) = v[k];
+        }
     }
     __syncthreads();
 

@@ -57,12 +57,24 @@ __global__ void sparse_scatter_transposed(
 
     // Consecutive threads take consecutive channels, so the shared-memory writes hit distinct banks.
     const E* in = blocks + ((i64)m * channels + c0) * bh * bw + (i64)r0 * bw;
-    for (int i = threadIdx.x; i < (pixels / V) << log2_tile_c; i += blockDim.x) {
-        const int c = i & (tile_c - 1), p = (i >> log2_tile_c) * V;
-        if (c0 + c >= channels) continue;
-        const Vec v = *reinterpret_cast<const Vec*>(in + (i64)c * bh * bw + p);
+    const int n_vectors = (pixels / V) << log2_tile_c;
+    for (int i0 = threadIdx.x; i0 < n_vectors; i0 += UNROLL * blockDim.x) {
+        Vec v[UNROLL];
 #pragma unroll
-        for (int k = 0; k < V; ++k) tile[(p + k) * pitch + c] = v.v[k];
+        for (int k = 0; k < UNROLL; ++k) {  // all loads first, so several are in flight
+            const int i = i0 + k * blockDim.x, c = i & (tile_c - 1), p = (i >> log2_tile_c) * V;
+            if (i < n_vectors && c0 + c < channels) {
+                v[k] = *reinterpret_cast<const Vec*>(in + (i64)c * bh * bw + p);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            const int i = i0 + k * blockDim.x, c = i & (tile_c - 1), p = (i >> log2_tile_c) * V;
+            if (i < n_vectors && c0 + c < channels) {
+#pragma unroll
+                for (int e = 0; e < V; ++e) tile[(p + e) * pitch + c] = v[k].v[e];
+            }
+        }
     }
     __syncthreads();
 

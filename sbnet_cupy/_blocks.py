@@ -52,6 +52,9 @@ def transpose_launch(rows, bh, bw, channels, itemsize, *arrays):
         raise ValueError(f"bsize[1]={bw} is too wide for transpose=True with "
                          f"{itemsize}-byte elements")
     tile_rows = min(bh, max(step, _TILE_BYTES // row_bytes // step * step))
+    # Even tiles: 16 rows as 8 + 8 rather than 14 + 2.
+    tiles = math.ceil(bh / tile_rows)
+    tile_rows = min(tile_rows, step * math.ceil(bh / tiles / step))
     grid = (rows, _checks.grid_dim("channels", math.ceil(channels / tile_c)),
             _checks.grid_dim("bsize[0]", math.ceil(bh / tile_rows)))
     return grid, (THREADS,), tile_rows * row_bytes, vector, tile_rows, tile_c.bit_length() - 1

@@ -16,8 +16,21 @@ BlockGeometry = namedtuple("BlockGeometry", ["bsize", "boffset", "bstride"])
 
 def int_pair(name, value, *, minimum=None):
     """Two ints from an int or a length-2 sequence; each at least `minimum` if given."""
+    if type(value) is int:  # the common cases first: these checks run on every call
+        pair = (value, value)
+    elif type(value) in (tuple, list) and len(value) == 2 and all(type(v) is int for v in value):
+        pair = tuple(value)
+    else:
+        pair = _general_int_pair(name, value)
+    if minimum is not None and min(pair) < minimum:
+        kind = "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{name} must be two {kind} ints, got {pair}")
+    return pair
+
+
+def _general_int_pair(name, value):
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        value = (value, value)
+        return (int(value), int(value))
     try:
         pair = tuple(value)
     except TypeError:
@@ -25,11 +38,7 @@ def int_pair(name, value, *, minimum=None):
     if len(pair) != 2 or not all(
             isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in pair):
         raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
-    pair = (int(pair[0]), int(pair[1]))
-    if minimum is not None and min(pair) < minimum:
-        kind = "positive" if minimum == 1 else f">= {minimum}"
-        raise ValueError(f"{name} must be two {kind} ints, got {pair}")
-    return pair
+    return (int(pair[0]), int(pair[1]))
 
 
 def block_geometry(bsize, boffset, bstride):

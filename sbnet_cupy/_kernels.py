@@ -66,7 +66,12 @@ def _compiler():
 
 def get_kernel(op, kernel, *template_args):
     """The compiled ``kernel<template_args>`` of kernels/<op>.cu, for the current device."""
-    return _compiler()(op, name_expression(kernel, *template_args))
+    return _compiler()(op, _cached_name_expression(kernel, template_args))
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_name_expression(kernel, template_args):
+    return name_expression(kernel, *template_args)
 
 
 def widest_access(row_bytes, *arrays):

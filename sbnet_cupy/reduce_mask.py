@@ -9,6 +9,7 @@ import numpy
 from . import _checks, _kernels
 
 _THREADS = 1024  # 32 warps, one block each; kernels/reduce_mask.cu assumes this
+_MASK_CTYPES = {numpy.dtype(name): ctype for name, ctype in _kernels.MASK_CTYPES.items()}
 
 
 class ReduceMask(namedtuple("ReduceMask", ["active_block_indices", "bin_counts"])):
@@ -63,7 +64,7 @@ def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, a
         mask = mask[..., 0]
     if mask.ndim != 3:
         raise ValueError(f"mask must be [N, H, W] or [N, H, W, 1], got shape {mask.shape}")
-    if mask.dtype.name not in _kernels.MASK_CTYPES:
+    if mask.dtype not in _MASK_CTYPES:
         raise TypeError(f"mask dtype must be one of {sorted(_kernels.MASK_CTYPES)}, "
                         f"got {mask.dtype}")
     bcount = _checks.int_pair("bcount", bcount, minimum=0)
@@ -138,15 +139,16 @@ def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity):
     rows = total if capacity is None else capacity
     with mask.device:
         mask = cupy.ascontiguousarray(mask)
-        indices = cupy.empty((rows, 3), dtype=cupy.int32)
-        count = cupy.empty(1, dtype=cupy.int32)
+        # One allocation for both outputs: this op is called per frame, so host time counts.
+        output = cupy.empty(1 + 3 * rows, dtype=cupy.int32)
+        count, indices = output[:1], output[1:].reshape(rows, 3)
         if total == 0:
             count.fill(0)
             indices.fill(-1)
             return ReduceMask(indices, count)
         size = _kernels.specialised_size(bh) if bh == bw else 0
         kernel = _kernels.get_kernel("reduce_mask", "reduce_mask",
-                                     _kernels.MASK_CTYPES[mask.dtype.name], bool(avgpool),
+                                     _MASK_CTYPES[mask.dtype], avgpool,
                                      size, size)
         n_words = math.ceil(total / 32)
         words, tickets = _workspace(cupy, n_words)
