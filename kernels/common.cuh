@@ -168,3 +168,11 @@ static __device__ __forceinline__ block_row locate_row(
     row.offset = (b.n * height + h) * width + b.w;
     return row;
 }
+
+// Index of element (c, p) in the shared-memory tile [tile_c][pitch] of the transposing kernels.
+// Vectors of V pixels are XOR-swizzled by the channel's vector index, so that a warp's accesses
+// spread over the banks both when it walks the channels of a few pixels and when it walks the
+// pixels of one channel; pitch is a multiple of 8 * V, so the swizzle stays inside the row.
+template <int V> static __device__ __forceinline__ int tile_index(int c, int p, int pitch) {
+    return c * pitch + (((p / V) ^ ((c / V) & 7)) * V) + p % V;
+}

@@ -38,25 +38,27 @@ __global__ void sparse_gather(
 
 // Stack [rows, C, bh, bw]: a transpose through shared memory. A CTA moves a tile of
 // tile_rows block rows by 2**log2_tile_c channels: it reads the tile from x in vectors of V
-// channels of a pixel, and writes it to the stack in vectors of V pixels of a channel. E is a
-// storage type of the element size. V divides the channel count, the tile's pixels and bh * bw,
-// and the pointers are aligned to it. Grid (rows, ceil(C / tile_c), ceil(bh / tile_rows)).
+// channels of a pixel, and writes it to the stack in vectors of V pixels of a channel, both
+// coalesced. E is a storage type of the element size. V divides the channel count, the tile's
+// pixels and bh * bw, and the pointers are aligned to it; pitch (see tile_index) is a multiple
+// of 8 * V. Grid (rows, ceil(C / tile_c), ceil(bh / tile_rows)).
 template <typename E, int V>
 __global__ void sparse_gather_transposed(
     const E* __restrict__ x, E* __restrict__ blocks, const int* __restrict__ indices,
     const int* __restrict__ count, int rows, int n_batch, int height, int width, int channels,
-    int bh, int bw, int off_h, int off_w, int str_h, int str_w, int tile_rows, int log2_tile_c) {
+    int bh, int bw, int off_h, int off_w, int str_h, int str_w, int tile_rows, int log2_tile_c,
+    int pitch) {
     typedef vec_t<E, V> Vec;
     extern __shared__ __align__(16) unsigned char smem[];
-    // [pixels][tile_c + V]: rows stay vector-aligned and start V elements further round the banks
     E* tile = reinterpret_cast<E*>(smem);
-    const int tile_c = 1 << log2_tile_c, pitch = tile_c + V, c_vectors = tile_c / V;
+    const int tile_c = 1 << log2_tile_c, c_vectors = tile_c / V;
     const int m = blockIdx.x, c0 = blockIdx.y * tile_c, r0 = blockIdx.z * tile_rows;
     const int pixels = min(tile_rows, bh - r0) * bw;
     const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
 
-    const int n_vectors = pixels * c_vectors;
-    for (int i0 = threadIdx.x; i0 < n_vectors; i0 += UNROLL * blockDim.x) {
+    // Read: consecutive threads take consecutive channel vectors of a pixel.
+    const int n_in = pixels * c_vectors;
+    for (int i0 = threadIdx.x; i0 < n_in; i0 += UNROLL * blockDim.x) {
         Vec v[UNROLL];
 #pragma unroll
         for (int k = 0; k < UNROLL; ++k) {  // all loads first, so several are in flight
@@ -64,7 +66,7 @@ __global__ void sparse_gather_transposed(
             const int r = p / bw;
             const i64 h = b.h + r0 + r, w = b.w + (p - r * bw);
             v[k] = Vec{};
-            if (i < n_vectors && b.inside && h >= 0 && h < height && w >= 0 && w < width &&
+            if (i < n_in && b.inside && h >= 0 && h < height && w >= 0 && w < width &&
                 c0 + c < channels) {
                 v[k] = *reinterpret_cast<const Vec*>(
                     x + ((b.n * height + h) * width + w) * channels + c0 + c);
@@ -72,20 +74,23 @@ __global__ void sparse_gather_transposed(
         }
 #pragma unroll
         for (int k = 0; k < UNROLL; ++k) {
-            const int i = i0 + k * blockDim.x;
-            if (i < n_vectors) *reinterpret_cast<Vec*>(tile + (i / c_vectors) * pitch + (i % c_vectors) * V) = v[k];
+            const int i = i0 + k * blockDim.x, p = i / c_vectors, c = (i % c_vectors) * V;
+            if (i < n_in) {
+#pragma unroll
+                for (int e = 0; e < V; ++e) tile[tile_index<V>(c + e, p, pitch)] = v[k].v[e];
+            }
         }
     }
     __syncthreads();
 
-    // Consecutive threads take consecutive channels, so the shared-memory reads hit distinct banks.
+    // Write: consecutive threads take consecutive pixel vectors of a channel.
+    const int p_vectors = pixels / V;
     E* out = blocks + ((i64)m * channels + c0) * bh * bw + (i64)r0 * bw;
-    for (int i = threadIdx.x; i < (pixels / V) << log2_tile_c; i += blockDim.x) {
-        const int c = i & (tile_c - 1), p = (i >> log2_tile_c) * V;
-        if (c0 + c >= channels) continue;
-        Vec v;
-#pragma unroll
-        for (int k = 0; k < V; ++k) v.v[k] = tile[(p + k) * pitch + c];
-        *reinterpret_cast<Vec*>(out + (i64)c * bh * bw + p) = v;
+    for (int i = threadIdx.x; i < p_vectors << log2_tile_c; i += blockDim.x) {
+        const int c = i / p_vectors, p = (i - c * p_vectors) * V;
+        if (c0 + c < channels) {
+            *reinterpret_cast<Vec*>(out + (i64)c * bh * bw + p) =
+                *reinterpret_cast<const Vec*>(tile + tile_index<V>(c, p, pitch));
+        }
     }
 }

@@ -37,54 +37,57 @@ __global__ void sparse_scatter(
 // Stack [rows, C, bh, bw]: a transpose through shared memory, the mirror of
 // sparse_gather_transposed. A CTA reads a tile of tile_rows block rows by 2**log2_tile_c
 // channels from the stack in vectors of V pixels of a channel, and applies it to y in vectors of
-// V channels of a pixel. E is a storage type for Assign, the data type for the adds. V divides
-// the channel count, the tile's pixels and bh * bw, and the pointers are aligned to it.
+// V channels of a pixel, both coalesced. E is a storage type for Assign, the data type for the
+// adds. V divides the channel count, the tile's pixels and bh * bw, and the pointers are
+// aligned to it; pitch (see tile_index) is a multiple of 8 * V.
 // Grid (rows, ceil(C / tile_c), ceil(bh / tile_rows)).
 template <typename E, int V, typename Op>
 __global__ void sparse_scatter_transposed(
     const E* __restrict__ blocks, E* __restrict__ y, const int* __restrict__ indices,
     const int* __restrict__ count, int rows, int n_batch, int height, int width, int channels,
-    int bh, int bw, int off_h, int off_w, int str_h, int str_w, int tile_rows, int log2_tile_c) {
+    int bh, int bw, int off_h, int off_w, int str_h, int str_w, int tile_rows, int log2_tile_c,
+    int pitch) {
     typedef vec_t<E, V> Vec;
     extern __shared__ __align__(16) unsigned char smem[];
-    // [pixels][tile_c + V]: rows stay vector-aligned and start V elements further round the banks
     E* tile = reinterpret_cast<E*>(smem);
-    const int tile_c = 1 << log2_tile_c, pitch = tile_c + V, c_vectors = tile_c / V;
+    const int tile_c = 1 << log2_tile_c, c_vectors = tile_c / V;
     const int m = blockIdx.x, c0 = blockIdx.y * tile_c, r0 = blockIdx.z * tile_rows;
     const int pixels = min(tile_rows, bh - r0) * bw;
     const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
     if (!b.inside) return;  // uniform across the CTA, so no thread misses the barrier
 
-    // Consecutive threads take consecutive channels, so the shared-memory writes hit distinct banks.
+    // Read: consecutive threads take consecutive pixel vectors of a channel.
+    const int p_vectors = pixels / V, n_in = p_vectors << log2_tile_c;
     const E* in = blocks + ((i64)m * channels + c0) * bh * bw + (i64)r0 * bw;
-    const int n_vectors = (pixels / V) << log2_tile_c;
-    for (int i0 = threadIdx.x; i0 < n_vectors; i0 += UNROLL * blockDim.x) {
+    for (int i0 = threadIdx.x; i0 < n_in; i0 += UNROLL * blockDim.x) {
         Vec v[UNROLL];
 #pragma unroll
         for (int k = 0; k < UNROLL; ++k) {  // all loads first, so several are in flight
-            const int i = i0 + k * blockDim.x, c = i & (tile_c - 1), p = (i >> log2_tile_c) * V;
-            if (i < n_vectors && c0 + c < channels) {
+            const int i = i0 + k * blockDim.x, c = i / p_vectors, p = (i - c * p_vectors) * V;
+            if (i < n_in && c0 + c < channels) {
                 v[k] = *reinterpret_cast<const Vec*>(in + (i64)c * bh * bw + p);
             }
         }
 #pragma unroll
         for (int k = 0; k < UNROLL; ++k) {
-            const int i = i0 + k * blockDim.x, c = i & (tile_c - 1), p = (i >> log2_tile_c) * V;
-            if (i < n_vectors && c0 + c < channels) {
-#pragma unroll
-                for (int e = 0; e < V; ++e) tile[(p + e) * pitch + c] = v[k].v[e];
+            const int i = i0 + k * blockDim.x, c = i / p_vectors, p = (i - c * p_vectors) * V;
+            if (i < n_in && c0 + c < channels) {
+                *reinterpret_cast<Vec*>(tile + tile_index<V>(c, p, pitch)) = v[k];
             }
         }
     }
     __syncthreads();
 
+    // Write: consecutive threads take consecutive channel vectors of a pixel.
     for (int i = threadIdx.x; i < pixels * c_vectors; i += blockDim.x) {
         const int p = i / c_vectors, c = (i % c_vectors) * V;
         const int r = p / bw;
         const i64 h = b.h + r0 + r, w = b.w + (p - r * bw);
         if (h >= 0 && h < height && w >= 0 && w < width && c0 + c < channels) {
-            Op::apply(reinterpret_cast<Vec*>(y + ((b.n * height + h) * width + w) * channels + c0 + c),
-                      *reinterpret_cast<const Vec*>(tile + p * pitch + c));
+            Vec v;
+#pragma unroll
+            for (int e = 0; e < V; ++e) v.v[e] = tile[tile_index<V>(c + e, p, pitch)];
+            Op::apply(reinterpret_cast<Vec*>(y + ((b.n * height + h) * width + w) * channels + c0 + c), v);
         }
     }
 }

@@ -36,25 +36,38 @@ def row_launch(rows, bh, row_words):
     return (rows, grid_y), (threads_x, threads_y)
 
 
+def _round_up(value, multiple):
+    return -(-value // multiple) * multiple
+
+
 def transpose_launch(rows, bh, bw, channels, itemsize, *arrays):
     """Launch shape of the transposing kernels: (grid, block, shared-memory bytes, vector
-    width V, tile rows, log2 of tile channels). V elements (at most 16 bytes) move as one
-    access; it divides the channels, bh * bw and every tile's pixels, and the arrays' addresses."""
+    width V, tile rows, log2 of tile channels, tile pitch). V elements (at most 16 bytes) move
+    as one access; V divides the channels, bh * bw and every tile's pixels, and the arrays'
+    addresses. The tile is [tile channels][pitch], pitch a multiple of 8 * V (kernels/common.cuh,
+    tile_index)."""
     vector = next(v for v in (8, 4, 2, 1)
                   if v * itemsize <= 16 and channels % v == 0 and (bh * bw) % v == 0
                   and all(a.data.ptr % (v * itemsize) == 0 for a in arrays))
     step = vector // math.gcd(bw, vector)  # tile rows come in multiples of this
+
+    def tile_bytes(tile_rows, tile_c):
+        return tile_c * _round_up(tile_rows * bw, 8 * vector) * itemsize
+
     tile_c = max(vector, min(1 << max(channels - 1, 0).bit_length(), 128 // itemsize))
-    while tile_c > vector and step * bw * (tile_c + vector) * itemsize > _TILE_LIMIT:
+    while tile_c > vector and tile_bytes(step, tile_c) > _TILE_LIMIT:
         tile_c //= 2
-    row_bytes = bw * (tile_c + vector) * itemsize
-    if step * row_bytes > _TILE_LIMIT:
+    if tile_bytes(step, tile_c) > _TILE_LIMIT:
         raise ValueError(f"bsize[1]={bw} is too wide for transpose=True with "
                          f"{itemsize}-byte elements")
-    tile_rows = min(bh, max(step, _TILE_BYTES // row_bytes // step * step))
+    tile_rows = step
+    while tile_rows + step <= bh and tile_bytes(tile_rows + step, tile_c) <= _TILE_BYTES:
+        tile_rows += step
     # Even tiles: 16 rows as 8 + 8 rather than 14 + 2.
     tiles = math.ceil(bh / tile_rows)
     tile_rows = min(tile_rows, step * math.ceil(bh / tiles / step))
     grid = (rows, _checks.grid_dim("channels", math.ceil(channels / tile_c)),
             _checks.grid_dim("bsize[0]", math.ceil(bh / tile_rows)))
-    return grid, (THREADS,), tile_rows * row_bytes, vector, tile_rows, tile_c.bit_length() - 1
+    pitch = _round_up(tile_rows * bw, 8 * vector)
+    return (grid, (THREADS,), tile_c * pitch * itemsize, vector, tile_rows,
+            tile_c.bit_length() - 1, pitch)

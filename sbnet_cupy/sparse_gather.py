@@ -71,14 +71,14 @@ def _gather_cupy(x, counts, indices, geometry, transpose, out):
         return
     geometry_args = (i32(oh), i32(ow), i32(sh), i32(sw))
     if transpose:
-        grid, block, smem, vector, tile_rows, log2_tile_c = _blocks.transpose_launch(
+        grid, block, smem, vector, tile_rows, log2_tile_c, pitch = _blocks.transpose_launch(
             rows, bh, bw, channels, x.itemsize, x, out)
         kernel = _kernels.get_kernel("sparse_gather", "sparse_gather_transposed",
                                      _kernels.STORAGE_CTYPES[x.itemsize], vector)
         kernel(grid, block,
                (x, out, indices, counts, i32(rows), i32(n), i32(height), i32(width),
                 i32(channels), i32(bh), i32(bw), *geometry_args, i32(tile_rows),
-                i32(log2_tile_c)), shared_mem=smem)
+                i32(log2_tile_c), i32(pitch)), shared_mem=smem)
     else:
         pixel_bytes = channels * x.itemsize
         word = _kernels.widest_access(pixel_bytes, x, out)

@@ -107,7 +107,7 @@ def _scatter_cupy(blocks, counts, indices, y, geometry, add, atomic, transpose):
     i32 = numpy.int32
     geometry_args = (i32(oh), i32(ow), i32(sh), i32(sw))
     if transpose:
-        grid, block, smem, vector, tile_rows, log2_tile_c = _blocks.transpose_launch(
+        grid, block, smem, vector, tile_rows, log2_tile_c, pitch = _blocks.transpose_launch(
             rows, bh, bw, channels, y.itemsize, blocks, y)
         element = (_kernels.ARITHMETIC_CTYPES[y.dtype.name] if add
                    else _kernels.STORAGE_CTYPES[y.itemsize])
@@ -116,7 +116,7 @@ def _scatter_cupy(blocks, counts, indices, y, geometry, add, atomic, transpose):
         kernel(grid, block,
                (blocks, y, indices, counts, i32(rows), i32(n), i32(height), i32(width),
                 i32(channels), i32(bh), i32(bw), *geometry_args, i32(tile_rows),
-                i32(log2_tile_c)), shared_mem=smem)
+                i32(log2_tile_c), i32(pitch)), shared_mem=smem)
         return
     pixel_bytes = channels * y.itemsize
     width_bytes = _kernels.widest_access(pixel_bytes, blocks, y)
