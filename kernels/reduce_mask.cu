@@ -90,26 +90,35 @@ __global__ void __launch_bounds__(WARPS * 32) reduce_mask(
     if (!last_cta) return;
     __threadfence();
 
-    // The last CTA: every word is written. Compact them 1024 words at a time.
+    // The last CTA: every word is written. Compact them 1024 words at a time: a prefix sum over
+    // the words' popcounts gives each word its first row, then each warp expands words, one
+    // lane per bit.
     const volatile unsigned* all_words = words;
+    __shared__ unsigned chunk_words[WARPS * 32];
+    __shared__ int chunk_rows[WARPS * 32];
     int written = 0;
     for (int w0 = 0; w0 < (int)gridDim.x; w0 += WARPS * 32) {
         const int w = w0 + threadIdx.x;
-        unsigned bits = w < (int)gridDim.x ? all_words[w] : 0u;
+        const unsigned bits = w < (int)gridDim.x ? all_words[w] : 0u;
         const int n_set = __popc(bits);
-        int pos = written + cta_inclusive_scan(n_set, warp_sums, &chunk_total) - n_set;
-        while (bits) {
-            const int block_id = w * 32 + __ffs(bits) - 1;
-            bits &= bits - 1;
+        chunk_words[threadIdx.x] = bits;
+        chunk_rows[threadIdx.x] = written + cta_inclusive_scan(n_set, warp_sums, &chunk_total) - n_set;
+        __syncthreads();
+        const int chunk = min(WARPS * 32, (int)gridDim.x - w0);
+        for (int j = warp; j < chunk; j += WARPS) {
+            const unsigned word = chunk_words[j];
+            if (!(word >> lane & 1u)) continue;
+            const int pos = chunk_rows[j] + __popc(word & ((1u << lane) - 1u));
             if (pos < capacity) {
+                const int block_id = (w0 + j) * 32 + lane;
                 int* row = indices + 3 * (i64)pos;
                 row[0] = block_id / per_image;
                 row[1] = (block_id % per_image) / bcount_w;
                 row[2] = block_id % bcount_w;
             }
-            ++pos;
         }
         written += chunk_total;
+        __syncthreads();  // chunk_words and chunk_rows are rewritten next round
     }
     if (threadIdx.x == 0) {
         *count = written;
