@@ -32,7 +32,7 @@ class ReduceMask(namedtuple("ReduceMask", ["active_block_indices", "bin_counts"]
 
 
 def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, avgpool=False,
-                capacity=None):
+                capacity=None, out=None, workspace=None):
     """List the blocks of a mask whose max (or average) is greater than `tol`.
 
     Args:
@@ -46,6 +46,13 @@ def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, a
             instead of max.
         capacity: None, or K to run without any device-to-host copy: the result then has K
             rows and the true count (see ReduceMask.overflowed).
+        out: with capacity, optional (active_block_indices, bin_counts) arrays to write into:
+            C-contiguous int32 [K, 3] and [1] on the mask's device (or NumPy arrays).
+        workspace: CuPy only, optional uint32 array of at least ceil(N * BCH * BCW / 32) + 1
+            elements whose first element is 0, for the kernel's flags and ticket counter (it
+            leaves the counter at 0). By default one per device and stream is allocated on first
+            use; pass one to capture the call in a CUDA graph on a new stream, and never share
+            one between calls that may run at the same time.
 
     Returns:
         ReduceMask(active_block_indices, bin_counts).
@@ -79,9 +86,38 @@ def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, a
     total = mask.shape[0] * bcount[0] * bcount[1]
     if total >= 2**31 or (capacity or 0) >= 2**31:
         raise ValueError(f"too many blocks for int32 indices: {total} (capacity {capacity})")
+    if out is not None:
+        if capacity is None:
+            raise ValueError("out needs capacity: without it the number of rows is not known "
+                             "before the call")
+        _check_out(mask, out, capacity)
+    n_words = math.ceil(total / 32)
+    if workspace is not None:
+        _checks.array_module(mask=mask, workspace=workspace)
+        if workspace.dtype != numpy.uint32 or workspace.ndim != 1 or workspace.size < n_words + 1:
+            raise ValueError(f"workspace must be a 1-D uint32 array of at least {n_words + 1} "
+                             f"elements, got {workspace.dtype} {workspace.shape}")
     if xp is numpy:
-        return _reduce_mask_numpy(mask, bcount, geometry, float(tol), bool(avgpool), capacity)
-    return _reduce_mask_cupy(mask, bcount, geometry, float(tol), bool(avgpool), capacity)
+        result = _reduce_mask_numpy(mask, bcount, geometry, float(tol), bool(avgpool), capacity)
+        if out is None:
+            return result
+        out[0][...], out[1][...] = result
+        return ReduceMask(*out)
+    return _reduce_mask_cupy(mask, bcount, geometry, float(tol), bool(avgpool), capacity, out,
+                             workspace)
+
+
+def _check_out(mask, out, capacity):
+    try:
+        indices, counts = out
+    except (TypeError, ValueError):
+        raise TypeError("out must be a pair (active_block_indices, bin_counts)") from None
+    _checks.array_module(mask=mask, active_block_indices=indices, bin_counts=counts)
+    for name, a, shape in (("active_block_indices", indices, (capacity, 3)),
+                           ("bin_counts", counts, (1,))):
+        if a.shape != shape or a.dtype != numpy.int32 or not a.flags.c_contiguous:
+            raise ValueError(f"out {name} must be a C-contiguous int32 array of shape {shape}, "
+                             f"got {a.dtype} {a.shape}")
 
 
 def _with_capacity(xp, active, capacity):
@@ -130,7 +166,7 @@ def _workspace(cupy, n_words):
     return buffer[1:n_words + 1], buffer[:1]
 
 
-def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity):
+def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity, out, workspace):
     import cupy
 
     (bh, bw), (oh, ow), (sh, sw) = geometry
@@ -139,9 +175,12 @@ def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity):
     rows = total if capacity is None else capacity
     with mask.device:
         mask = cupy.ascontiguousarray(mask)
-        # One allocation for both outputs: this op is called per frame, so host time counts.
-        output = cupy.empty(1 + 3 * rows, dtype=cupy.int32)
-        count, indices = output[:1], output[1:].reshape(rows, 3)
+        if out is not None:
+            indices, count = out
+        else:
+            # One allocation for both outputs: this op is called per frame, so host time counts.
+            output = cupy.empty(1 + 3 * rows, dtype=cupy.int32)
+            count, indices = output[:1], output[1:].reshape(rows, 3)
         if total == 0:
             count.fill(0)
             indices.fill(-1)
@@ -151,7 +190,10 @@ def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity):
                                      _MASK_CTYPES[mask.dtype], avgpool,
                                      size, size)
         n_words = math.ceil(total / 32)
-        words, tickets = _workspace(cupy, n_words)
+        if workspace is None:
+            words, tickets = _workspace(cupy, n_words)
+        else:
+            words, tickets = workspace[1:n_words + 1], workspace[:1]
         i32 = numpy.int32
         kernel((n_words,), (_THREADS,),
                (mask, i32(n), i32(height), i32(width), i32(bh), i32(bw), i32(oh), i32(ow),

@@ -44,7 +44,9 @@ def sparse_scatter_var(blocks, bin_counts, active_block_indices, ybase, *, bsize
 
 
 def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,
-             atomic, transpose, in_place):
+             atomic, transpose, in_place, data_dtype=None):
+    """sparse_scatter(_var). data_dtype names the data type when the arrays hold its bits under
+    another dtype (the bridges pass bfloat16 tensors as int16 arrays: CuPy has no bfloat16)."""
     xp = _checks.array_module(blocks=blocks, bin_counts=bin_counts,
                               active_block_indices=active_block_indices, ybase=ybase)
     ybase = _checks.nhwc("ybase", ybase)
@@ -57,9 +59,11 @@ def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bs
                          f" = [M, {', '.join(map(str, expected))}], got {blocks.shape}")
     if blocks.dtype != ybase.dtype:
         raise TypeError(f"blocks dtype {blocks.dtype} differs from ybase dtype {ybase.dtype}")
-    if add and ybase.dtype.name not in _kernels.ARITHMETIC_CTYPES:
-        raise TypeError(f"add=True needs a float dtype "
-                        f"({', '.join(_kernels.ARITHMETIC_CTYPES)}), got {ybase.dtype}")
+    data_dtype = data_dtype or ybase.dtype.name
+    if add and (data_dtype not in _kernels.ARITHMETIC_CTYPES
+                or (xp is numpy and data_dtype == "bfloat16")):
+        raise TypeError(f"add=True needs a float dtype ({', '.join(_kernels.ARITHMETIC_CTYPES)}; "
+                        f"bfloat16 on the GPU only), got {data_dtype}")
     if add and not atomic and (geometry.bstride[0] < bh or geometry.bstride[1] < bw):
         raise ValueError(f"add=True with overlapping blocks (bstride {geometry.bstride} < "
                          f"bsize {geometry.bsize}) needs atomic=True")
@@ -76,7 +80,8 @@ def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bs
         if xp is numpy:
             _scatter_numpy(blocks, counts, indices, work, geometry, add, transpose)
         else:
-            _scatter_cupy(blocks, counts, indices, work, geometry, add, atomic, transpose)
+            _scatter_cupy(blocks, counts, indices, work, geometry, add, atomic, transpose,
+                          data_dtype)
         if work is not y:
             y[...] = work
     return y
@@ -94,7 +99,7 @@ def _scatter_numpy(blocks, counts, indices, y, geometry, add, transpose):
         y[where] = values
 
 
-def _scatter_cupy(blocks, counts, indices, y, geometry, add, atomic, transpose):
+def _scatter_cupy(blocks, counts, indices, y, geometry, add, atomic, transpose, data_dtype):
     import cupy
 
     (bh, bw), (oh, ow), (sh, sw) = geometry
@@ -109,7 +114,7 @@ def _scatter_cupy(blocks, counts, indices, y, geometry, add, atomic, transpose):
     if transpose:
         grid, block, smem, vector, tile_rows, log2_tile_c, pitch = _blocks.transpose_launch(
             rows, bh, bw, channels, y.itemsize, blocks, y)
-        element = (_kernels.ARITHMETIC_CTYPES[y.dtype.name] if add
+        element = (_kernels.ARITHMETIC_CTYPES[data_dtype] if add
                    else _kernels.STORAGE_CTYPES[y.itemsize])
         kernel = _kernels.get_kernel("sparse_scatter", "sparse_scatter_transposed", element,
                                      vector, op)
@@ -121,7 +126,7 @@ def _scatter_cupy(blocks, counts, indices, y, geometry, add, atomic, transpose):
     pixel_bytes = channels * y.itemsize
     width_bytes = _kernels.widest_access(pixel_bytes, blocks, y)
     if add:
-        word = (f"vec_t<{_kernels.ARITHMETIC_CTYPES[y.dtype.name]}, "
+        word = (f"vec_t<{_kernels.ARITHMETIC_CTYPES[data_dtype]}, "
                 f"{width_bytes // y.itemsize}>")
     else:
         word = _kernels.STORAGE_CTYPES[width_bytes]

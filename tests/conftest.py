@@ -1,3 +1,4 @@
+import importlib
 import os
 import zlib
 
@@ -48,3 +49,10 @@ def pytest_report_header(config):
     require = os.environ.get("SBNET_REQUIRE_NVRTC")
     return [f"sbnet-cupy: GPU tests {'run' if HAS_GPU else 'skipped (no GPU)'}; "
             f"SBNET_REQUIRE_NVRTC={require}"]
+
+
+def require(module):
+    """pytest.importorskip, except in CI (SBNET_REQUIRE_BRIDGES=1), which must have it."""
+    if os.environ.get("SBNET_REQUIRE_BRIDGES") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module)

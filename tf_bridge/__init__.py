@@ -1,0 +1,189 @@
+"""sbnet_cupy's ops on TensorFlow tensors, with gradients.
+
+Each op runs inside ``tf.py_function``, so it works eagerly and inside ``tf.function``, and its
+gradient is registered with ``tf.custom_gradient``. CPU tensors go to sbnet_cupy's NumPy
+backend; GPU tensors go to its CuPy kernels through DLPack, without a copy.
+
+What TensorFlow does not allow, and what happens instead:
+- XLA (``tf.function(jit_compile=True)``) cannot compile ``py_function``: TensorFlow raises an
+  error naming ``EagerPyFunc`` when the function is traced.
+- A SavedModel keeps the Python function out: loaded in a new process, calling these ops fails.
+  Save the weights and rebuild the model in Python instead.
+- ``sparse_scatter_var`` updates a ``tf.Variable`` with ``assign`` (TensorFlow hands out no
+  writable view of a variable's buffer), so it saves no copy over ``sparse_scatter``.
+"""
+
+import tensorflow as tf
+
+import sbnet_cupy
+from sbnet_cupy import BlockParams, ReduceMask, calc_block_params, calc_block_params_res_block
+from sbnet_cupy import _checks
+
+__all__ = [
+    "BlockParams",
+    "ReduceMask",
+    "calc_block_params",
+    "calc_block_params_res_block",
+    "reduce_mask",
+    "sparse_gather",
+    "sparse_scatter",
+    "sparse_scatter_var",
+]
+
+
+def _on_gpu(t):
+    return "GPU" in t.device
+
+
+def _to_arrays(tensors):
+    """NumPy arrays for CPU tensors, CuPy arrays (DLPack, no copy) for GPU tensors."""
+    if not any(_on_gpu(t) for t in tensors):
+        return [t.numpy() for t in tensors]
+    import cupy
+
+    # to_dlpack synchronises the device, so TensorFlow's pending writes to these tensors
+    # (made on its own streams) are done before the kernels read them. Small tensors that
+    # TensorFlow keeps in host memory (block counts, indices) are copied over.
+    return [cupy.from_dlpack(tf.experimental.dlpack.to_dlpack(t)) if _on_gpu(t)
+            else cupy.asarray(t.numpy()) for t in tensors]
+
+
+def _to_tensor(array):
+    if isinstance(array, tf.Tensor) or not hasattr(array, "toDlpack"):
+        return tf.convert_to_tensor(array)
+    import cupy
+
+    # TensorFlow reads the result on its own streams and knows nothing of CuPy's: finish the
+    # kernels first. The DLPack capsule keeps the CuPy memory alive while TensorFlow holds it.
+    cupy.cuda.get_current_stream().synchronize()
+    return tf.experimental.dlpack.from_dlpack(array.toDlpack())
+
+
+def _call(fn, inputs, out_dtypes):
+    """Run fn on the inputs' arrays inside tf.py_function; fn returns arrays."""
+    def body(*tensors):
+        result = fn(*_to_arrays(tensors))
+        return [_to_tensor(a) for a in (result if isinstance(result, tuple) else (result,))]
+
+    return tf.py_function(body, inputs, out_dtypes)
+
+
+def _block_list(bin_counts, active_block_indices):
+    return (tf.cast(tf.convert_to_tensor(bin_counts), tf.int32),
+            tf.cast(tf.convert_to_tensor(active_block_indices), tf.int32))
+
+
+def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, avgpool=False,
+                capacity=None):
+    """sbnet_cupy.reduce_mask on a tensor: ReduceMask of int32 tensors. Not differentiable."""
+    geometry = _checks.block_geometry(bsize, boffset, bstride)
+    bcount = _checks.int_pair("bcount", bcount, minimum=0)
+    mask = tf.convert_to_tensor(mask)
+    if mask.dtype == tf.bfloat16:
+        mask = tf.cast(mask, tf.float32)
+
+    def run(mask_array):
+        return tuple(sbnet_cupy.reduce_mask(mask_array, bcount, bsize=geometry.bsize,
+                                            boffset=geometry.boffset, bstride=geometry.bstride,
+                                            tol=tol, avgpool=avgpool, capacity=capacity))
+
+    indices, counts = _call(run, [mask], [tf.int32, tf.int32])
+    indices.set_shape([capacity, 3])
+    counts.set_shape([1])
+    return ReduceMask(indices, counts)
+
+
+def _stack_shape(rows, geometry, channels, transpose):
+    bh, bw = geometry.bsize
+    return [rows, channels, bh, bw] if transpose else [rows, bh, bw, channels]
+
+
+def _gather(x, counts, indices, geometry, transpose):
+    def run(x_array, counts_array, indices_array):
+        return sbnet_cupy.sparse_gather(x_array, counts_array, indices_array,
+                                        bsize=geometry.bsize, boffset=geometry.boffset,
+                                        bstride=geometry.bstride, transpose=transpose)
+
+    (out,) = _call(run, [x, counts, indices], [x.dtype])
+    out.set_shape(_stack_shape(indices.shape[0], geometry, x.shape[3], transpose))
+    return out
+
+
+def _scatter(blocks, counts, indices, ybase, geometry, add, atomic, transpose):
+    def run(blocks_array, counts_array, indices_array, ybase_array):
+        return sbnet_cupy.sparse_scatter(blocks_array, counts_array, indices_array, ybase_array,
+                                         bsize=geometry.bsize, boffset=geometry.boffset,
+                                         bstride=geometry.bstride, add=add, atomic=atomic,
+                                         transpose=transpose)
+
+    (y,) = _call(run, [blocks, counts, indices, ybase], [ybase.dtype])
+    y.set_shape(ybase.shape)
+    return y
+
+
+def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0), bstride=None,
+                  transpose=False):
+    """sbnet_cupy.sparse_gather on tensors; differentiable in x."""
+    geometry = _checks.block_geometry(bsize, boffset, bstride)
+    x = tf.convert_to_tensor(x)
+    if x.shape.rank != 4:
+        raise ValueError(f"x must be 4-D [N, H, W, C], got shape {x.shape}")
+    counts, indices = _block_list(bin_counts, active_block_indices)
+    transpose = bool(transpose)
+
+    @tf.custom_gradient
+    def gather(x):
+        def grad(dy):
+            # Each block pixel came from one pixel of x; overlapping blocks read some twice.
+            return _scatter(dy, counts, indices, tf.zeros_like(x), geometry, True, True,
+                            transpose)
+
+        return _gather(x, counts, indices, geometry, transpose), grad
+
+    return gather(x)
+
+
+def sparse_scatter(blocks, bin_counts, active_block_indices, ybase, *, bsize, boffset=(0, 0),
+                   bstride=None, add=False, atomic=False, transpose=False):
+    """sbnet_cupy.sparse_scatter on tensors; differentiable in blocks and ybase.
+
+    Where blocks overlap without add, which block lands is unspecified and so is the gradient
+    of the blocks there."""
+    geometry = _checks.block_geometry(bsize, boffset, bstride)
+    blocks, ybase = tf.convert_to_tensor(blocks), tf.convert_to_tensor(ybase)
+    if ybase.shape.rank != 4:
+        raise ValueError(f"ybase must be 4-D [N, H, W, C], got shape {ybase.shape}")
+    if blocks.dtype != ybase.dtype:
+        raise TypeError(f"blocks dtype {blocks.dtype.name} differs from ybase dtype "
+                        f"{ybase.dtype.name}")
+    counts, indices = _block_list(bin_counts, active_block_indices)
+    add, atomic, transpose = bool(add), bool(atomic), bool(transpose)
+    expected = _stack_shape(indices.shape[0], geometry, ybase.shape[3], transpose)
+    if not blocks.shape.is_compatible_with(expected):
+        raise ValueError(f"blocks must have shape {expected} "
+                         f"({'[M, C, BH, BW]' if transpose else '[M, BH, BW, C]'}), "
+                         f"got {blocks.shape}")
+
+    @tf.custom_gradient
+    def scatter(blocks, ybase):
+        def grad(dy):
+            # Each block element went to one pixel of y (or nowhere, outside it).
+            d_blocks = _gather(dy, counts, indices, geometry, transpose)
+            if add:
+                return d_blocks, dy
+            # ybase shows through only where no block was written: zero the written pixels.
+            return d_blocks, _scatter(tf.zeros_like(blocks), counts, indices, dy, geometry,
+                                      False, False, transpose)
+
+        return _scatter(blocks, counts, indices, ybase, geometry, add, atomic, transpose), grad
+
+    return scatter(blocks, ybase)
+
+
+def sparse_scatter_var(blocks, bin_counts, active_block_indices, ybase, **kwargs):
+    """sparse_scatter into a tf.Variable: assigns the result to ybase and returns ybase."""
+    if not isinstance(ybase, tf.Variable):
+        raise TypeError(f"ybase must be a tf.Variable, got {type(ybase).__name__}")
+    ybase.assign(sparse_scatter(blocks, bin_counts, active_block_indices, ybase.value(),
+                                **kwargs))
+    return ybase

@@ -1,0 +1,22 @@
+"""sbnet_cupy's ops on PyTorch tensors, with gradients.
+
+The ops are torch.library custom ops (namespace ``sbnet``) with fake kernels and autograd, so
+they run eagerly, under ``torch.compile(fullgraph=True)``, and inside CUDA graph capture (with
+``capacity``: no host sync). CUDA tensors run sbnet_cupy's kernels on the tensor's device and
+torch's current stream; CPU tensors run its NumPy backend. Arguments are those of sbnet_cupy.
+"""
+
+from sbnet_cupy import BlockParams, ReduceMask, calc_block_params, calc_block_params_res_block
+
+from ._ops import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_var
+
+__all__ = [
+    "BlockParams",
+    "ReduceMask",
+    "calc_block_params",
+    "calc_block_params_res_block",
+    "reduce_mask",
+    "sparse_gather",
+    "sparse_scatter",
+    "sparse_scatter_var",
+]
