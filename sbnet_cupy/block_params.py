@@ -35,6 +35,10 @@ def calc_block_params(in_size, bsize, ksize, strides=(1, 1), padding="SAME"):
         blocks with (bsize, boffset, bstrides, bcount for reduce_mask), and the output block
         size after a VALID convolution of each block (to scatter with, stride bsize_out).
 
+    The blocks always cover the whole output: bcount = ceil(output size / bsize_out). (SBNet's
+    padding arithmetic could leave the last rows out: a 50-pixel side with 18-pixel blocks and
+    a 3x3 kernel got 3 blocks, 48 output pixels.)
+
     Example: a 64x64 input, 18x18 blocks and a 3x3 SAME convolution give blocks every 16
     pixels starting at -1, 4x4 of them, each 16x16 after the convolution::
 
@@ -56,17 +60,16 @@ def calc_block_params(in_size, bsize, ksize, strides=(1, 1), padding="SAME"):
                              f"strides {strides}")
         bstride = block - kernel + stride  # output blocks tile the output without overlap
         if padding == "SAME":
-            pad = max((math.ceil(size / stride) - 1) * stride + kernel - size, 0)
-            before = pad // 2
-            after = pad - before
+            out = math.ceil(size / stride)
+            before = max((out - 1) * stride + kernel - size, 0) // 2
         else:
-            before = after = 0
-        after += (block - size) % bstride  # so that the blocks cover the padded input
-        padded = size + before + after
+            out = max(0, (size - kernel) // stride + 1)
+            before = 0
+        out_block = (block - kernel) // stride + 1
         boffset.append(-before)
-        bcount.append(max(0, (padded - block) // bstride + 1))
+        bcount.append(math.ceil(out / out_block))  # enough blocks to cover the whole output
         bstrides.append(bstride)
-        bsize_out.append((block - kernel) // stride + 1)
+        bsize_out.append(out_block)
     return BlockParams(bsize=bsize, bsize_out=tuple(bsize_out), boffset=tuple(boffset),
                        bcount=tuple(bcount), bstrides=tuple(bstrides))
 

@@ -18,7 +18,8 @@ def test_sbnet_argument_forms_port_unchanged():
 
 @pytest.mark.parametrize("size, bsize, ksize, strides, padding", [
     (64, 18, 3, 1, "SAME"), (400, 34, 3, 1, "SAME"), (37, 10, 3, 1, "VALID"),
-    (50, 19, 3, 2, "SAME"), (10, 18, 3, 1, "SAME"), (88, 14, 5, 1, "SAME")])
+    (50, 19, 3, 2, "SAME"), (10, 18, 3, 1, "SAME"), (88, 14, 5, 1, "SAME"),
+    (50, 18, 3, 1, "SAME")])  # SBNet's arithmetic gave 3 blocks here, leaving 2 rows out
 def test_blocks_cover_the_dense_output(size, bsize, ksize, strides, padding):
     """The output blocks tile the dense convolution's output exactly, without overlap, and each
     input block is the receptive field of its output block."""
@@ -29,9 +30,12 @@ def test_blocks_cover_the_dense_output(size, bsize, ksize, strides, padding):
     assert p.bsize_out[0] == (bsize - ksize) // strides + 1
     assert p.bstrides[0] == p.bsize_out[0] * strides
     assert p.bcount[0] * p.bsize_out[0] >= out_size > (p.bcount[0] - 1) * p.bsize_out[0]
-    # output pixel o reads input pixels o*strides - pad_before + [0, ksize)
-    first_block_start = p.boffset[0]
-    assert first_block_start == 0 * strides - pad_before
+    # Output pixel o reads input pixels o*strides - pad_before + [0, ksize): output block b
+    # starts at pixel b*bsize_out, so its input block starts at b*bsize_out*strides - pad_before.
+    for b in range(p.bcount[0]):
+        assert p.boffset[0] + p.bstrides[0] * b == b * p.bsize_out[0] * strides - pad_before
+    if padding == "SAME":
+        assert pad_before == max((out_size - 1) * strides + ksize - size, 0) // 2
 
 
 def test_res_block_uses_the_receptive_field():

@@ -21,10 +21,9 @@ def _on_current_stream(device):
         return
     import cupy
 
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream,
-                                                                  device.index):
-        yield
+    with cupy.cuda.Device(device.index):
+        with cupy.cuda.Stream.from_external(torch.cuda.current_stream(device)):
+            yield
 
 
 def _array(t):

@@ -1,0 +1,289 @@
+"""Sparse residual units and 3x3 convolutions against the same units run densely (SBNet's
+T1/T2 benchmark) on the paper's stage sizes, and against submanifold sparse convolution.
+
+    python -m bench.res_blocks [--suite topleft blocksize batch fp32 road spconv] [--out DIR]
+
+Dense baseline: the same module run densely with cuDNN, channels_last, cudnn.benchmark, BN
+folded into the convolutions, measured in the same run. Sparse: reduce_mask (inside the timed
+region) -> one gather -> the unit on the blocks -> one scatter-add in place, with a capacity
+bucket (no host sync). Both sides are timed eagerly and as CUDA graphs: CUDA events around each
+call, median of --repeats after warm-up. Writes <out>/res_blocks_<device>.csv and a PNG plot.
+"""
+
+import argparse
+import csv
+import itertools
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy
+import torch
+
+import torch_bridge as tb
+from bench import masks
+
+# stage: (H, W, C, bottleneck K). T1 convolves K channels at H x W, T2 is the C/K unit.
+STAGES = {"conv-2": (400, 704, 96, 24), "conv-3": (200, 352, 192, 48),
+          "conv-4": (100, 176, 256, 64), "conv-5": (50, 88, 384, 96)}
+PRECISIONS = {"tf32": (torch.float32, True), "fp32": (torch.float32, False),
+              "fp16": (torch.float16, False)}
+TOLERANCE = {"tf32": 5e-3, "fp32": 1e-5, "fp16": 1e-2}  # relative L2 error, sparse vs dense
+
+
+def suites(names):
+    """(suite, test, stage, batch, precision, mask, sparsity, bsize) rows to run."""
+    rows = []
+    if "topleft" in names:
+        rows += [("topleft", t, s, 1, p, "topleft", sp, 16)
+                 for t, s, p, sp in itertools.product(("T2", "T1"), STAGES, ("tf32", "fp16"),
+                                                      (0.5, 0.7, 0.9, 0.95, 0.99))]
+    if "blocksize" in names:
+        rows += [("blocksize", t, s, 1, p, "topleft", sp, b)
+                 for t, s, p, sp, b in itertools.product(("T2", "T1"), STAGES, ("tf32", "fp16"),
+                                                         (0.5, 0.9), (8, 32))]
+    if "batch" in names:
+        rows += [("batch", "T2", s, 8, p, "topleft", 0.9, 16)
+                 for s, p in itertools.product(STAGES, ("tf32", "fp16"))]
+    if "fp32" in names:
+        rows += [("fp32", t, s, 1, "fp32", "topleft", 0.9, 16)
+                 for t, s in itertools.product(("T2", "T1"), STAGES)]
+    if "road" in names:
+        rows += [("road", "T2", s, 1, p, "road", sp, 16)
+                 for s, p, sp in itertools.product(STAGES, ("tf32", "fp16"), (0.7, 0.8, 0.9))]
+    if "spconv" in names:
+        rows += [("spconv", "T2", s, 1, p, m, 0.9, 16)
+                 for s, p, m in itertools.product(STAGES, ("tf32", "fp16"), ("topleft", "road"))]
+    return rows
+
+
+def _events_ms(run, repeats, reset):
+    times = []
+    for i in range(repeats + 3):
+        reset()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        if i >= 3:  # warm-up
+            times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _graph(run):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
+def _randomise(module, rng):
+    for m in module.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.copy_(torch.tensor(rng.uniform(-0.5, 0.5, m.num_features)))
+            m.running_var.copy_(torch.tensor(rng.uniform(0.5, 2, m.num_features)))
+            m.weight.data.copy_(torch.tensor(rng.uniform(0.5, 1.5, m.num_features)))
+            m.bias.data.copy_(torch.tensor(rng.uniform(-0.5, 0.5, m.num_features)))
+
+
+def _covered(found, shape, bsize):
+    covered = torch.zeros(shape, dtype=torch.bool, device="cuda")
+    for n, hi, wi in found.active_block_indices.tolist():
+        covered[n, hi * bsize:(hi + 1) * bsize, wi * bsize:(wi + 1) * bsize] = True
+    return covered
+
+
+def run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize, repeats, rng):
+    height, width, channels, bottleneck = STAGES[stage]
+    dtype, tf32 = PRECISIONS[precision]
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    if test == "T2":
+        module = tb.SparseResBlockBottleneck(channels, bottleneck, bsize_out=bsize)
+        _randomise(module, rng)
+        module.fold_batchnorm()
+    else:
+        channels = bottleneck
+        module = tb.SparseConv2d(channels, channels, bsize_out=bsize, bias=False)
+    module = module.cuda().to(dtype).eval()
+    mask_np = (masks.top_left(batch, height, width, sparsity) if mask_kind == "topleft"
+               else masks.road(rng, batch, height, width, sparsity))
+    mask = torch.tensor(mask_np, device="cuda")
+    x0 = torch.randn(batch, height, width, channels, device="cuda", dtype=dtype)
+    x, y = x0.clone(), x0.clone()
+    found = module.reduce_mask(mask)
+    active, total = int(found.bin_counts[0]), found.active_block_indices.shape[0]
+    capacity = tb.capacity_bucket(active)
+    params = module.block_params(height, width)
+    blocks_total = batch * params.bcount[0] * params.bcount[1]
+
+    def sparse():
+        found = module.reduce_mask(mask, capacity=capacity)
+        if test == "T2":
+            module(x, found, inplace=True)
+        else:
+            module(x, found, base=y, inplace=True)
+
+    def dense():
+        return module.dense(x)
+
+    def reset():
+        x.copy_(x0)
+
+    with torch.no_grad():
+        # Correct first: the sparse result equals the dense one on the active blocks.
+        reset()
+        want = dense()
+        sparse()
+        got = x if test == "T2" else y
+        covered = _covered(found, (batch, height, width), bsize)
+        error = ((got - want)[covered].float().norm() / want[covered].float().norm()).item()
+        if not error < TOLERANCE[precision]:
+            raise AssertionError(f"sparse differs from dense: relative error {error:.2e}")
+        row = dict(test=test, stage=stage, H=height, W=width, C=channels, K=bottleneck,
+                   batch=batch, precision=precision, mask=mask_kind, sparsity=sparsity,
+                   pixel_density=round(float(mask_np.mean()), 4), bsize=bsize,
+                   active_blocks=active, blocks=blocks_total, capacity=capacity,
+                   rel_error=f"{error:.1e}")
+        row["dense_eager_ms"] = _events_ms(dense, repeats, reset)
+        row["sparse_eager_ms"] = _events_ms(sparse, repeats, reset)
+        dense_graph, sparse_graph = _graph(dense), _graph(sparse)
+        row["dense_graph_ms"] = _events_ms(dense_graph.replay, repeats, reset)
+        row["sparse_graph_ms"] = _events_ms(sparse_graph.replay, repeats, reset)
+        del dense_graph, sparse_graph
+    row["speedup_eager"] = row["dense_eager_ms"] / row["sparse_eager_ms"]
+    row["speedup_graph"] = row["dense_graph_ms"] / row["sparse_graph_ms"]
+    row["theoretical"] = 1 / max(row["pixel_density"], 1e-9)
+    row["theoretical_blocks"] = blocks_total / max(active, 1)
+    return row
+
+
+class _SubmanifoldBottleneck(torch.nn.Module):
+    """The same unit with submanifold convolutions on the active pixels (spconv-triton): 1x1
+    convolutions are per-pixel linear maps, the 3x3 a SubMConv2d; BN folded."""
+
+    def __init__(self, spconv, channels, bottleneck):
+        super().__init__()
+        self.bn1 = torch.nn.BatchNorm1d(channels)
+        self.linear1 = torch.nn.Linear(channels, bottleneck)
+        self.conv2 = spconv.SubMConv2d(bottleneck, bottleneck, 3, indice_key="subm")
+        self.linear3 = torch.nn.Linear(bottleneck, channels)
+
+    def forward(self, spconv, features, indices, shape, batch):
+        z = torch.relu(self.linear1(torch.relu(self.bn1(features))))
+        z = self.conv2(spconv.SparseConvTensor(z, indices, shape, batch)).features
+        return features + self.linear3(torch.relu(z))
+
+
+def run_spconv(stage, precision, mask_kind, sparsity, repeats, rng):
+    import spconv_triton.pytorch as spconv
+
+    height, width, channels, bottleneck = STAGES[stage]
+    dtype, tf32 = PRECISIONS[precision]
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    unit = _SubmanifoldBottleneck(spconv, channels, bottleneck).cuda().to(dtype).eval()
+    mask_np = (masks.top_left(1, height, width, sparsity) if mask_kind == "topleft"
+               else masks.road(rng, 1, height, width, sparsity))
+    mask = torch.tensor(mask_np, device="cuda") > 0.5
+    x = torch.randn(1, height, width, channels, device="cuda", dtype=dtype)
+
+    def submanifold():  # dense in, dense out, as the SBNet path: the site list is built per call
+        indices = mask.nonzero().int()
+        features = x[indices[:, 0], indices[:, 1], indices[:, 2]]
+        out = unit(spconv, features, indices, [height, width], 1)
+        x[indices[:, 0], indices[:, 1], indices[:, 2]] = out
+
+    with torch.no_grad():
+        ms = _events_ms(submanifold, repeats, lambda: None)
+    return dict(spconv_eager_ms=ms, active_sites=int(mask.sum()))
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(18, 8), sharex=True)
+    for row_axes, precision in zip(axes, ("tf32", "fp16")):
+        for ax, stage in zip(row_axes, STAGES):
+            for test, style in (("T2", "-"), ("T1", "--")):
+                pts = sorted((r["sparsity"], r["speedup_graph"], r["speedup_eager"],
+                              r["theoretical"]) for r in rows
+                             if r["suite"] == "topleft" and r["test"] == test
+                             and r["stage"] == stage and r["precision"] == precision)
+                if not pts:
+                    continue
+                s, graph, eager, theory = zip(*pts)
+                ax.plot(s, graph, style + "o", label=f"{test} graphed")
+                ax.plot(s, eager, style + "x", label=f"{test} eager")
+            if pts:
+                ax.plot(s, theory, ":", color="gray", label="1 / density")
+            ax.axhline(1, color="black", lw=0.5)
+            ax.set_yscale("log")
+            ax.set_title(f"{stage} {precision}")
+            ax.set_xlabel("sparsity")
+        row_axes[0].set_ylabel("speed-up over dense")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", nargs="+", default=["topleft", "blocksize", "batch", "fp32",
+                                                       "road", "spconv"])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--stages", nargs="+", default=list(STAGES))
+    args = parser.parse_args(argv)
+    torch.backends.cudnn.benchmark = True
+    device = torch.cuda.get_device_name()
+    slug = device.replace(" ", "_")
+    args.out.mkdir(parents=True, exist_ok=True)
+    todo = [r for r in suites(args.suite) if r[2] in args.stages]
+    rows, started = [], time.time()
+    for i, (suite, test, stage, batch, precision, mask_kind, sparsity, bsize) in enumerate(todo):
+        rng = numpy.random.default_rng(i)
+        if suite == "spconv":
+            row = run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize,
+                             args.repeats, numpy.random.default_rng(i))
+            row.update(run_spconv(stage, precision, mask_kind, sparsity, args.repeats, rng))
+            row["speedup_vs_spconv_eager"] = row["spconv_eager_ms"] / row["sparse_eager_ms"]
+            row["speedup_vs_spconv_graph"] = row["spconv_eager_ms"] / row["sparse_graph_ms"]
+        else:
+            row = run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize,
+                             args.repeats, rng)
+        row = {"suite": suite, **row}
+        rows.append(row)
+        print(f"[{i + 1}/{len(todo)} {time.time() - started:5.0f}s] {suite:9} {test} {stage} "
+              f"b{batch} {precision} {mask_kind} s={sparsity} bs={bsize}: "
+              f"dense {row['dense_eager_ms']:.3f}/{row['dense_graph_ms']:.3f} ms, "
+              f"sparse {row['sparse_eager_ms']:.3f}/{row['sparse_graph_ms']:.3f} ms "
+              f"(eager/graph), x{row['speedup_eager']:.2f}/x{row['speedup_graph']:.2f}, "
+              f"theory x{row['theoretical']:.1f}"
+              + (f", spconv {row['spconv_eager_ms']:.3f} ms" if suite == "spconv" else ""),
+              flush=True)
+        torch.cuda.empty_cache()
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    name = "res_blocks_" + "_".join(args.suite) + f"_{slug}"
+    with open(args.out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: round(v, 4) if isinstance(v, float) else v
+                             for k, v in r.items()})
+    if any(r["suite"] == "topleft" for r in rows):
+        plot(rows, args.out / f"{name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Sparse convolution and SBNet's sparse residual unit as torch modules.
+
+Tensors are NHWC ([N, H, W, C], contiguous). The convolutions run on the gathered blocks with
+torch's own (cuDNN) convolutions, in channels_last memory format, so no transposes are needed.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _ops
+from sbnet_cupy import calc_block_params, calc_block_params_res_block
+
+
+def capacity_bucket(count, ratio=1.125, minimum=8):
+    """The capacity to run `count` blocks with: the smallest of minimum * ratio**i (rounded up to
+    a multiple of 8) that holds them, so that one CUDA graph per bucket serves every count while
+    padding blocks waste at most ~(ratio - 1) of the work."""
+    bucket = minimum
+    while bucket < count:
+        bucket = 8 * math.ceil(bucket * ratio / 8)
+    return bucket
+
+
+def _nchw(blocks):
+    """[M, H, W, C] -> [M, C, H, W] view (channels_last memory)."""
+    return blocks.permute(0, 3, 1, 2)
+
+
+def _nhwc(blocks):
+    return blocks.permute(0, 2, 3, 1)
+
+
+class SparseConv2d(nn.Module):
+    """A k x k, stride-1, SAME convolution computed on the active blocks only.
+
+    forward(x, found) returns `base` (zeros by default) with the convolution written on the
+    output blocks of the active blocks: bsize_out x bsize_out output pixels per block.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size=3, *, bsize_out=16, bias=True):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, bias=bias)  # VALID
+        self.bsize_out = bsize_out
+
+    def block_params(self, height, width):
+        k = self.conv.kernel_size[0]
+        return calc_block_params((height, width), self.bsize_out + k - 1, k)
+
+    def reduce_mask(self, mask, *, tol=0.5, capacity=None):
+        params = self.block_params(*mask.shape[1:3])
+        return _ops.reduce_mask(mask, params.bcount, bsize=params.bsize, boffset=params.boffset,
+                                bstride=params.bstrides, tol=tol, capacity=capacity)
+
+    def forward(self, x, found, base=None, *, inplace=False):
+        params = self.block_params(*x.shape[1:3])
+        blocks = _ops.sparse_gather(x, found.bin_counts, found.active_block_indices,
+                                    bsize=params.bsize, boffset=params.boffset,
+                                    bstride=params.bstrides)
+        out = _nhwc(self.conv(_nchw(blocks)))
+        if base is None:
+            base = x.new_zeros(x.shape[:3] + (self.conv.out_channels,))
+        scatter = _ops.sparse_scatter_var if inplace else _ops.sparse_scatter
+        return scatter(out, found.bin_counts, found.active_block_indices, base,
+                       bsize=params.bsize_out, bstride=params.bsize_out)
+
+    def dense(self, x):
+        """The same convolution on the whole NHWC tensor."""
+        k = self.conv.kernel_size[0]
+        return _nhwc(F.conv2d(_nchw(x), self.conv.weight, self.conv.bias, padding=k // 2))
+
+
+class SparseResBlockBottleneck(nn.Module):
+    """SBNet's pre-activation bottleneck residual unit, y = x + F(x), on the active blocks.
+
+    F is BN-ReLU-1x1 (C -> K), BN-ReLU-3x3 (K -> K), BN-ReLU-1x1 (K -> C). One gather of
+    (bsize_out + 2)^2 blocks before the unit, one scatter-add of bsize_out^2 blocks after it.
+    Outside the active blocks y equals x. Pixels of a block outside the image are zeroed before
+    the 3x3 convolution, as the dense unit's zero padding does, so blocks at the border match it.
+    fold_batchnorm() folds the second and third BN into the convolutions before them, for
+    inference; dense() is the same unit run densely, the baseline.
+    """
+
+    def __init__(self, channels, bottleneck, *, bsize_out=16):
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv1 = nn.Conv2d(channels, bottleneck, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(bottleneck)
+        self.conv2 = nn.Conv2d(bottleneck, bottleneck, 3, bias=False)  # VALID on blocks
+        self.bn3 = nn.BatchNorm2d(bottleneck)
+        self.conv3 = nn.Conv2d(bottleneck, channels, 1, bias=False)
+        self.bsize_out = bsize_out
+        self._inside = {}
+
+    def block_params(self, height, width):
+        return calc_block_params_res_block((height, width), self.bsize_out + 2,
+                                           [(1, 1), (3, 3), (1, 1)])
+
+    def reduce_mask(self, mask, *, tol=0.5, capacity=None):
+        params = self.block_params(*mask.shape[1:3])
+        return _ops.reduce_mask(mask, params.bcount, bsize=params.bsize, boffset=params.boffset,
+                                bstride=params.bstrides, tol=tol, capacity=capacity)
+
+    def fold_batchnorm(self):
+        """Fold bn2 into conv1 and bn3 into conv2 (eval mode, inference only)."""
+        self.eval()
+        self.conv1 = torch.nn.utils.fusion.fuse_conv_bn_eval(self.conv1, self.bn2)
+        self.conv2 = torch.nn.utils.fusion.fuse_conv_bn_eval(self.conv2, self.bn3)
+        self.bn2, self.bn3 = nn.Identity(), nn.Identity()
+        return self
+
+    def _residual(self, z, conv2_padding, inside=None):
+        z = self.conv1(F.relu(self.bn1(z)))
+        z = F.relu(self.bn2(z))
+        if inside is not None:
+            z = z * inside
+        z = F.conv2d(z, self.conv2.weight, self.conv2.bias, padding=conv2_padding)
+        return self.conv3(F.relu(self.bn3(z)))
+
+    def _inside_image(self, x, params, found):
+        """[M, 1, bh, bw] mask of the block pixels that lie inside the image."""
+        key = (x.shape[:3], x.dtype, x.device)
+        if key not in self._inside:
+            self._inside = {key: x.new_ones(x.shape[:3] + (1,))}
+        return _nchw(_ops.sparse_gather(self._inside[key], found.bin_counts,
+                                        found.active_block_indices, bsize=params.bsize,
+                                        boffset=params.boffset, bstride=params.bstrides))
+
+    def forward(self, x, found, *, inplace=False):
+        """x: [N, H, W, C]. With inplace=True the result is added into x itself (inference)."""
+        params = self.block_params(*x.shape[1:3])
+        blocks = _ops.sparse_gather(x, found.bin_counts, found.active_block_indices,
+                                    bsize=params.bsize, boffset=params.boffset,
+                                    bstride=params.bstrides)
+        out = _nhwc(self._residual(_nchw(blocks), 0, self._inside_image(x, params, found)))
+        scatter = _ops.sparse_scatter_var if inplace else _ops.sparse_scatter
+        return scatter(out, found.bin_counts, found.active_block_indices, x,
+                       bsize=params.bsize_out, bstride=params.bsize_out, add=True)
+
+    def dense(self, x):
+        """The same unit on the whole NHWC tensor."""
+        return x + _nhwc(self._residual(_nchw(x), 1))
