@@ -221,3 +221,15 @@ def test_half_precision_adds(rng, dtype):
         _np(blocks).astype(numpy.float32), _np(found.bin_counts), _np(found.active_block_indices),
         numpy.zeros(x.shape, numpy.float32), add=True, atomic=True, transpose=True, **kw)
     numpy.testing.assert_array_equal(_np(y).astype(numpy.float32), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_blocks(device):
+    x = torch.randn(1, 16, 16, 4, device=device)
+    found = tb.reduce_mask(torch.zeros(1, 16, 16, device=device), (2, 2), bsize=8)
+    assert found.active_block_indices.shape == (0, 3) and int(found.bin_counts[0]) == 0
+    stack = tb.sparse_gather(x, found.bin_counts, found.active_block_indices, bsize=8)
+    assert stack.shape == (0, 8, 8, 4)
+    y = tb.sparse_scatter(stack, found.bin_counts, found.active_block_indices, x, bsize=8,
+                          add=True)
+    assert torch.equal(y, x)

@@ -27,17 +27,26 @@ def _on_current_stream(device):
 
 
 def _array(t):
-    """Zero-copy NumPy (CPU) or CuPy (CUDA, through DLPack) view of a contiguous tensor.
-    bfloat16 travels as int16: neither NumPy nor CuPy has it."""
+    """Zero-copy NumPy (CPU) or CuPy (CUDA) view of a contiguous tensor. bfloat16 travels as
+    int16: neither NumPy nor CuPy has it.
+
+    CUDA tensors are wrapped by pointer (the CuPy array keeps the tensor alive) rather than
+    through DLPack: cupy.from_dlpack costs ~27 us a tensor on the H100 machine against ~2.5 us,
+    four tensors an op, and the DLPack stream handshake is not needed on torch's own stream."""
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     if t.device.type == "cpu":
         return t.detach().numpy()
     import cupy
 
-    # CuPy passes its current stream (torch's, see _on_current_stream) to __dlpack__, so torch
-    # adds no synchronisation.
-    return cupy.from_dlpack(t.detach())
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t,
+                                     t.device.index)
+    return cupy.ndarray(tuple(t.shape), _CUPY_DTYPES[t.dtype], cupy.cuda.MemoryPointer(memory, 0))
+
+
+_CUPY_DTYPES = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64",
+                torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16",
+                torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
 
 
 def _data_dtype(t):
