@@ -6,6 +6,8 @@ run a vectorised NumPy implementation (the reference, and the path on machines w
 
 from .block_params import BlockParams, calc_block_params, calc_block_params_res_block
 from .reduce_mask import ReduceMask, reduce_mask
+from .sparse_conv import (conv2d_same, conv2d_valid, fold_batchnorm, random_bottleneck_weights,
+                          res_block_bottleneck, sparse_conv2d, sparse_res_block_bottleneck)
 from .sparse_gather import sparse_gather
 from .sparse_scatter import sparse_scatter, sparse_scatter_var
 
@@ -14,8 +16,15 @@ __all__ = [
     "ReduceMask",
     "calc_block_params",
     "calc_block_params_res_block",
+    "conv2d_same",
+    "conv2d_valid",
+    "fold_batchnorm",
+    "random_bottleneck_weights",
     "reduce_mask",
+    "res_block_bottleneck",
+    "sparse_conv2d",
     "sparse_gather",
+    "sparse_res_block_bottleneck",
     "sparse_scatter",
     "sparse_scatter_var",
 ]

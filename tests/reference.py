@@ -74,3 +74,24 @@ def covering_values(blocks, indices, count, y_shape, geometry, transpose):
         for r, c, n, h, w in _pixels(y_shape, geometry, indices[m]):
             candidates.setdefault((n, h, w), []).append(stack[m, r, c, :])
     return candidates
+
+
+def conv2d_same(x, w):
+    """Stride-1 SAME convolution, NHWC by HWIO, by summing shifted products."""
+    kh, kw = w.shape[:2]
+    padded = numpy.pad(x.astype(numpy.float64),
+                       ((0, 0), ((kh - 1) // 2, kh // 2), ((kw - 1) // 2, kw // 2), (0, 0)))
+    height, width = x.shape[1:3]
+    out = numpy.zeros(x.shape[:3] + (w.shape[3],))
+    for i in range(kh):
+        for j in range(kw):
+            out += padded[:, i:i + height, j:j + width] @ w[i, j].astype(numpy.float64)
+    return out
+
+
+def covered(indices, count, shape, bsize_out):
+    """Output pixels of the valid blocks: block (n, hi, wi) owns rows hi*b.. and cols wi*b.."""
+    mask = numpy.zeros(shape, bool)
+    for n, hi, wi in indices[:count]:
+        mask[n, hi * bsize_out:(hi + 1) * bsize_out, wi * bsize_out:(wi + 1) * bsize_out] = True
+    return mask

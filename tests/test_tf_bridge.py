@@ -10,6 +10,7 @@ tf = require("tensorflow")
 import sbnet_cupy  # noqa: E402
 import tf_bridge  # noqa: E402
 from axes import random_array  # noqa: E402
+import reference  # noqa: E402
 
 # (image H, W), bsize, boffset, bstride, bcount: one geometry without overlap, one with.
 DISJOINT = ((9, 11), (4, 3), (-1, -1), (4, 3), (3, 4))
@@ -123,3 +124,32 @@ def test_bad_arguments():
         tf_bridge.sparse_scatter(tf.ones([1, 4, 4, 3]), [1], [[0, 0, 0]], x, bsize=4)
     with pytest.raises(TypeError, match="ybase must be a tf.Variable"):
         tf_bridge.sparse_scatter_var(tf.ones([1, 4, 4, 4]), [1], [[0, 0, 0]], x, bsize=4)
+
+
+def test_sparse_res_block_equals_dense_on_active_blocks(rng):
+    shape, channels = (2, 37, 45), 8
+    x = rng.standard_normal(shape + (channels,))
+    weights = sbnet_cupy.random_bottleneck_weights(rng, channels, 4, numpy.float64)
+    weights = {k: tuple(tf.constant(a) for a in v) if isinstance(v, tuple) else tf.constant(v)
+               for k, v in weights.items()}
+    params = sbnet_cupy.calc_block_params_res_block(shape[1:], (10, 10),
+                                                    [(1, 1), (3, 3), (1, 1)])
+    mask = numpy.zeros(shape, numpy.float32)
+    mask[0, 5:9, 7:20] = mask[1, -2:, -3:] = 1
+    found = tf_bridge.reduce_mask(mask, params.bcount, bsize=params.bsize,
+                                  boffset=params.boffset, bstride=params.bstrides)
+    covered = reference.covered(found.active_block_indices.numpy(), int(found.bin_counts[0]),
+                                shape, 8)
+    dense = tf_bridge.res_block_bottleneck(tf.constant(x), weights).numpy()
+    with tf.GradientTape() as tape:
+        x_t = tf.constant(x)
+        tape.watch([x_t, weights["conv2"]])
+        y = tf_bridge.sparse_res_block_bottleneck(x_t, found, params, weights)
+        loss = tf.reduce_sum(y * y)
+    numpy.testing.assert_allclose(y.numpy()[covered], dense[covered], rtol=1e-10, atol=1e-10)
+    numpy.testing.assert_array_equal(y.numpy()[~covered], x[~covered])
+    grads = tape.gradient(loss, [x_t, weights["conv2"]])
+    assert all(g is not None and float(tf.reduce_sum(tf.abs(g))) > 0 for g in grads)
+    var = tf.Variable(x)
+    tf_bridge.sparse_res_block_bottleneck(var, found, params, weights, use_var=True)
+    numpy.testing.assert_allclose(var.numpy(), y.numpy(), rtol=1e-12)

@@ -25,7 +25,9 @@ __all__ = [
     "calc_block_params",
     "calc_block_params_res_block",
     "reduce_mask",
+    "res_block_bottleneck",
     "sparse_gather",
+    "sparse_res_block_bottleneck",
     "sparse_scatter",
     "sparse_scatter_var",
 ]
@@ -187,3 +189,45 @@ def sparse_scatter_var(blocks, bin_counts, active_block_indices, ybase, **kwargs
     ybase.assign(sparse_scatter(blocks, bin_counts, active_block_indices, ybase.value(),
                                 **kwargs))
     return ybase
+
+
+def _bottleneck_residual(z, weights, conv2_padding, inside=None):
+    """BN-ReLU-1x1, BN-ReLU-3x3, BN-ReLU-1x1 with BN as inference affines (scale, shift)."""
+    def bn_relu(z, bn):
+        scale, shift = bn
+        return tf.nn.relu(z * scale + shift)
+
+    z = tf.nn.conv2d(bn_relu(z, weights["bn1"]), weights["conv1"], 1, "VALID")
+    z = bn_relu(z, weights["bn2"])
+    if inside is not None:
+        z = z * inside  # the dense unit's zero padding of the 3x3 input, at the image border
+    z = tf.nn.conv2d(z, weights["conv2"], 1, conv2_padding)
+    return tf.nn.conv2d(bn_relu(z, weights["bn3"]), weights["conv3"], 1, "VALID")
+
+
+def res_block_bottleneck(x, weights):
+    """The dense pre-activation bottleneck unit, x + F(x), NHWC.
+
+    weights: bn1, bn2, bn3 as (scale, shift) per channel; conv1 [1, 1, C, K], conv2
+    [3, 3, K, K], conv3 [1, 1, K, C] (HWIO), as sbnet_cupy.random_bottleneck_weights makes."""
+    return x + _bottleneck_residual(x, weights, "SAME")
+
+
+def sparse_res_block_bottleneck(x, indices, block_params, weights, *, use_var=False):
+    """SBNet's sparse_res_block_bottleneck: x + F(x) on the active blocks, x elsewhere.
+
+    indices: the ReduceMask of reduce_mask run with block_params (SBNet's argument name).
+    block_params: calc_block_params_res_block((H, W), bsize, [(1, 1), (3, 3), (1, 1)]).
+    weights: as for res_block_bottleneck. use_var: x is a tf.Variable updated in place
+    (sparse_scatter_var). Differentiable in x and the weights. Block pixels outside the image
+    are zeroed before the 3x3 convolution, so blocks at the border match the dense unit."""
+    geometry = dict(bsize=block_params.bsize, boffset=block_params.boffset,
+                    bstride=block_params.bstrides)
+    dense = x.value() if use_var else tf.convert_to_tensor(x)
+    counts, active = indices.bin_counts, indices.active_block_indices
+    blocks = sparse_gather(dense, counts, active, **geometry)
+    inside = sparse_gather(tf.ones_like(dense[..., :1]), counts, active, **geometry)
+    out = _bottleneck_residual(blocks, weights, "VALID", inside)
+    scatter = sparse_scatter_var if use_var else sparse_scatter
+    return scatter(out, counts, active, x, bsize=block_params.bsize_out,
+                   bstride=block_params.bsize_out, add=True)
