@@ -23,9 +23,10 @@ def road(rng, n, height, width, sparsity):
             rows / height * rng.uniform(2, 4) + rng.uniform(0, 6))
         sector = numpy.hypot(rows - height, (cols - width / 2) / 2) < 0.18 * height
         objects = numpy.zeros((height, width), bool)
+        size = max(2, height // 60)  # objects scale with the image: cars of ~2 x 4 m at 400 px
         for _ in range(rng.integers(10, 25)):
             r, c = rng.integers(0, height), rng.integers(0, width)
-            objects[r:r + rng.integers(4, 12), c:c + rng.integers(8, 20)] = True
+            objects[r:r + rng.integers(size, 3 * size), c:c + rng.integers(2 * size, 5 * size)] = True
         low, high = 0.0, width / 2
         for _ in range(30):  # bisect the road's half-width to reach the density
             half = (low + high) / 2
