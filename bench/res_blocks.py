@@ -236,6 +236,16 @@ def plot(rows, path):
     fig.savefig(path, dpi=90)
 
 
+def _write_csv(rows, path):
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: round(v, 4) if isinstance(v, float) else v
+                             for k, v in r.items()})
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", nargs="+", default=["topleft", "blocksize", "batch", "fp32",
@@ -250,19 +260,17 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     todo = [r for r in suites(args.suite) if r[2] in args.stages]
     rows, started = [], time.time()
+    name = "res_blocks_" + "_".join(args.suite) + f"_{slug}"
     for i, (suite, test, stage, batch, precision, mask_kind, sparsity, bsize) in enumerate(todo):
         rng = numpy.random.default_rng(i)
+        row = run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize,
+                         args.repeats, rng)
         if suite == "spconv":
-            row = run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize,
-                             args.repeats, numpy.random.default_rng(i))
-            row.update(run_spconv(stage, precision, mask_kind, sparsity, args.repeats, rng))
+            row.update(run_spconv(stage, precision, mask_kind, sparsity, args.repeats,
+                                  numpy.random.default_rng(i)))  # the same road mask
             row["speedup_vs_spconv_eager"] = row["spconv_eager_ms"] / row["sparse_eager_ms"]
             row["speedup_vs_spconv_graph"] = row["spconv_eager_ms"] / row["sparse_graph_ms"]
-        else:
-            row = run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize,
-                             args.repeats, rng)
-        row = {"suite": suite, **row}
-        rows.append(row)
+        rows.append({"suite": suite, **row})
         print(f"[{i + 1}/{len(todo)} {time.time() - started:5.0f}s] {suite:9} {test} {stage} "
               f"b{batch} {precision} {mask_kind} s={sparsity} bs={bsize}: "
               f"dense {row['dense_eager_ms']:.3f}/{row['dense_graph_ms']:.3f} ms, "
@@ -271,15 +279,8 @@ def main(argv=None):
               f"theory x{row['theoretical']:.1f}"
               + (f", spconv {row['spconv_eager_ms']:.3f} ms" if suite == "spconv" else ""),
               flush=True)
+        _write_csv(rows, args.out / f"{name}.csv")  # after every row: a cut-off run keeps them
         torch.cuda.empty_cache()
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    name = "res_blocks_" + "_".join(args.suite) + f"_{slug}"
-    with open(args.out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: round(v, 4) if isinstance(v, float) else v
-                             for k, v in r.items()})
     if any(r["suite"] == "topleft" for r in rows):
         plot(rows, args.out / f"{name}.png")
     return 0
