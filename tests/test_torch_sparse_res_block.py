@@ -94,3 +94,25 @@ def test_capacity_bucket():
     for m in range(1, 5000):
         bucket = tb.capacity_bucket(m)
         assert bucket >= m and (bucket <= 8 or bucket <= numpy.ceil(m * 1.125 / 8) * 8 + 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capacity_graphs_match_eager(rng):
+    """One graph per bucket, replayed with new inputs, equals the eager module."""
+    block = tb.SparseResBlockBottleneck(16, 8, bsize_out=8).cuda().eval()
+    _randomise_batchnorm(block, rng)
+    block.fold_batchnorm()
+    mask = torch.zeros(1, 64, 64, device="cuda")
+    x = torch.randn(1, 64, 64, 16, device="cuda")
+
+    def unit(capacity):
+        return block(x, block.reduce_mask(mask, capacity=capacity))
+
+    graphs = tb.CapacityGraphs(unit)
+    with torch.no_grad():
+        for density in (0.02, 0.2, 0.02):
+            mask.copy_(torch.tensor(rng.random((1, 64, 64)) < density, device="cuda"))
+            x.copy_(torch.randn_like(x))
+            count = int(block.reduce_mask(mask).bin_counts[0])
+            torch.testing.assert_close(graphs(count), unit(None))  # cuDNN may pick other algorithms
+    assert len(graphs.graphs) == 2

@@ -9,10 +9,12 @@ torch's current stream; CPU tensors run its NumPy backend. Arguments are those o
 from sbnet_cupy import BlockParams, ReduceMask, calc_block_params, calc_block_params_res_block
 
 from ._ops import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_var
-from .sparse_res_block import SparseConv2d, SparseResBlockBottleneck, capacity_bucket
+from .capacity_graphs import CapacityGraphs, capacity_bucket
+from .sparse_res_block import SparseConv2d, SparseResBlockBottleneck
 
 __all__ = [
     "BlockParams",
+    "CapacityGraphs",
     "ReduceMask",
     "SparseConv2d",
     "SparseResBlockBottleneck",

@@ -4,24 +4,12 @@ Tensors are NHWC ([N, H, W, C], contiguous). The convolutions run on the gathere
 torch's own (cuDNN) convolutions, in channels_last memory format, so no transposes are needed.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import _ops
 from sbnet_cupy import calc_block_params, calc_block_params_res_block
-
-
-def capacity_bucket(count, ratio=1.125, minimum=8):
-    """The capacity to run `count` blocks with: the smallest of minimum * ratio**i (rounded up to
-    a multiple of 8) that holds them, so that one CUDA graph per bucket serves every count while
-    padding blocks waste at most ~(ratio - 1) of the work."""
-    bucket = minimum
-    while bucket < count:
-        bucket = 8 * math.ceil(bucket * ratio / 8)
-    return bucket
 
 
 def _nchw(blocks):
