@@ -206,34 +206,60 @@ def run_spconv(stage, precision, mask_kind, sparsity, repeats, rng):
 
 
 def plot(rows, path):
+    """Speed-up over dense against sparsity: a row of panels per suite, one panel per stage,
+    one line per series."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(18, 8), sharex=True)
-    for row_axes, precision in zip(axes, ("tf32", "fp16")):
-        for ax, stage in zip(row_axes, STAGES):
-            for test, style in (("T2", "-"), ("T1", "--")):
-                pts = sorted((r["sparsity"], r["speedup_graph"], r["speedup_eager"],
-                              r["theoretical"]) for r in rows
-                             if r["suite"] == "topleft" and r["test"] == test
-                             and r["stage"] == stage and r["precision"] == precision)
-                if not pts:
-                    continue
-                s, graph, eager, theory = zip(*pts)
-                ax.plot(s, graph, style + "o", label=f"{test} graphed")
-                ax.plot(s, eager, style + "x", label=f"{test} eager")
-            if pts:
-                ax.plot(s, theory, ":", color="gray", label="1 / density")
-            ax.axhline(1, color="black", lw=0.5)
-            ax.set_yscale("log")
-            ax.set_title(f"{stage} {precision}")
-            ax.set_xlabel("sparsity")
-        row_axes[0].set_ylabel("speed-up over dense")
-    axes[0][0].legend(fontsize=7)
+    suites_run = list(dict.fromkeys(r["suite"] for r in rows))
+    fig, grid = plt.subplots(len(suites_run), len(STAGES), squeeze=False, sharey=True,
+                             figsize=(4.5 * len(STAGES), 4 * len(suites_run)))
+    for axes, suite in zip(grid, suites_run):
+        _plot_suite(axes, [r for r in rows if r["suite"] == suite], suite)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+
+
+def _plot_suite(axes, rows, suite):
+    for ax, stage in zip(axes, STAGES):
+        at_stage = [r for r in rows if r["stage"] == stage]
+        series = sorted({(r["suite"], r["test"], r["precision"], r["mask"], r["bsize"])
+                         for r in at_stage})
+        for key in series:
+            pts = sorted((r["sparsity"], r["speedup_graph"], r["speedup_eager"])
+                         for r in at_stage
+                         if (r["suite"], r["test"], r["precision"], r["mask"], r["bsize"]) == key)
+            s, graph, eager = zip(*pts)
+            label = f"{key[1]} {key[2]} {key[3]} b{key[4]}"
+            line, = ax.plot(s, graph, "o-", label=f"{label} graphed")
+            ax.plot(s, eager, "x:", color=line.get_color(), label=f"{label} eager")
+        spconv = sorted((r["sparsity"], r["dense_graph_ms"] / r["spconv_eager_ms"], r["mask"])
+                        for r in at_stage if "spconv_eager_ms" in r)
+        for sparsity, speedup, mask in spconv:
+            ax.plot(sparsity, speedup, "k*", markersize=10)
+            ax.annotate(f"spconv {mask}", (sparsity, speedup), fontsize=7)
+        theory = sorted({(r["sparsity"], r["theoretical"]) for r in at_stage})
+        if theory:
+            ax.plot(*zip(*theory), ":", color="gray", label="1 / density")
+        ax.axhline(1, color="black", lw=0.5)
+        ax.set_yscale("log")
+        ax.set_title(f"{suite}: {stage}")
+        ax.set_xlabel("sparsity")
+        ax.legend(fontsize=5)
+    axes[0].set_ylabel("speed-up over dense (same run)")
+
+
+def _read_csv(path):
+    def value(v):
+        try:
+            return float(v) if "." in v or "e" in v else int(v)
+        except ValueError:
+            return v
+
+    with open(path) as f:
+        return [{k: value(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
 def _write_csv(rows, path):
@@ -253,7 +279,11 @@ def main(argv=None):
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--stages", nargs="+", default=list(STAGES))
+    parser.add_argument("--replot", type=pathlib.Path, help="only redraw the plot of this CSV")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot(_read_csv(args.replot), args.replot.with_suffix(".png"))
+        return 0
     torch.backends.cudnn.benchmark = True
     device = torch.cuda.get_device_name()
     slug = device.replace(" ", "_")
@@ -281,8 +311,7 @@ def main(argv=None):
               flush=True)
         _write_csv(rows, args.out / f"{name}.csv")  # after every row: a cut-off run keeps them
         torch.cuda.empty_cache()
-    if any(r["suite"] == "topleft" for r in rows):
-        plot(rows, args.out / f"{name}.png")
+    plot(rows, args.out / f"{name}.png")
     return 0
 
 
