@@ -29,12 +29,14 @@ def test_readme_example_runs_and_prints_what_it_says(code):
 
 
 def test_installed_wheel_ships_the_kernels():
-    """When the package is installed (as CI does), its kernels folder holds the .cu sources."""
-    try:
-        files = importlib.metadata.files("sbnet-cupy")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("sbnet-cupy is not installed")
-    names = {str(f) for f in files or ()}
+    """When the package is installed from a wheel (as CI does), its kernels folder holds the .cu
+    sources. The wheel's RECORD says what was installed (a build's egg-info folder in the
+    checkout, which may come first on the path, lists the sources instead)."""
+    records = [d.read_text("RECORD") for d in importlib.metadata.distributions()
+               if d.metadata["Name"] == "sbnet-cupy" and d.read_text("RECORD")]
+    if not records:
+        pytest.skip("sbnet-cupy is not installed from a wheel")
+    names = {line.split(",")[0] for line in records[0].splitlines()}
     if not any(n.startswith("sbnet_cupy/") for n in names):
         pytest.skip("installed in editable mode: the sources are the checkout's")
     for source in ("common.cuh", "reduce_mask.cu", "sparse_gather.cu", "sparse_scatter.cu"):
