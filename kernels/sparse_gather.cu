@@ -36,6 +36,53 @@ __global__ void sparse_gather(
     }
 }
 
+// sparse_gather with an inference BatchNorm (and ReLU) applied on the way: in-image pixels
+// become max(x * scale[c] + shift[c], 0) (without RELU, no max); out-of-image pixels and rows
+// past the count stay zero. The stack is [rows, bh, bw, C]; vectors of V elements of T, V
+// dividing C. Grid and CTA as for sparse_gather.
+template <typename T, int V, bool RELU>
+__global__ void sparse_gather_affine(
+    const vec_t<T, V>* __restrict__ x, vec_t<T, V>* __restrict__ blocks,
+    const typename acc_type<T>::type* __restrict__ scale,
+    const typename acc_type<T>::type* __restrict__ shift, const int* __restrict__ indices,
+    const int* __restrict__ count, int rows, int n_batch, int height, int width,
+    int words_per_pixel, int bh, int bw, int off_h, int off_w, int str_h, int str_w) {
+    typedef vec_t<T, V> Vec;
+    typedef typename acc_type<T>::type Acc;
+    const int r = blockIdx.y * blockDim.y + threadIdx.y;
+    if (r >= bh) return;
+    const int m = blockIdx.x;
+    const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
+    const block_row row = locate_row(b, r, height, width, bw);
+    const int row_words = bw * words_per_pixel;
+    const int first = row.first * words_per_pixel, last = row.last * words_per_pixel;
+    const i64 src = row.offset * words_per_pixel;
+    Vec* dst = blocks + ((i64)m * bh + r) * row_words;
+    for (int c0 = threadIdx.x; c0 < row_words; c0 += UNROLL * blockDim.x) {
+        Vec v[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {  // all loads first, so several are in flight
+            const int c = c0 + k * blockDim.x;
+            if (c >= first && c < last) v[k] = x[src + c];
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) {
+            const int c = c0 + k * blockDim.x;
+            if (c >= row_words) continue;
+            Vec out = {};
+            if (c >= first && c < last) {
+                const int channel = (c % words_per_pixel) * V;
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    Acc y = to_acc(v[k].v[e]) * scale[channel + e] + shift[channel + e];
+                    out.v[e] = from_acc<T>(RELU && y < Acc(0) ? Acc(0) : y);
+                }
+            }
+            dst[c] = out;
+        }
+    }
+}
+
 // Stack [rows, C, bh, bw]: a transpose through shared memory. A CTA moves a tile of
 // tile_rows block rows by 2**log2_tile_c channels: it reads the tile from x in vectors of V
 // channels of a pixel, and writes it to the stack in vectors of V pixels of a channel, both

@@ -99,7 +99,10 @@ def all_instantiations():
         "sparse_gather": (
             [name_expression("sparse_gather", word) for word in STORAGE_CTYPES.values()]
             + [name_expression("sparse_gather_transposed", ctype, v)
-               for ctype, size in storage for v in vectors(size, 8)]),
+               for ctype, size in storage for v in vectors(size, 8)]
+            + [name_expression("sparse_gather_affine", ctype, v, relu)
+               for ctype, size in arithmetic for v in vectors(size, 16)
+               for relu in (False, True)]),
         "sparse_scatter": (
             [name_expression("sparse_scatter", word, "Assign")
              for word in STORAGE_CTYPES.values()]

@@ -107,3 +107,46 @@ def test_out_argument(xp, rng):
                                          r"\(2, 4, 4, 3\)"):
         sbnet_cupy.sparse_gather(xp.asarray(x), xp.asarray([2], xp.int32), xp.asarray(indices),
                                  bsize=4, out=out)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32, numpy.float64])
+@pytest.mark.parametrize("channels", [3, 32])
+def test_fused_batchnorm(xp, rng, channels, dtype, relu):
+    """In-image pixels become x * scale + shift (then ReLU); out-of-image pixels stay zero."""
+    x, indices, geometry = _case(rng, xp, "negative-offset-overlap-nonsquare", channels, dtype)
+    scale = rng.uniform(0.5, 2, channels)
+    shift = rng.uniform(-1, 1, channels)
+    acc = numpy.float64 if dtype == numpy.float64 else numpy.float32
+    out = sbnet_cupy.sparse_gather(
+        xp.asarray(x), xp.asarray([len(indices) - 1], dtype=xp.int32), xp.asarray(indices),
+        bsize=geometry[0], boffset=geometry[1], bstride=geometry[2],
+        scale=xp.asarray(scale, dtype=acc), shift=xp.asarray(shift, dtype=acc), relu=relu)
+    count = len(indices) - 1
+    plain = reference.sparse_gather(x, indices, count, geometry, False).astype(acc)
+    inside = reference.sparse_gather(numpy.ones(x.shape[:3] + (1,), dtype), indices, count,
+                                     geometry, False) > 0
+    expected = plain * scale.astype(acc) + shift.astype(acc)
+    if relu:
+        expected = numpy.maximum(expected, 0)
+    expected = numpy.where(inside, expected, 0).astype(dtype)
+    tol = 1e-3 if dtype == numpy.float16 else 1e-6
+    numpy.testing.assert_allclose(to_numpy(out), expected, rtol=tol, atol=tol)
+
+
+def test_fused_batchnorm_bad_arguments(xp):
+    x = xp.ones((1, 8, 8, 4), xp.float32)
+    counts, indices = xp.ones(1, xp.int32), xp.zeros((1, 3), xp.int32)
+    scale = xp.ones(4, xp.float32)
+    with pytest.raises(ValueError, match="scale and shift go together"):
+        sbnet_cupy.sparse_gather(x, counts, indices, bsize=4, scale=scale)
+    with pytest.raises(ValueError, match="relu=True needs scale and shift"):
+        sbnet_cupy.sparse_gather(x, counts, indices, bsize=4, relu=True)
+    with pytest.raises(ValueError, match="scale and shift need transpose=False"):
+        sbnet_cupy.sparse_gather(x, counts, indices, bsize=4, scale=scale, shift=scale,
+                                 transpose=True)
+    with pytest.raises(ValueError, match=r"shift must have shape \(4,\)"):
+        sbnet_cupy.sparse_gather(x, counts, indices, bsize=4, scale=scale, shift=scale[:3])
+    with pytest.raises(TypeError, match="scale and shift need a float x"):
+        sbnet_cupy.sparse_gather(x.astype(xp.int32), counts, indices, bsize=4, scale=scale,
+                                 shift=scale)

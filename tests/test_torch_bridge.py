@@ -111,8 +111,13 @@ def test_opcheck(rng, device):
     cases = [
         (torch.ops.sbnet.reduce_mask.default,
          (mask, [4, 4], *geometry, 0.5, False, 20), {}),
-        (torch.ops.sbnet.sparse_gather.default, (x, *args, *geometry, False), {}),
-        (torch.ops.sbnet.sparse_gather.default, (x, *args, *geometry, True), {}),
+        (torch.ops.sbnet.sparse_gather.default, (x, *args, *geometry, False, None, None, False),
+         {}),
+        (torch.ops.sbnet.sparse_gather.default, (x, *args, *geometry, True, None, None, False),
+         {}),
+        (torch.ops.sbnet.sparse_gather.default,
+         (x, *args, *geometry, False, torch.rand(3, dtype=x.dtype, device=device) + 0.5,
+          torch.rand(3, dtype=x.dtype, device=device) - 0.5, True), {}),
         (torch.ops.sbnet.sparse_scatter.default,
          (stack.detach().requires_grad_(True), *args, x, *geometry, True, True, False), {}),
         (torch.ops.sbnet.sparse_scatter_.default,
@@ -233,3 +238,21 @@ def test_zero_blocks(device):
     y = tb.sparse_scatter(stack, found.bin_counts, found.active_block_indices, x, bsize=8,
                           add=True)
     assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_batchnorm_gather_gradient(rng, device):
+    x, found, kw = _inputs(rng, OVERLAPPING, device=device)
+    scale = torch.tensor(rng.uniform(0.5, 2, 3), device=device)
+    shift = torch.tensor(rng.uniform(-1, 1, 3), device=device)
+    x.requires_grad_(True)
+    args = (found.bin_counts, found.active_block_indices)
+    fused = tb.sparse_gather(x, *args, scale=scale, shift=shift, relu=True, **kw)
+    inside = tb.sparse_gather(torch.ones_like(x[..., :1]), *args, **kw)
+    unfused = torch.relu(tb.sparse_gather(x, *args, **kw) * scale + shift) * inside
+    torch.testing.assert_close(fused, unfused)
+    assert torch.autograd.gradcheck(
+        lambda x: tb.sparse_gather(x, *args, scale=scale, shift=shift, relu=True, **kw), (x,),
+        eps=1e-6, atol=1e-8)
+    with pytest.raises(ValueError, match="scale and shift of sparse_gather get no gradient"):
+        tb.sparse_gather(x, *args, scale=scale.requires_grad_(True), shift=shift, **kw)

@@ -112,49 +112,65 @@ def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, a
 
 @torch.library.custom_op("sbnet::sparse_gather", mutates_args=())
 def _gather(x: Tensor, bin_counts: Tensor, active_block_indices: Tensor, bsize: list[int],
-            boffset: list[int], bstride: list[int], transpose: bool) -> Tensor:
+            boffset: list[int], bstride: list[int], transpose: bool, scale: Optional[Tensor],
+            shift: Optional[Tensor], relu: bool) -> Tensor:
     x = x.contiguous()
     counts, indices = _block_list(bin_counts, active_block_indices)
     out = x.new_empty(_stack_shape(indices.shape[0], bsize, x.shape[3], transpose))
+    affine = {} if scale is None else dict(scale=_array(scale.contiguous()),
+                                           shift=_array(shift.contiguous()), relu=relu)
     with _on_current_stream(x.device):
         sbnet_cupy.sparse_gather(_array(x), _array(counts), _array(indices), bsize=bsize,
                                  boffset=boffset, bstride=bstride, transpose=transpose,
-                                 out=_array(out))
+                                 out=_array(out), **affine)
     return out
 
 
 @_gather.register_fake
-def _(x, bin_counts, active_block_indices, bsize, boffset, bstride, transpose):
+def _(x, bin_counts, active_block_indices, bsize, boffset, bstride, transpose, scale, shift,
+      relu):
     return x.new_empty(_stack_shape(active_block_indices.shape[0], bsize, x.shape[3],
                                     transpose))
 
 
 def _gather_setup(ctx, inputs, output):
-    x, bin_counts, active_block_indices, *ctx.geometry = inputs
+    x, bin_counts, active_block_indices, *ctx.geometry, scale, shift, ctx.relu = inputs
+    if any(t is not None and t.requires_grad for t in (scale, shift)):
+        raise ValueError("scale and shift of sparse_gather get no gradient: fold BatchNorm "
+                         "into the gather for inference only")
     ctx.x_shape = x.shape
-    ctx.save_for_backward(bin_counts, active_block_indices)
+    ctx.save_for_backward(bin_counts, active_block_indices, scale,
+                          output if ctx.relu else None)
 
 
 def _gather_backward(ctx, grad):
     # Each block pixel came from one pixel of x: add the gradient back there. Overlapping
     # blocks read some pixels twice, so the adds are atomic.
-    bin_counts, active_block_indices = ctx.saved_tensors
+    bin_counts, active_block_indices, scale, output = ctx.saved_tensors
     bsize, boffset, bstride, transpose = ctx.geometry
+    if scale is not None:  # through the fused affine and ReLU (transpose is off here)
+        grad = grad * scale.to(grad.dtype)
+        if output is not None:
+            grad = grad * (output > 0)
     dx = _scatter_op(grad.contiguous(), bin_counts, active_block_indices,
                      grad.new_zeros(ctx.x_shape), bsize, boffset, bstride, True, True, transpose)
-    return dx, None, None, None, None, None, None
+    return dx, None, None, None, None, None, None, None, None, None
 
 
 _gather.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 
 def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0), bstride=None,
-                  transpose=False):
-    """sbnet_cupy.sparse_gather on tensors; differentiable in x."""
+                  transpose=False, scale=None, shift=None, relu=False):
+    """sbnet_cupy.sparse_gather on tensors; differentiable in x. scale, shift and relu fuse an
+    inference BatchNorm (and ReLU) into the gather, as in sbnet_cupy (no gradient for them)."""
     _checks.nhwc("x", x)
     bsize, boffset, bstride = _checks.block_geometry(bsize, boffset, bstride)
+    if scale is not None and shift is not None:  # the kernels compute in float (double)
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        scale, shift = scale.to(acc), shift.to(acc)
     return _gather(x, bin_counts, active_block_indices, list(bsize), list(boffset),
-                   list(bstride), bool(transpose))
+                   list(bstride), bool(transpose), scale, shift, bool(relu))
 
 
 # --- sparse_scatter -------------------------------------------------------------------------
@@ -199,7 +215,7 @@ def _scatter_backward(ctx, grad):
     # Each block element went to one output pixel (pixels outside the output went nowhere):
     # its gradient is the gradient there.
     d_blocks = _gather(grad, bin_counts, active_block_indices, bsize, boffset, bstride,
-                       ctx.transpose)
+                       ctx.transpose, None, None, False)
     if ctx.add:
         d_ybase = grad
     else:  # ybase shows through only where no block was written: zero the written pixels

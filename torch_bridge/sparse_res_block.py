@@ -12,6 +12,19 @@ from . import _ops
 from sbnet_cupy import calc_block_params, calc_block_params_res_block
 
 
+class _BatchNormAffine(nn.Module):
+    """An inference BatchNorm as the per-channel affine it is: x * scale + shift (NCHW)."""
+
+    def __init__(self, bn):
+        super().__init__()
+        scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+        self.register_buffer("scale", scale.detach().clone())
+        self.register_buffer("shift", (bn.bias - bn.running_mean * scale).detach().clone())
+
+    def forward(self, z):
+        return z * self.scale.view(1, -1, 1, 1) + self.shift.view(1, -1, 1, 1)
+
+
 def _nchw(blocks):
     """[M, H, W, C] -> [M, C, H, W] view (channels_last memory)."""
     return blocks.permute(0, 3, 1, 2)
@@ -67,8 +80,9 @@ class SparseResBlockBottleneck(nn.Module):
     (bsize_out + 2)^2 blocks before the unit, one scatter-add of bsize_out^2 blocks after it.
     Outside the active blocks y equals x. Pixels of a block outside the image are zeroed before
     the 3x3 convolution, as the dense unit's zero padding does, so blocks at the border match it.
-    fold_batchnorm() folds the second and third BN into the convolutions before them, for
-    inference; dense() is the same unit run densely, the baseline.
+    fold_batchnorm() prepares inference: the second and third BN fold into the convolutions
+    before them, and the first BN and its ReLU into the gather (not for bfloat16, which the
+    unfused path serves). dense() is the same unit run densely, the baseline.
     """
 
     def __init__(self, channels, bottleneck, *, bsize_out=16):
@@ -80,7 +94,7 @@ class SparseResBlockBottleneck(nn.Module):
         self.bn3 = nn.BatchNorm2d(bottleneck)
         self.conv3 = nn.Conv2d(bottleneck, channels, 1, bias=False)
         self.bsize_out = bsize_out
-        self._inside = {}
+        self._inside, self._affine = {}, {}
 
     def block_params(self, height, width):
         return calc_block_params_res_block((height, width), self.bsize_out + 2,
@@ -92,20 +106,34 @@ class SparseResBlockBottleneck(nn.Module):
                                 bstride=params.bstrides, tol=tol, capacity=capacity)
 
     def fold_batchnorm(self):
-        """Fold bn2 into conv1 and bn3 into conv2 (eval mode, inference only)."""
+        """Fold bn2 into conv1 and bn3 into conv2, and turn bn1 into the affine that the
+        gather applies (eval mode, inference only)."""
         self.eval()
         self.conv1 = torch.nn.utils.fusion.fuse_conv_bn_eval(self.conv1, self.bn2)
         self.conv2 = torch.nn.utils.fusion.fuse_conv_bn_eval(self.conv2, self.bn3)
+        self.bn1 = _BatchNormAffine(self.bn1)
         self.bn2, self.bn3 = nn.Identity(), nn.Identity()
         return self
 
-    def _residual(self, z, conv2_padding, inside=None):
-        z = self.conv1(F.relu(self.bn1(z)))
+    def _residual(self, z, conv2_padding, inside=None, activated=False):
+        if not activated:  # else the gather applied bn1 and its ReLU
+            z = F.relu(self.bn1(z))
+        z = self.conv1(z)
         z = F.relu(self.bn2(z))
         if inside is not None:
             z = z * inside
         z = F.conv2d(z, self.conv2.weight, self.conv2.bias, padding=conv2_padding)
         return self.conv3(F.relu(self.bn3(z)))
+
+    def _gather_affine(self, x):
+        """bn1's scale and shift in the gather's arithmetic type, converted once (not inside
+        every call, nor every CUDA graph replay)."""
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        key = (x.device, acc)
+        if key not in self._affine:
+            self._affine = {key: (self.bn1.scale.to(x.device, acc),
+                                  self.bn1.shift.to(x.device, acc))}
+        return self._affine[key]
 
     def _inside_image(self, x, params, found):
         """[M, 1, bh, bw] mask of the block pixels that lie inside the image."""
@@ -119,10 +147,16 @@ class SparseResBlockBottleneck(nn.Module):
     def forward(self, x, found, *, inplace=False):
         """x: [N, H, W, C]. With inplace=True the result is added into x itself (inference)."""
         params = self.block_params(*x.shape[1:3])
+        fused = isinstance(self.bn1, _BatchNormAffine) and x.dtype != torch.bfloat16
+        affine = {}
+        if fused:
+            scale, shift = self._gather_affine(x)
+            affine = dict(scale=scale, shift=shift, relu=True)
         blocks = _ops.sparse_gather(x, found.bin_counts, found.active_block_indices,
                                     bsize=params.bsize, boffset=params.boffset,
-                                    bstride=params.bstrides)
-        out = _nhwc(self._residual(_nchw(blocks), 0, self._inside_image(x, params, found)))
+                                    bstride=params.bstrides, **affine)
+        out = _nhwc(self._residual(_nchw(blocks), 0, self._inside_image(x, params, found),
+                                   activated=fused))
         scatter = _ops.sparse_scatter_var if inplace else _ops.sparse_scatter
         return scatter(out, found.bin_counts, found.active_block_indices, x,
                        bsize=params.bsize_out, bstride=params.bsize_out, add=True)
