@@ -124,7 +124,6 @@ def bench_ops(cupy, args, copy_gbs):
                              MB=round(nbytes / 1e6, 2), us=round(ms * 1e3, 2),
                              GBs=round(gbs, 1), of_copy=round(gbs / copy_gbs, 3)))
             print(_row_text(rows[-1]), flush=True)
-        del x, y, sets, stack
         cupy.get_default_memory_pool().free_all_blocks()
     return rows
 

@@ -119,7 +119,7 @@ def run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize, repeat
     x0 = torch.randn(batch, height, width, channels, device="cuda", dtype=dtype)
     x, y = x0.clone(), x0.clone()
     found = module.reduce_mask(mask)
-    active, total = int(found.bin_counts[0]), found.active_block_indices.shape[0]
+    active = int(found.bin_counts[0])
     capacity = tb.capacity_bucket(active)
     params = module.block_params(height, width)
     blocks_total = batch * params.bcount[0] * params.bcount[1]
