@@ -116,3 +116,27 @@ def test_bad_masks(xp):
         sbnet_cupy.reduce_mask(xp.ones((1, 8, 8), xp.complex64), (2, 2), bsize=4)
     with pytest.raises(ValueError, match=r"bcount must be two >= 0 ints"):
         sbnet_cupy.reduce_mask(xp.ones((1, 8, 8), xp.float32), (-1, 2), bsize=4)
+
+
+def test_out_and_workspace(xp, rng):
+    mask = _mask(rng, (2, 40, 40), numpy.float32, False)
+    geometry = ((8, 8), (-1, -1), (6, 6))
+    expected = reference.reduce_mask(mask, (7, 7), geometry, 0.5, False)
+    indices, counts = xp.full((100, 3), 7, xp.int32), xp.full(1, 7, xp.int32)
+    workspace = xp.zeros(5, dtype=xp.uint32) if xp is not numpy else None  # 98 blocks: 4 words
+    result = _call(xp, mask, (7, 7), geometry, capacity=100, out=(indices, counts),
+                   workspace=workspace)
+    assert result.active_block_indices is indices and result.bin_counts is counts
+    numpy.testing.assert_array_equal(to_numpy(indices)[:len(expected)], expected)
+    assert int(counts[0]) == len(expected)
+    assert (to_numpy(indices)[len(expected):] == -1).all()
+    if workspace is not None:
+        assert int(workspace[0]) == 0  # the kernel leaves the ticket counter at zero
+    with pytest.raises(ValueError, match="out needs capacity"):
+        _call(xp, mask, (7, 7), geometry, out=(indices, counts))
+    with pytest.raises(ValueError, match=r"out active_block_indices must be a C-contiguous "
+                                         r"int32 array of shape \(40, 3\)"):
+        _call(xp, mask, (7, 7), geometry, capacity=40, out=(indices, counts))
+    if workspace is not None:
+        with pytest.raises(ValueError, match="workspace must be a 1-D uint32 array of at least 5"):
+            _call(xp, mask, (7, 7), geometry, capacity=100, workspace=workspace[:4])
