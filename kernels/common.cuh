@@ -150,22 +150,27 @@ static __device__ __forceinline__ block_origin locate_block(
     return b;
 }
 
-// Pixels [first, last) of row r of a block lie inside the image; `offset` is the pixel index of
-// the row's first pixel (column b.w) in the flattened [N, H, W] image, meaningful only when
-// first < last.
+// Row r of stack row m, counted in words (words_per_pixel a pixel): `length` words starting at
+// word `stack` of the stack [rows, bh, bw, ...]; of them, words [first, last) lie inside the
+// image, word c at word `image + c` of the NHWC tensor. Rows past the count, of blocks outside
+// the batch or outside the image have first == last.
 struct block_row {
-    i64 offset;
-    int first, last;
+    i64 image, stack;
+    int first, last, length;
 };
 
 static __device__ __forceinline__ block_row locate_row(
-    const block_origin& b, int r, int height, int width, int bw) {
-    block_row row = {0, 0, 0};
+    const int* __restrict__ indices, const int* __restrict__ count, int rows, int m, int r,
+    int n_batch, int height, int width, int words_per_pixel, int bh, int bw, int off_h,
+    int off_w, int str_h, int str_w) {
+    const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
+    block_row row = {0, 0, 0, 0, bw * words_per_pixel};
+    row.stack = ((i64)m * bh + r) * row.length;
     const i64 h = b.h + r;
     if (!b.inside || h < 0 || h >= height) return row;
-    row.first = (int)min(max(-b.w, (i64)0), (i64)bw);
-    row.last = (int)min(max(width - b.w, (i64)0), (i64)bw);
-    row.offset = (b.n * height + h) * width + b.w;
+    row.first = (int)min(max(-b.w, (i64)0), (i64)bw) * words_per_pixel;
+    row.last = (int)min(max(width - b.w, (i64)0), (i64)bw) * words_per_pixel;
+    row.image = ((b.n * height + h) * width + b.w) * words_per_pixel;
     return row;
 }
 

@@ -14,24 +14,19 @@ __global__ void sparse_gather(
     int words_per_pixel, int bh, int bw, int off_h, int off_w, int str_h, int str_w) {
     const int r = blockIdx.y * blockDim.y + threadIdx.y;
     if (r >= bh) return;
-    const int m = blockIdx.x;
-    const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
-    const block_row row = locate_row(b, r, height, width, bw);
-    const int row_words = bw * words_per_pixel;
-    const int first = row.first * words_per_pixel, last = row.last * words_per_pixel;
-    const i64 src = row.offset * words_per_pixel;
-    Word* dst = blocks + ((i64)m * bh + r) * row_words;
-    for (int c0 = threadIdx.x; c0 < row_words; c0 += UNROLL * blockDim.x) {
+    const block_row row = locate_row(indices, count, rows, blockIdx.x, r, n_batch, height, width,
+                                     words_per_pixel, bh, bw, off_h, off_w, str_h, str_w);
+    for (int c0 = threadIdx.x; c0 < row.length; c0 += UNROLL * blockDim.x) {
         Word v[UNROLL];
 #pragma unroll
         for (int k = 0; k < UNROLL; ++k) {  // all loads first, so several are in flight
             const int c = c0 + k * blockDim.x;
-            v[k] = c >= first && c < last ? x[src + c] : Word{};
+            v[k] = c >= row.first && c < row.last ? x[row.image + c] : Word{};
         }
 #pragma unroll
         for (int k = 0; k < UNROLL; ++k) {
             const int c = c0 + k * blockDim.x;
-            if (c < row_words) dst[c] = v[k];
+            if (c < row.length) blocks[row.stack + c] = v[k];
         }
     }
 }
@@ -51,26 +46,21 @@ __global__ void sparse_gather_affine(
     typedef typename acc_type<T>::type Acc;
     const int r = blockIdx.y * blockDim.y + threadIdx.y;
     if (r >= bh) return;
-    const int m = blockIdx.x;
-    const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
-    const block_row row = locate_row(b, r, height, width, bw);
-    const int row_words = bw * words_per_pixel;
-    const int first = row.first * words_per_pixel, last = row.last * words_per_pixel;
-    const i64 src = row.offset * words_per_pixel;
-    Vec* dst = blocks + ((i64)m * bh + r) * row_words;
-    for (int c0 = threadIdx.x; c0 < row_words; c0 += UNROLL * blockDim.x) {
+    const block_row row = locate_row(indices, count, rows, blockIdx.x, r, n_batch, height, width,
+                                     words_per_pixel, bh, bw, off_h, off_w, str_h, str_w);
+    for (int c0 = threadIdx.x; c0 < row.length; c0 += UNROLL * blockDim.x) {
         Vec v[UNROLL];
 #pragma unroll
         for (int k = 0; k < UNROLL; ++k) {  // all loads first, so several are in flight
             const int c = c0 + k * blockDim.x;
-            if (c >= first && c < last) v[k] = x[src + c];
+            if (c >= row.first && c < row.last) v[k] = x[row.image + c];
         }
 #pragma unroll
         for (int k = 0; k < UNROLL; ++k) {
             const int c = c0 + k * blockDim.x;
-            if (c >= row_words) continue;
+            if (c >= row.length) continue;
             Vec out = {};
-            if (c >= first && c < last) {
+            if (c >= row.first && c < row.last) {
                 const int channel = (c % words_per_pixel) * V;
 #pragma unroll
                 for (int e = 0; e < V; ++e) {
@@ -78,7 +68,7 @@ __global__ void sparse_gather_affine(
                     out.v[e] = from_acc<T>(RELU && y < Acc(0) ? Acc(0) : y);
                 }
             }
-            dst[c] = out;
+            blocks[row.stack + c] = out;
         }
     }
 }

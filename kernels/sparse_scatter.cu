@@ -13,23 +13,19 @@ __global__ void sparse_scatter(
     int words_per_pixel, int bh, int bw, int off_h, int off_w, int str_h, int str_w) {
     const int r = blockIdx.y * blockDim.y + threadIdx.y;
     if (r >= bh) return;
-    const int m = blockIdx.x;
-    const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
-    const block_row row = locate_row(b, r, height, width, bw);
-    const int first = row.first * words_per_pixel, last = row.last * words_per_pixel;
-    const Word* src = blocks + ((i64)m * bh + r) * bw * words_per_pixel;
-    const i64 dst = row.offset * words_per_pixel;
-    for (int c0 = first + threadIdx.x; c0 < last; c0 += UNROLL * blockDim.x) {
+    const block_row row = locate_row(indices, count, rows, blockIdx.x, r, n_batch, height, width,
+                                     words_per_pixel, bh, bw, off_h, off_w, str_h, str_w);
+    for (int c0 = row.first + threadIdx.x; c0 < row.last; c0 += UNROLL * blockDim.x) {
         Word v[UNROLL];
 #pragma unroll
         for (int k = 0; k < UNROLL; ++k) {  // all loads first, so several are in flight
             const int c = c0 + k * blockDim.x;
-            if (c < last) v[k] = src[c];
+            if (c < row.last) v[k] = blocks[row.stack + c];
         }
 #pragma unroll
         for (int k = 0; k < UNROLL; ++k) {
             const int c = c0 + k * blockDim.x;
-            if (c < last) Op::apply(y + dst + c, v[k]);
+            if (c < row.last) Op::apply(y + row.image + c, v[k]);
         }
     }
 }
