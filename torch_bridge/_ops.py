@@ -39,6 +39,8 @@ def _array(t):
         return t.detach().numpy()
     import cupy
 
+    if t.dtype not in _CUPY_DTYPES:
+        raise TypeError(f"{t.dtype} tensors are not supported")
     memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t,
                                      t.device.index)
     return cupy.ndarray(tuple(t.shape), _CUPY_DTYPES[t.dtype], cupy.cuda.MemoryPointer(memory, 0))
