@@ -52,6 +52,14 @@ def block_geometry(bsize, boffset, bstride):
     return BlockGeometry(bsize, boffset, bstride)
 
 
+def atomic_for_overlap(geometry, add, atomic):
+    """Checks that adds of overlapping blocks are atomic (plain adds would race)."""
+    (bh, bw), _, (sh, sw) = geometry
+    if add and not atomic and (sh < bh or sw < bw):
+        raise ValueError(f"add=True with overlapping blocks (bstride {geometry.bstride} < "
+                         f"bsize {geometry.bsize}) needs atomic=True")
+
+
 def array_module(**arrays):
     """numpy or cupy, whichever holds all the named arrays (on one device, for cupy)."""
     kinds = {}

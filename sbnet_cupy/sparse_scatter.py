@@ -64,9 +64,7 @@ def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bs
                 or (xp is numpy and data_dtype == "bfloat16")):
         raise TypeError(f"add=True needs a float dtype ({', '.join(_kernels.ARITHMETIC_CTYPES)}; "
                         f"bfloat16 on the GPU only), got {data_dtype}")
-    if add and not atomic and (geometry.bstride[0] < bh or geometry.bstride[1] < bw):
-        raise ValueError(f"add=True with overlapping blocks (bstride {geometry.bstride} < "
-                         f"bsize {geometry.bsize}) needs atomic=True")
+    _checks.atomic_for_overlap(geometry, add, atomic)
     if in_place and xp is numpy and not ybase.flags.writeable:
         raise ValueError("ybase must be writeable for sparse_scatter_var")
     with _checks.device_of(ybase):

@@ -122,6 +122,9 @@ def test_bad_arguments():
         tf_bridge.sparse_scatter(tf.ones([1, 4, 4, 4], tf.float64), [1], [[0, 0, 0]], x, bsize=4)
     with pytest.raises(ValueError, match=r"blocks must have shape \[1, 4, 4, 4\]"):
         tf_bridge.sparse_scatter(tf.ones([1, 4, 4, 3]), [1], [[0, 0, 0]], x, bsize=4)
+    with pytest.raises(ValueError, match="needs atomic=True"):
+        tf_bridge.sparse_scatter(tf.ones([1, 4, 4, 4]), [1], [[0, 0, 0]], x, bsize=4, bstride=2,
+                                 add=True)
     with pytest.raises(TypeError, match="ybase must be a tf.Variable"):
         tf_bridge.sparse_scatter_var(tf.ones([1, 4, 4, 4]), [1], [[0, 0, 0]], x, bsize=4)
 

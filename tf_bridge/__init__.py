@@ -127,9 +127,7 @@ def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0),
                   transpose=False):
     """sbnet_cupy.sparse_gather on tensors; differentiable in x."""
     geometry = _checks.block_geometry(bsize, boffset, bstride)
-    x = tf.convert_to_tensor(x)
-    if x.shape.rank != 4:
-        raise ValueError(f"x must be 4-D [N, H, W, C], got shape {x.shape}")
+    x = _checks.nhwc("x", tf.convert_to_tensor(x))
     counts, indices = _block_list(bin_counts, active_block_indices)
     transpose = bool(transpose)
 
@@ -152,12 +150,12 @@ def sparse_scatter(blocks, bin_counts, active_block_indices, ybase, *, bsize, bo
     Where blocks overlap without add, which block lands is unspecified and so is the gradient
     of the blocks there."""
     geometry = _checks.block_geometry(bsize, boffset, bstride)
-    blocks, ybase = tf.convert_to_tensor(blocks), tf.convert_to_tensor(ybase)
-    if ybase.shape.rank != 4:
-        raise ValueError(f"ybase must be 4-D [N, H, W, C], got shape {ybase.shape}")
+    blocks = tf.convert_to_tensor(blocks)
+    ybase = _checks.nhwc("ybase", tf.convert_to_tensor(ybase))
     if blocks.dtype != ybase.dtype:
         raise TypeError(f"blocks dtype {blocks.dtype.name} differs from ybase dtype "
                         f"{ybase.dtype.name}")
+    _checks.atomic_for_overlap(geometry, add, atomic)
     counts, indices = _block_list(bin_counts, active_block_indices)
     add, atomic, transpose = bool(add), bool(atomic), bool(transpose)
     expected = _stack_shape(indices.shape[0], geometry, ybase.shape[3], transpose)

@@ -249,12 +249,11 @@ def _(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, 
 
 def _scatter_args(blocks, ybase, bsize, boffset, bstride, add, atomic, transpose):
     _checks.nhwc("ybase", ybase)
-    bsize, boffset, bstride = _checks.block_geometry(bsize, boffset, bstride)
+    geometry = _checks.block_geometry(bsize, boffset, bstride)
     if blocks.dtype != ybase.dtype:
         raise TypeError(f"blocks dtype {blocks.dtype} differs from ybase dtype {ybase.dtype}")
-    if add and not atomic and (bstride[0] < bsize[0] or bstride[1] < bsize[1]):
-        raise ValueError(f"add=True with overlapping blocks (bstride {bstride} < bsize {bsize}) "
-                         f"needs atomic=True")
+    _checks.atomic_for_overlap(geometry, add, atomic)
+    bsize, boffset, bstride = geometry
     return list(bsize), list(boffset), list(bstride), bool(add), bool(atomic), bool(transpose)
 
 
