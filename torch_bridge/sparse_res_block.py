@@ -4,6 +4,8 @@ Tensors are NHWC ([N, H, W, C], contiguous). The convolutions run on the gathere
 torch's own (cuDNN) convolutions, in channels_last memory format, so no transposes are needed.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,15 @@ class _BatchNormAffine(nn.Module):
 
     def forward(self, z):
         return z * self.scale.view(1, -1, 1, 1) + self.shift.view(1, -1, 1, 1)
+
+
+# Block geometry depends only on the image size: computed once, not on every forward.
+_conv_params = functools.lru_cache(maxsize=64)(calc_block_params)
+
+
+@functools.lru_cache(maxsize=64)
+def _res_block_params(height, width, bsize_out):
+    return calc_block_params_res_block((height, width), bsize_out + 2, [(1, 1), (3, 3), (1, 1)])
 
 
 def _nchw(blocks):
@@ -48,7 +59,7 @@ class SparseConv2d(nn.Module):
 
     def block_params(self, height, width):
         k = self.conv.kernel_size[0]
-        return calc_block_params((height, width), self.bsize_out + k - 1, k)
+        return _conv_params((height, width), self.bsize_out + k - 1, k)
 
     def reduce_mask(self, mask, *, tol=0.5, capacity=None):
         params = self.block_params(*mask.shape[1:3])
@@ -97,8 +108,7 @@ class SparseResBlockBottleneck(nn.Module):
         self._inside, self._affine = {}, {}
 
     def block_params(self, height, width):
-        return calc_block_params_res_block((height, width), self.bsize_out + 2,
-                                           [(1, 1), (3, 3), (1, 1)])
+        return _res_block_params(height, width, self.bsize_out)
 
     def reduce_mask(self, mask, *, tol=0.5, capacity=None):
         params = self.block_params(*mask.shape[1:3])
