@@ -9,11 +9,15 @@ from .reduce_mask import ReduceMask, reduce_mask
 from .sparse_conv import (conv2d_same, conv2d_valid, fold_batchnorm, random_bottleneck_weights,
                           res_block_bottleneck, sparse_conv2d, sparse_res_block_bottleneck)
 from .sparse_gather import sparse_gather
+from .sparse_kernel_conv import (SparseKernel, sparse_kernel_conv2d,
+                                 sparse_kernel_conv2d_grad_input,
+                                 sparse_kernel_conv2d_grad_values)
 from .sparse_scatter import sparse_scatter, sparse_scatter_var
 
 __all__ = [
     "BlockParams",
     "ReduceMask",
+    "SparseKernel",
     "calc_block_params",
     "calc_block_params_res_block",
     "conv2d_same",
@@ -24,6 +28,9 @@ __all__ = [
     "res_block_bottleneck",
     "sparse_conv2d",
     "sparse_gather",
+    "sparse_kernel_conv2d",
+    "sparse_kernel_conv2d_grad_input",
+    "sparse_kernel_conv2d_grad_values",
     "sparse_res_block_bottleneck",
     "sparse_scatter",
     "sparse_scatter_var",

@@ -1,0 +1,738 @@
+"""sparse_kernel_conv2d: 2-D convolution with a pruned weight, multiplying its non-zero taps only.
+
+A weight is converted once, on its device, by SparseKernel.from_dense; the convolution then
+reads the tap lists (the pruning mask stays fixed, so the values alone can be trained). Three
+CUDA strategies (kernels/sparse_kernel_conv.cu), picked per shape by choose_strategy:
+
+- "taps": direct convolution that skips zero taps. A warp computes 32 columns x 16 rows of
+  output for a group of 4 output channels from an input tile (with halo) staged in shared
+  memory once. Its taps are sorted by column (input channel, kw); each thread loads the input
+  rows of a column that its outputs read into registers once (16-byte loads), and every tap of
+  the column, whatever its kh, is then 16 FMAs from registers.
+- "patches": the product of the sparse weight matrix [KH*KW*Cin, Cout] with the dense matrix of
+  input patches, register-blocked over 8 output channels: one load of a patch column serves
+  every output channel of the group that uses it (the same kernel, R = 4 rows a window).
+- "direct": any stride, dilation and input dilation (the gradient of a strided convolution):
+  P shared-memory loads and P FMAs a tap.
+
+NumPy arrays run a vectorised NumPy backend (one matrix product per kernel position that has
+non-zero taps), the reference and the CPU path.
+"""
+
+import functools
+import math
+from collections import namedtuple
+
+import numpy
+
+from . import _checks, _kernels, _launch
+
+STRATEGIES = ("taps", "patches", "direct")
+
+# The tile sizes, in one place. P: output rows a thread; Q: output channels a warp (a group);
+# R: input rows of a window (kernel rows at a larger dilation or height are cut into bands of R).
+_WINDOW_P = 16
+_TAPS_Q = 4
+_TAPS_WINDOWS = (4, 8, 12, 16)  # R of "taps": the kernel's extent rounded up to one of these
+_PATCHES_Q, _PATCHES_R = 8, 4
+_DIRECT_P, _DIRECT_Q = 8, 4
+_GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
+_WARPS = {"taps": 8, "patches": 4, "direct": 8}  # warps a CTA (registers: 112, 168, 64 a thread)
+_SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
+_CONV_ARGS = _launch.layout("7P23i", 152)
+_GRAD_VALUES_ARGS = _launch.layout("5P18i", 112)
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_MAX_KERNEL_SIDE = 255  # the kernels pack kh and kw in 8 bits and the input channel in 15
+_MAX_CIN = 32767
+
+
+def choose_strategy(dtype, cin, cout, kernel_hw, strides, dilations, input_dilation=(1, 1)):
+    """The strategy sparse_kernel_conv2d uses when none is given.
+
+    A first guess from counting instructions (no measured numbers yet): the window kernels need
+    unit vertical stride and no input dilation, and compute in float (float64 runs "direct").
+    With few input channels a group's columns hold several taps each (every kh of a column
+    shares its window), so "taps"; with many, fewer taps share a column and sharing it among 8
+    output channels instead of 4 pays, so "patches".
+    """
+    del cout, kernel_hw, dilations  # part of the rule's inputs once it is measured
+    if dtype == "float64" or strides[0] != 1 or tuple(input_dilation) != (1, 1):
+        return "direct"
+    return "taps" if cin <= 16 else "patches"
+
+
+# --- the converted weight -----------------------------------------------------------------
+
+class _Taps:
+    """The non-zero taps of a weight [KH, KW, Cin, Cout] in canonical order (output channel,
+    input channel, kh, kw): int32 arrays co, ci, kh, kw on the weight's device, the index arrays
+    of the "direct" kernels, and the window kernels' layouts, built on first use and kept."""
+
+    def __init__(self, xp, shape, co, ci, kh, kw):
+        self.xp, self.shape = xp, shape
+        _, k_w, cin, cout = shape
+        self.co, self.ci, self.kh, self.kw = co, ci, kh, kw
+        self.nnz = int(co.shape[0])
+        # Flat index of each tap in the dense HWIO weight: the pruning mask.
+        self.positions = ((kh.astype(xp.int64) * k_w + kw) * cin + ci) * cout + co
+        self.ranges = xp.searchsorted(co.astype(xp.int64) * cin + ci,
+                                      xp.arange(cout * cin + 1), side="left").astype(xp.int32)
+        self.packed = ((ci << 16) | (kh << 8) | kw).astype(xp.int32)
+        self._arrays = {}
+        self._transposed = None
+
+    def arrays(self, transposed, layout, dil_h):
+        """(ranges, columns, taps, order) of a launch: the index arrays of the "direct" kernel
+        (layout None; columns None) or of the window kernels (layout (q, r)), for this weight
+        or the transposed convolution's; tap t of them is the canonical tap order[t] (order
+        None: the canonical order itself)."""
+        key = (transposed, layout, dil_h if layout else None)
+        arrays = self._arrays.get(key)
+        if arrays is None:
+            taps, base = self.transposed() if transposed else (self, None)
+            if layout is None:
+                ranges, columns, codes, order = taps.ranges, None, taps.packed, None
+            else:
+                ranges, columns, codes, order = taps._window(*layout, dil_h)
+            if base is not None:
+                order = base if order is None else base[order]
+            arrays = self._arrays[key] = (ranges, columns, codes, order)
+        return arrays
+
+    def _window(self, q, r, dil_h):
+        """The window kernels' layout for groups of q output channels and windows of r input
+        rows: (ranges, columns, codes, order). Columns are sorted by (group, ci, band, kw), with
+        band = kh * dil_h // r; ranges[g * Cin + ci] is the first column of (group g, ci);
+        columns[c] = (ci, kw, band * r, first tap), plus one past the last; codes[t] =
+        (co % q) * r + kh * dil_h % r; tap t is the canonical tap order[t]."""
+        xp = self.xp
+        k_h, k_w, cin, cout = self.shape
+        groups = -(-cout // q)
+        bands = (k_h - 1) * dil_h // r + 1
+        offset = self.kh.astype(xp.int64) * dil_h
+        band, row = offset // r, offset % r
+        group, channel = self.co // q, self.co % q
+        column = ((group.astype(xp.int64) * cin + self.ci) * bands + band) * k_w + self.kw
+        order = xp.argsort(column * (q * r) + channel * r + row, kind="stable")
+        column = column[order]
+        starts = xp.flatnonzero(xp.concatenate([xp.ones(min(self.nnz, 1), bool),
+                                                column[1:] != column[:-1]]))
+        first = order[starts]
+        columns = xp.stack([self.ci[first], self.kw[first], (band[first] * r).astype(xp.int32),
+                            starts.astype(xp.int32)], axis=1)
+        columns = xp.concatenate([columns, xp.asarray([[0, 0, 0, self.nnz]], dtype=xp.int32)])
+        group_ci = group[first].astype(xp.int64) * cin + self.ci[first]
+        ranges = xp.searchsorted(group_ci, xp.arange(groups * cin + 1), side="left")
+        codes = (channel * r + row)[order]
+        return (ranges.astype(xp.int32), xp.ascontiguousarray(columns.astype(xp.int32)),
+                codes.astype(xp.int32), order)
+
+    def transposed(self):
+        """(_Taps of the transposed convolution's weight, order): w_t[kh, kw, co, ci] =
+        w[KH-1-kh, KW-1-kw, ci, co]; its canonical tap t is the canonical tap order[t] here."""
+        if self._transposed is None:
+            xp = self.xp
+            k_h, k_w, cin, cout = self.shape
+            kh, kw = k_h - 1 - self.kh, k_w - 1 - self.kw
+            key = ((self.ci.astype(xp.int64) * cout + self.co) * k_h + kh) * k_w + kw
+            order = xp.argsort(key, kind="stable")
+            taps = _Taps(xp, (k_h, k_w, cout, cin), self.ci[order], self.co[order], kh[order],
+                         kw[order])
+            self._transposed = (taps, order)
+        return self._transposed
+
+
+class SparseKernel:
+    """A pruned convolution weight, converted once for sparse_kernel_conv2d.
+
+    Attributes:
+        shape: (KH, KW, Cin, Cout) of the dense weight (HWIO, TensorFlow's layout).
+        dtype: name of the data type: "float16", "bfloat16", "float32" or "float64".
+        device: the CuPy device id the kernel lives on, or None for NumPy.
+        nnz: number of non-zero taps.
+        values: [nnz] array of the non-zero weights, in canonical order: by output channel,
+            then input channel, kh, kw. bfloat16 values are held as their 16-bit patterns
+            (uint16 or int16, as given).
+        positions: int64 [nnz], the flat index of each value in the dense weight (the pruning
+            mask): ``w.reshape(-1)[positions] == values``.
+
+    Calls with the same kernel reuse the index arrays built for a strategy and dilation on first
+    use. ``with_values`` makes a kernel of the same mask with new values (training).
+    """
+
+    def __init__(self, taps, values, dtype):
+        """Internal: use from_dense or with_values."""
+        self._taps, self.values, self.dtype = taps, values, dtype
+        self._ordered = {}  # values in the order of a launch's taps, by its arrays' key
+
+    @classmethod
+    def from_dense(cls, w, *, dtype=None):
+        """Convert a pruned weight [KH, KW, Cin, Cout] (numpy or cupy array), on its device.
+
+        Args:
+            w: float16, float32 or float64 array; or, with dtype="bfloat16", the 16-bit
+                patterns of bfloat16 values as a uint16 or int16 array.
+            dtype: None (w's dtype) or "bfloat16".
+
+        Zeros (+0 and -0) are pruned taps; every other value, NaN included, is kept.
+        """
+        xp = _checks.array_module(w=w)
+        if w.ndim != 4:
+            raise ValueError(f"w must be 4-D [KH, KW, Cin, Cout], got shape {w.shape}")
+        dtype = _data_dtype("w", w, dtype)
+        k_h, k_w, cin, _ = w.shape
+        if max(k_h, k_w) > _MAX_KERNEL_SIDE or cin > _MAX_CIN:
+            raise ValueError(f"w's kernel sides must be at most {_MAX_KERNEL_SIDE} and its input "
+                             f"channels at most {_MAX_CIN}, got shape {w.shape}")
+        with _checks.device_of(w):
+            nonzero = (w & 0x7FFF) != 0 if dtype == "bfloat16" else w != 0
+            # C order over [Cout, Cin, KH, KW] is the canonical order.
+            co, ci, kh, kw = (a.astype(xp.int32) for a in xp.nonzero(nonzero.transpose(3, 2, 0, 1)))
+            taps = _Taps(xp, tuple(int(s) for s in w.shape), co, ci, kh, kw)
+            values = xp.ascontiguousarray(w[kh, kw, ci, co])
+        return cls(taps, values, dtype)
+
+    @property
+    def shape(self):
+        return self._taps.shape
+
+    @property
+    def nnz(self):
+        return self._taps.nnz
+
+    @property
+    def positions(self):
+        return self._taps.positions
+
+    @property
+    def device(self):
+        return None if self._taps.xp is numpy else self.values.device.id
+
+    @property
+    def density(self):
+        """Fraction of the dense weight's entries that are non-zero taps."""
+        return self.nnz / max(math.prod(self.shape), 1)
+
+    def with_values(self, values):
+        """A kernel with this one's mask and the given [nnz] values (canonical order), of the
+        same dtype and device; the index arrays are shared, not copied."""
+        xp = _checks.array_module(values=values)
+        if xp is not self._taps.xp or (xp is not numpy and values.device.id != self.device):
+            raise ValueError("values must be on the kernel's device")
+        if values.shape != (self.nnz,) or values.dtype != self.values.dtype:
+            raise ValueError(f"values must be a {self.values.dtype} array of shape ({self.nnz},), "
+                             f"got {values.dtype} {values.shape}")
+        return SparseKernel(self._taps, xp.ascontiguousarray(values), self.dtype)
+
+    def to_dense(self):
+        """The dense weight [KH, KW, Cin, Cout] (zeros at the pruned taps)."""
+        xp = self._taps.xp
+        with _checks.device_of(self.values):
+            w = xp.zeros(math.prod(self.shape), dtype=self.values.dtype)
+            w[self.positions] = self.values
+        return w.reshape(self.shape)
+
+    def __repr__(self):
+        where = "numpy" if self.device is None else f"cuda:{self.device}"
+        return (f"SparseKernel(shape={self.shape}, dtype={self.dtype}, nnz={self.nnz}, "
+                f"density={self.density:.3g}, device={where})")
+
+    def _launch_arrays(self, transposed, layout, dil_h):
+        """(ranges, columns, taps, values) of a launch (see _Taps.arrays), values in its order."""
+        ranges, columns, codes, order = self._taps.arrays(transposed, layout, dil_h)
+        key = (transposed, layout, dil_h if layout else None)
+        values = self._ordered.get(key)
+        if values is None:
+            values = self._ordered[key] = self.values if order is None else self.values[order]
+        return ranges, columns, codes, values
+
+
+def _data_dtype(name, a, dtype):
+    """The data type name of array `a` (dtype="bfloat16" for 16-bit patterns)."""
+    if dtype is None:
+        if a.dtype.name not in _DTYPES:
+            raise TypeError(f"{name} must be float16, float32 or float64 (bfloat16 as uint16 or "
+                            f"int16 with dtype='bfloat16'), got {a.dtype}")
+        return a.dtype.name
+    if dtype != "bfloat16" or a.dtype.name not in ("uint16", "int16"):
+        raise TypeError(f"dtype={dtype!r} needs {name} to hold bfloat16 patterns as uint16 or "
+                        f"int16, got {a.dtype}")
+    return dtype
+
+
+# --- geometry -----------------------------------------------------------------------------
+
+def _padding(padding):
+    """"SAME", "VALID" or ((top, bottom), (left, right)), from the forms sparse_kernel_conv2d
+    takes."""
+    if isinstance(padding, str):
+        if padding.upper() not in ("SAME", "VALID"):
+            raise ValueError(f"padding must be 'SAME', 'VALID' or explicit pads, got {padding!r}")
+        return padding.upper()
+    try:
+        pads = tuple(padding)
+        if all(type(p) is int for p in pads) and len(pads) == 2:
+            pads = ((pads[0], pads[0]), (pads[1], pads[1]))
+        pads = tuple(tuple(_checks.int_pair("padding", p, minimum=0)) for p in pads)
+    except (TypeError, ValueError):
+        raise ValueError(f"padding must be 'SAME', 'VALID', (pad_h, pad_w) or ((top, bottom), "
+                         f"(left, right)) of ints >= 0, got {padding!r}") from None
+    if len(pads) != 2:
+        raise ValueError(f"padding must be 'SAME', 'VALID', (pad_h, pad_w) or ((top, bottom), "
+                         f"(left, right)) of ints >= 0, got {padding!r}")
+    return pads
+
+
+@functools.lru_cache(maxsize=1024)
+def conv_geometry(in_hw, kernel_hw, strides, padding, dilations):
+    """((out_h, out_w), (pad_top, pad_left)) of a convolution, TensorFlow's rules: SAME gives
+    ceil(in / stride) outputs with the padding split evenly (the extra row at the bottom),
+    VALID ceil((in - (k - 1) * dilation) / stride), explicit pads what they say."""
+    out, before = [], []
+    for axis in range(2):
+        size, k, s, d = in_hw[axis], kernel_hw[axis], strides[axis], dilations[axis]
+        extent = (k - 1) * d + 1
+        if padding == "SAME":
+            o = -(-size // s)
+            pad = max((o - 1) * s + extent - size, 0) // 2
+        else:
+            pad, after = (0, 0) if padding == "VALID" else padding[axis]
+            padded = size + pad + after
+            if padded < extent:
+                raise ValueError(f"kernel is larger than the padded input: its extent "
+                                 f"{extent} (size {k}, dilation {d}) exceeds {padded} "
+                                 f"(input {size}, padding {pad} + {after}) on axis {axis}")
+            o = (padded - extent) // s + 1
+        out.append(o)
+        before.append(pad)
+    return tuple(out), tuple(before)
+
+
+def _check_call(xp, name, x, kernel, strides, padding, dilations, strategy):
+    """Checks shared by the forward and the gradients; returns (strides, padding, dilations)."""
+    if not isinstance(kernel, SparseKernel):
+        raise TypeError(f"kernel must be a SparseKernel (SparseKernel.from_dense(w)), "
+                        f"got {type(kernel).__name__}")
+    if kernel._taps.xp is not xp:
+        raise TypeError(f"kernel was converted for {kernel._taps.xp.__name__} arrays but {name} "
+                        f"is a {xp.__name__} array")
+    if xp is not numpy and kernel.device != x.device.id:
+        raise ValueError(f"kernel was converted on device {kernel.device} but {name} is on "
+                         f"device {x.device.id}")
+    if x.dtype != kernel.values.dtype:
+        raise TypeError(f"kernel was converted for {kernel.values.dtype} ({kernel.dtype}) but "
+                        f"{name} is {x.dtype}")
+    if xp is numpy and kernel.dtype == "bfloat16":
+        raise TypeError("bfloat16 needs CuPy arrays (NumPy has no bfloat16 arithmetic)")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
+    return (_checks.int_pair("strides", strides, minimum=1), _padding(padding),
+            _checks.int_pair("dilations", dilations, minimum=1))
+
+
+def _acc_dtype(dtype):
+    return numpy.float64 if dtype == "float64" else numpy.float32
+
+
+# --- the public ops ------------------------------------------------------------------------
+
+def sparse_kernel_conv2d(x, kernel, *, strides=(1, 1), padding="SAME", dilations=(1, 1),
+                         bias=None, strategy=None, out=None):
+    """Convolve NHWC `x` with a pruned weight, multiplying its non-zero taps only.
+
+    Args:
+        x: [N, H, W, Cin] array (numpy or cupy) of the kernel's dtype, on its device.
+        kernel: SparseKernel.from_dense(w) of the weight w [KH, KW, Cin, Cout].
+        strides, dilations: (SH, SW) and (DH, DW), ints >= 1 (or one int for both).
+        padding: "SAME" or "VALID" (TensorFlow's rules), (pad_h, pad_w) for symmetric zero
+            padding (PyTorch's), or ((top, bottom), (left, right)).
+        bias: optional [Cout] array of x's dtype.
+        strategy: None (choose_strategy's rule), "taps", "patches" or "direct" (CuPy only; the
+            NumPy backend has one path).
+        out: optional C-contiguous [N, OH, OW, Cout] array of x's dtype to write into (no
+            allocation, so the call can be captured in a CUDA graph).
+
+    Returns:
+        [N, OH, OW, Cout] array of x's dtype: float16 and bfloat16 accumulate in float32, the
+        result rounded once; float32 results equal the dense convolution's up to float32
+        rounding. With pad_top, pad_left from the padding and xpad = x zero-padded::
+
+            out[n, oy, ox, co] = bias[co] + sum over kh, kw, ci of
+                xpad[n, oy*SH + kh*DH, ox*SW + kw*DW, ci] * w[kh, kw, ci, co]
+
+        where the sum runs over the non-zero taps of w only.
+    """
+    xp = _checks.array_module(x=x)
+    x = _checks.nhwc("x", x)
+    strides, padding, dilations = _check_call(xp, "x", x, kernel, strides, padding, dilations,
+                                              strategy)
+    k_h, k_w, cin, cout = kernel.shape
+    if x.shape[3] != cin:
+        raise ValueError(f"x has {x.shape[3]} channels but kernel expects {cin} "
+                         f"(kernel shape {kernel.shape})")
+    out_hw, pads = conv_geometry(x.shape[1:3], (k_h, k_w), strides, padding, dilations)
+    shape = (x.shape[0], *out_hw, cout)
+    if bias is not None:
+        _checks.array_module(x=x, bias=bias)
+        if bias.shape != (cout,) or bias.dtype != x.dtype:
+            raise ValueError(f"bias must be a {x.dtype} array of shape ({cout},), "
+                             f"got {bias.dtype} {bias.shape}")
+    with _checks.device_of(x):
+        if out is None:
+            out = xp.empty(shape, dtype=x.dtype)
+        else:
+            _checks.array_module(x=x, out=out)
+            if out.shape != shape or out.dtype != x.dtype or not out.flags.c_contiguous:
+                raise ValueError(f"out must be a C-contiguous {x.dtype} array of shape {shape}, "
+                                 f"got {out.dtype} {out.shape}")
+        if xp is numpy:
+            out[...] = _forward_numpy(x, kernel, strides, dilations, out_hw, pads, bias)
+        else:
+            strategy = strategy or choose_strategy(kernel.dtype, cin, cout, (k_h, k_w), strides,
+                                                   dilations)
+            _conv_cupy(x, kernel, False, out, strides, dilations, pads, (1, 1), bias, strategy)
+    return out
+
+
+def sparse_kernel_conv2d_grad_input(dy, kernel, input_shape, *, strides=(1, 1), padding="SAME",
+                                    dilations=(1, 1), strategy=None):
+    """Gradient of sparse_kernel_conv2d with respect to x: the transposed convolution.
+
+    Args:
+        dy: [N, OH, OW, Cout] gradient of the output, of the kernel's dtype.
+        kernel: the SparseKernel of the forward call.
+        input_shape: (N, H, W, Cin) of the forward call's x.
+        strides, padding, dilations: those of the forward call.
+        strategy: as for sparse_kernel_conv2d; "taps" and "patches" need strides[0] == 1.
+
+    Returns:
+        dx [N, H, W, Cin] of dy's dtype::
+
+            dx[n, oy*SH + kh*DH - pad_top, ox*SW + kw*DW - pad_left, ci] +=
+                dy[n, oy, ox, co] * w[kh, kw, ci, co]   (over the non-zero taps)
+
+    On CuPy it is the forward convolution of dy, with zeros between its pixels for strides > 1,
+    by the weight flipped in kh and kw with Cin and Cout swapped.
+    """
+    xp = _checks.array_module(dy=dy)
+    dy = _checks.nhwc("dy", dy)
+    strides, padding, dilations = _check_call(xp, "dy", dy, kernel, strides, padding, dilations,
+                                              strategy)
+    input_shape = _input_shape(input_shape, kernel, dy)
+    k_h, k_w, cin, cout = kernel.shape
+    out_hw, pads = _check_dy(dy, kernel, input_shape, strides, padding, dilations)
+    with _checks.device_of(dy):
+        if xp is numpy:
+            return _grad_input_numpy(dy, kernel, input_shape, strides, dilations, pads)
+        dx = xp.empty(input_shape, dtype=dy.dtype)
+        strides_t, pads_t, input_dilation = transposed_geometry(kernel.shape, strides,
+                                                                dilations, pads)
+        strategy = strategy or choose_strategy(kernel.dtype, cout, cin, (k_h, k_w), strides_t,
+                                               dilations, input_dilation)
+        _conv_cupy(dy, kernel, True, dx, strides_t, dilations, pads_t, input_dilation, None,
+                   strategy)
+        return dx
+
+
+def sparse_kernel_conv2d_grad_values(x, dy, kernel, *, strides=(1, 1), padding="SAME",
+                                     dilations=(1, 1)):
+    """Gradient of sparse_kernel_conv2d with respect to the kernel's non-zero values.
+
+    Args:
+        x: the forward call's input [N, H, W, Cin]. dy: [N, OH, OW, Cout], the output gradient.
+        kernel, strides, padding, dilations: those of the forward call.
+
+    Returns:
+        [nnz] array of x's dtype, in the order of kernel.values (accumulated in float32, or
+        float64 for float64)::
+
+            grad[t] = sum over n, oy, ox of dy[n, oy, ox, co_t] *
+                      xpad[n, oy*SH + kh_t*DH, ox*SW + kw_t*DW, ci_t]
+
+    On CuPy the sums are added up with atomics: their order, and so float rounding, varies
+    from run to run.
+    """
+    xp = _checks.array_module(x=x, dy=dy)
+    x, dy = _checks.nhwc("x", x), _checks.nhwc("dy", dy)
+    strides, padding, dilations = _check_call(xp, "x", x, kernel, strides, padding, dilations,
+                                              None)
+    if dy.dtype != x.dtype:
+        raise TypeError(f"dy dtype {dy.dtype} differs from x dtype {x.dtype}")
+    if x.shape[3] != kernel.shape[2]:
+        raise ValueError(f"x has {x.shape[3]} channels but kernel expects {kernel.shape[2]}")
+    out_hw, pads = _check_dy(dy, kernel, x.shape, strides, padding, dilations)
+    with _checks.device_of(x):
+        if xp is numpy:
+            return _grad_values_numpy(x, dy, kernel, strides, dilations, pads)
+        return _grad_values_cupy(x, dy, kernel, strides, dilations, pads)
+
+
+def transposed_geometry(kernel_shape, strides, dilations, pads):
+    """(strides, pads, input dilation) of the forward convolution that computes the input
+    gradient: dx[iy] = sum over kh of D[iy + kh' * DH - pad'] * w[KH-1-kh'], where D is dy
+    with SH - 1 zeros between its rows (and likewise for the columns), kh' = KH-1-kh and
+    pad' = (KH-1) * DH - pad_top."""
+    pads_t = tuple((k - 1) * d - p for k, d, p in zip(kernel_shape[:2], dilations, pads))
+    return (1, 1), pads_t, tuple(strides)
+
+
+def _input_shape(input_shape, kernel, dy):
+    try:
+        shape = tuple(int(s) for s in input_shape)
+    except TypeError:
+        raise TypeError(f"input_shape must be (N, H, W, Cin), got {input_shape!r}") from None
+    if len(shape) != 4 or shape[0] != dy.shape[0] or shape[3] != kernel.shape[2] or min(shape) < 0:
+        raise ValueError(f"input_shape must be (N, H, W, Cin) = ({dy.shape[0]}, H, W, "
+                         f"{kernel.shape[2]}), got {input_shape!r}")
+    return shape
+
+
+def _check_dy(dy, kernel, input_shape, strides, padding, dilations):
+    out_hw, pads = conv_geometry(tuple(input_shape[1:3]), kernel.shape[:2], strides, padding,
+                                 dilations)
+    expected = (input_shape[0], *out_hw, kernel.shape[3])
+    if dy.shape != expected:
+        raise ValueError(f"dy must have the forward output's shape {expected}, got {dy.shape}")
+    return out_hw, pads
+
+
+# --- NumPy backend -------------------------------------------------------------------------
+
+def _dense_positions(kernel, acc):
+    """The dense weight in the accumulation type and the (kh, kw) that have non-zero taps."""
+    w = kernel.to_dense().astype(acc)
+    k_h, k_w = kernel.shape[:2]
+    spots = numpy.unique(kernel.positions // (kernel.shape[2] * kernel.shape[3]))
+    return w, [divmod(int(s), k_w) for s in spots]
+
+
+def _tap_view(a, kh, kw, out_hw, strides, dilations):
+    """a[:, kh*DH :: SH, kw*DW :: SW] cut to out_hw: what tap (kh, kw) meets at every output."""
+    (oh, ow), (sh, sw), (dh, dw) = out_hw, strides, dilations
+    return a[:, kh * dh: kh * dh + (oh - 1) * sh + 1: sh, kw * dw: kw * dw + (ow - 1) * sw + 1: sw]
+
+
+def _padded(x, acc, out_hw, kernel_hw, strides, dilations, pads):
+    """x in the accumulation type, zero-padded to cover every input pixel the outputs read."""
+    n, height, width, channels = x.shape
+    rows = (out_hw[0] - 1) * strides[0] + (kernel_hw[0] - 1) * dilations[0] + 1
+    cols = (out_hw[1] - 1) * strides[1] + (kernel_hw[1] - 1) * dilations[1] + 1
+    xpad = numpy.zeros((n, max(rows, pads[0] + height), max(cols, pads[1] + width), channels), acc)
+    xpad[:, pads[0]:pads[0] + height, pads[1]:pads[1] + width] = x
+    return xpad
+
+
+def _forward_numpy(x, kernel, strides, dilations, out_hw, pads, bias):
+    acc = _acc_dtype(kernel.dtype)
+    w, spots = _dense_positions(kernel, acc)
+    xpad = _padded(x, acc, out_hw, kernel.shape[:2], strides, dilations, pads)
+    y = numpy.zeros((x.shape[0], *out_hw, kernel.shape[3]), acc)
+    for kh, kw in spots:
+        y += _tap_view(xpad, kh, kw, out_hw, strides, dilations) @ w[kh, kw]
+    if bias is not None:
+        y += bias.astype(acc)
+    return y
+
+
+def _grad_input_numpy(dy, kernel, input_shape, strides, dilations, pads):
+    acc = _acc_dtype(kernel.dtype)
+    w, spots = _dense_positions(kernel, acc)
+    n, height, width, cin = input_shape
+    out_hw = dy.shape[1:3]
+    dxpad = _padded(numpy.zeros(input_shape, acc), acc, out_hw, kernel.shape[:2], strides,
+                    dilations, pads)
+    dy_acc = dy.astype(acc)
+    for kh, kw in spots:
+        _tap_view(dxpad, kh, kw, out_hw, strides, dilations)[...] += dy_acc @ w[kh, kw].T
+    return dxpad[:, pads[0]:pads[0] + height, pads[1]:pads[1] + width].astype(dy.dtype)
+
+
+def _grad_values_numpy(x, dy, kernel, strides, dilations, pads):
+    acc = _acc_dtype(kernel.dtype)
+    _, spots = _dense_positions(kernel, acc)
+    out_hw = dy.shape[1:3]
+    xpad = _padded(x, acc, out_hw, kernel.shape[:2], strides, dilations, pads)
+    dy_rows = dy.astype(acc).reshape(-1, dy.shape[3])
+    taps = kernel._taps
+    spot_of_tap = kernel.positions // (kernel.shape[2] * kernel.shape[3])
+    grad = numpy.zeros(kernel.nnz, acc)
+    for kh, kw in spots:
+        patches = _tap_view(xpad, kh, kw, out_hw, strides, dilations)
+        full = patches.reshape(-1, patches.shape[3]).T @ dy_rows  # [Cin, Cout]
+        mine = spot_of_tap == kh * kernel.shape[1] + kw
+        grad[mine] = full[taps.ci[mine], taps.co[mine]]
+    return grad.astype(x.dtype)
+
+
+# --- CuPy backend --------------------------------------------------------------------------
+
+ConvPlan = namedtuple("ConvPlan", ["kernel", "template", "grid", "block", "smem", "ints",
+                                   "layout"])
+ConvPlan.__doc__ = """Launch of a forward kernel: name and template arguments, grid, block, shared
+memory bytes, the int fields of ConvArgs, and the layout (q, r) of the window kernels' index
+arrays (None for "direct")."""
+
+
+def _round_up(value, multiple):
+    return -(-value // multiple) * multiple
+
+
+@functools.lru_cache(maxsize=1024)
+def conv_plan(strategy, dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
+              input_dilation):
+    """The ConvPlan of a convolution of an [n, *in_hw, cin] input (with input_dilation - 1
+    zeros between its pixels) into [n, *out_hw, cout], by a kernel_hw weight."""
+    acc_size = 8 if dtype == "float64" else 4
+    (k_h, k_w), (sh, sw), (dh, dw) = kernel_hw, strides, dilations
+    if strategy == "direct":
+        p, q, r = _DIRECT_P, _DIRECT_Q, None
+    else:
+        if sh != 1 or tuple(input_dilation) != (1, 1):
+            raise ValueError(f"strategy {strategy!r} needs strides[0] == 1 and no input "
+                             f"dilation, got strides {strides}, input dilation {input_dilation}")
+        if dtype == "float64":
+            raise TypeError(f"strategy {strategy!r} computes in float32: float64 runs 'direct'")
+        extent = (k_h - 1) * dh + 1
+        p = _WINDOW_P
+        q, r = ((_TAPS_Q, next((w for w in _TAPS_WINDOWS if w >= extent), _TAPS_WINDOWS[-1]))
+                if strategy == "taps" else (_PATCHES_Q, _PATCHES_R))
+    groups = -(-cout // q)
+    warps_q = max(1, min(groups, _WARPS[strategy]))
+    warps_y = max(1, min(_WARPS[strategy] // warps_q, -(-out_hw[0] // p)))
+    cols = 31 * sw + (k_w - 1) * dw + 1
+    while True:
+        if r is None:  # odd pitch: lanes a column apart hit different banks
+            rows = (warps_y * p - 1) * sh + (k_h - 1) * dh + 1
+            pitch = rows | 1
+        else:  # 16-byte loads; pitch = 4 (mod 8) words spreads 8 lanes' loads over the banks
+            rows = warps_y * p + ((k_h - 1) * dh // r + 1) * r
+            pitch = _round_up(rows, 4)
+            pitch += 4 if pitch % 8 == 0 else 0
+        channel_bytes = cols * pitch * acc_size
+        if channel_bytes <= _SMEM_LIMIT or warps_y == 1:
+            break
+        warps_y = 1
+    chunk = min(cin, _SMEM_LIMIT // channel_bytes) if cin else 1
+    if chunk == 0:
+        raise ValueError(f"dilations {dilations} with a {k_h}x{k_w} kernel need an input tile "
+                         f"larger than the GPU kernels' shared memory ({channel_bytes} bytes "
+                         f"a channel)")
+    row_bytes = 32 * ((warps_q * q) | 1) * acc_size
+    store_rows = min(warps_y * p, _SMEM_LIMIT // row_bytes)
+    grid = (-(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // (warps_y * p))),
+            _checks.grid_dim("x (batch x channel groups)", n * -(-groups // warps_q)))
+    ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, *input_dilation, rows, cols,
+            pitch, chunk, warps_y, warps_q, groups, store_rows)
+    ctype = _kernels.ARITHMETIC_CTYPES[dtype]
+    if r is None:
+        name, template, layout = "sparse_kernel_conv_direct", (ctype, p, q), None
+    else:
+        name, template, layout = "sparse_kernel_conv_window", (ctype, p, q, r), (q, r)
+    return ConvPlan(name, template, grid, (32 * warps_y * warps_q, 1, 1),
+                    max(chunk * channel_bytes, store_rows * row_bytes), ints, layout)
+
+
+def instantiations():
+    """Name expressions of every kernel the plans can ask for (the compile check builds them)."""
+    names = []
+    for dtype, ctype in _kernels.ARITHMETIC_CTYPES.items():
+        names.append(_kernels.name_expression("sparse_kernel_conv_direct", ctype, _DIRECT_P,
+                                              _DIRECT_Q))
+        names.append(_kernels.name_expression("sparse_kernel_conv_grad_values", ctype, _GRAD_P))
+        if dtype != "float64":
+            names += [_kernels.name_expression("sparse_kernel_conv_window", ctype, _WINDOW_P,
+                                               _TAPS_Q, r) for r in _TAPS_WINDOWS]
+            names.append(_kernels.name_expression("sparse_kernel_conv_window", ctype, _WINDOW_P,
+                                                   _PATCHES_Q, _PATCHES_R))
+    return names
+
+
+def launch_conv(device, stream, plan, x, out, bias, ranges, columns, taps, values):
+    """Launch a ConvPlan on raw pointers (ints): x and out C-contiguous NHWC, bias 0 for none,
+    the index arrays and values as _launch_arrays gives them (columns 0 for "direct")."""
+    function = _launch.function(device, "sparse_kernel_conv", plan.kernel, *plan.template)
+    _launch.launch(device, stream, function, plan.grid, plan.block, plan.smem, _CONV_ARGS,
+                   (x, out, bias, ranges, columns, taps, values, *plan.ints))
+
+
+def _conv_cupy(x, kernel, transposed, out, strides, dilations, pads, input_dilation, bias,
+               strategy):
+    import cupy
+
+    k_h, k_w, cin, cout = kernel.shape
+    if transposed:
+        cin, cout = cout, cin
+    plan = conv_plan(strategy, kernel.dtype, x.shape[0], x.shape[1:3], cin, out.shape[1:3], cout,
+                     (k_h, k_w), strides, dilations, pads, input_dilation)
+    ranges, columns, taps, values = kernel._launch_arrays(transposed, plan.layout, dilations[0])
+    if out.size == 0:
+        return
+    x = cupy.ascontiguousarray(x)
+    bias = 0 if bias is None else cupy.ascontiguousarray(bias).data.ptr
+    launch_conv(x.data.device_id, cupy.cuda.get_current_stream().ptr, plan, x.data.ptr,
+                out.data.ptr, bias, ranges.data.ptr, 0 if columns is None else columns.data.ptr,
+                taps.data.ptr, values.data.ptr)
+
+
+GradValuesPlan = namedtuple("GradValuesPlan", ["template", "grid", "block", "smem", "ints"])
+
+
+@functools.lru_cache(maxsize=1024)
+def grad_values_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads):
+    """Launch of the gradient with respect to the values (see conv_plan)."""
+    acc_size = 8 if dtype == "float64" else 4
+    (k_h, k_w), (sh, sw), (dh, dw) = kernel_hw, strides, dilations
+    p = _GRAD_P
+    rows = (p - 1) * sh + (k_h - 1) * dh + 1
+    pitch, cols = rows | 1, 31 * sw + (k_w - 1) * dw + 1
+    co_chunk = max(1, min(cout, _GRAD_CO_CHUNK))
+    dy_bytes = co_chunk * p * 32 * acc_size
+    channel_bytes = cols * pitch * acc_size
+    chunk = min(cin, (_SMEM_LIMIT - dy_bytes) // channel_bytes) if cin else 1
+    if chunk == 0:
+        raise ValueError(f"dilations {dilations} with a {k_h}x{k_w} kernel need an input tile "
+                         f"larger than the GPU kernels' shared memory ({channel_bytes} bytes "
+                         f"a channel)")
+    grid = (-(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // p)),
+            _checks.grid_dim("x (batch x channel groups)", n * -(-cout // co_chunk)))
+    ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, rows, cols, pitch, chunk,
+            co_chunk)
+    return GradValuesPlan((_kernels.ARITHMETIC_CTYPES[dtype], p), grid, (32 * _GRAD_WARPS, 1, 1),
+                          dy_bytes + chunk * channel_bytes, ints)
+
+
+def launch_grad_values(device, stream, plan, x, dy, ranges, taps, grad):
+    """Launch a GradValuesPlan on raw pointers: grad is a zeroed float32 (float64 for float64)
+    array of the kernel's nnz, which the kernel adds to; ranges and taps those of the
+    "direct" launch arrays of the kernel (not transposed)."""
+    function = _launch.function(device, "sparse_kernel_conv", "sparse_kernel_conv_grad_values",
+                                *plan.template)
+    _launch.launch(device, stream, function, plan.grid, plan.block, plan.smem,
+                   _GRAD_VALUES_ARGS, (x, dy, ranges, taps, grad, *plan.ints))
+
+
+def _grad_values_cupy(x, dy, kernel, strides, dilations, pads):
+    import cupy
+
+    k_h, k_w, cin, cout = kernel.shape
+    plan = grad_values_plan(kernel.dtype, x.shape[0], x.shape[1:3], cin, dy.shape[1:3], cout,
+                            (k_h, k_w), strides, dilations, pads)
+    ranges, _, taps, _ = kernel._launch_arrays(False, None, dilations[0])
+    grad = cupy.zeros(kernel.nnz, _acc_dtype(kernel.dtype))
+    if kernel.nnz and dy.size and x.size:
+        x, dy = cupy.ascontiguousarray(x), cupy.ascontiguousarray(dy)
+        launch_grad_values(x.data.device_id, cupy.cuda.get_current_stream().ptr, plan, x.data.ptr,
+                           dy.data.ptr, ranges.data.ptr, taps.data.ptr, grad.data.ptr)
+    if kernel.dtype == "bfloat16":
+        return float32_to_bfloat16_bits(grad).view(x.dtype)
+    return grad.astype(x.dtype, copy=False)
+
+
+def float32_to_bfloat16_bits(a):
+    """uint16 patterns of float32 array `a` rounded to bfloat16 (to nearest, ties to even;
+    NaN stays NaN)."""
+    xp = _checks.array_module(a=a)
+    bits = a.astype(xp.float32).view(xp.uint32)
+    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16
+    nan = xp.isnan(a)
+    return xp.where(nan, xp.uint32(0x7FC0), rounded).astype(xp.uint16)
