@@ -685,10 +685,14 @@ def grad_values_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dil
     p = _GRAD_P
     rows = (p - 1) * sh + (k_h - 1) * dh + 1
     pitch, cols = rows | 1, 31 * sw + (k_w - 1) * dw + 1
-    co_chunk = max(1, min(cout, _GRAD_CO_CHUNK))
-    dy_bytes = co_chunk * p * 32 * acc_size
     channel_bytes = cols * pitch * acc_size
-    chunk = min(cin, (_SMEM_LIMIT - dy_bytes) // channel_bytes) if cin else 1
+    co_chunk = max(1, min(cout, _GRAD_CO_CHUNK))
+    while True:  # fewer output channels a pass where one input channel's tile is large
+        dy_bytes = co_chunk * p * 32 * acc_size
+        chunk = min(cin, max(_SMEM_LIMIT - dy_bytes, 0) // channel_bytes) if cin else 1
+        if chunk or co_chunk == 1:
+            break
+        co_chunk //= 2
     if chunk == 0:
         raise ValueError(f"dilations {dilations} with a {k_h}x{k_w} kernel need an input tile "
                          f"larger than the GPU kernels' shared memory ({channel_bytes} bytes "

@@ -79,13 +79,12 @@ def assert_close(got, expected, dtype, scale):
                                     tol * (scale + 1e-30) + 1e-30)
 
 
-def _strategies(xp, strides, dtype=numpy.float32):
-    """Strategies the backend takes for this geometry: the rule (None) and, on CuPy, each one
-    that applies."""
+def _strategies(xp, window, dtype=numpy.float32):
+    """Strategies to run: the rule (None) and, on CuPy, each one that applies; `window`: the
+    window kernels apply to the geometry (unit vertical stride, no input dilation)."""
     if xp is numpy:
         return [None]
-    window = strides[0] == 1 and dtype != numpy.float64
-    return [None, "direct"] + (["taps", "patches"] if window else [])
+    return [None] + _emulated_strategies(window, numpy.dtype(dtype).name)
 
 
 @pytest.mark.parametrize("density", DENSITIES)
@@ -97,7 +96,7 @@ def test_sweep_shapes_match_reference(xp, rng, name, x_shape, w_shape, density):
     kernel = SparseKernel.from_dense(xp.asarray(w))
     expected = reference(x, w, (1, 1), "SAME", (1, 1), bias)
     scale = reference(numpy.abs(x), numpy.abs(w), (1, 1), "SAME", (1, 1), numpy.abs(bias))
-    for strategy in _strategies(xp, (1, 1)):
+    for strategy in _strategies(xp, True):
         out = sbnet_cupy.sparse_kernel_conv2d(xp.asarray(x), kernel, bias=xp.asarray(bias),
                                               strategy=strategy)
         assert out.shape == expected.shape and out.dtype == numpy.float32
@@ -111,7 +110,7 @@ def test_every_geometry_matches_reference(xp, rng, strides, padding, dilations):
     kernel = SparseKernel.from_dense(xp.asarray(w))
     expected = reference(x, w, strides, padding, dilations)
     scale = reference(numpy.abs(x), numpy.abs(w), strides, padding, dilations)
-    for strategy in _strategies(xp, strides):
+    for strategy in _strategies(xp, strides[0] == 1):
         out = sbnet_cupy.sparse_kernel_conv2d(xp.asarray(x), kernel, strides=strides,
                                               padding=padding, dilations=dilations,
                                               strategy=strategy)
@@ -143,7 +142,7 @@ def test_gradients_match_reference(xp, rng, strides, padding, dilations):
     kw = dict(strides=strides, padding=padding, dilations=dilations)
     dy = random_array(rng, reference(x, w, **kw).shape, numpy.float64)
     expected_dx, expected_dw = reference_gradients(x, w, dy, **kw)
-    for strategy in _strategies(xp, (1, 1) if strides == (1, 1) else strides, numpy.float64):
+    for strategy in _strategies(xp, strides == (1, 1), numpy.float64):
         dx = sbnet_cupy.sparse_kernel_conv2d_grad_input(xp.asarray(dy), kernel, x.shape,
                                                         strategy=strategy, **kw)
         numpy.testing.assert_allclose(to_numpy(dx), expected_dx, rtol=1e-12, atol=1e-12)
@@ -199,7 +198,7 @@ def test_other_dtypes(xp, rng, dtype):
     kernel = SparseKernel.from_dense(xp.asarray(w))
     expected = reference(x, w, (1, 1), "SAME", (1, 1))
     scale = reference(numpy.abs(x), numpy.abs(w), (1, 1), "SAME", (1, 1))
-    for strategy in _strategies(xp, (1, 1), dtype):
+    for strategy in _strategies(xp, True, dtype):
         out = sbnet_cupy.sparse_kernel_conv2d(xp.asarray(x), kernel, strategy=strategy)
         assert out.dtype == dtype
         # One rounding of the float32 sum to the dtype, plus float32 rounding.
@@ -215,7 +214,7 @@ def test_bfloat16(rng):
     kernel = SparseKernel.from_dense(bits(w), dtype="bfloat16")
     expected = reference(x, w, (1, 1), "SAME", (1, 1))
     scale = reference(numpy.abs(x), numpy.abs(w), (1, 1), "SAME", (1, 1))
-    for strategy in _strategies(cupy, (1, 1)):
+    for strategy in _strategies(cupy, True):
         out = sbnet_cupy.sparse_kernel_conv2d(bits(x), kernel, strategy=strategy)
         assert out.dtype == numpy.uint16
         got = (cupy.asnumpy(out).astype(numpy.uint32) << 16).view(numpy.float32)
@@ -345,3 +344,227 @@ def test_rule():
     assert skc.choose_strategy("float32", 3, 64, (3, 3), (2, 2), (1, 1)) == "direct"
     assert skc.choose_strategy("float64", 3, 64, (3, 3), (1, 1), (1, 1)) == "direct"
     assert skc.choose_strategy("float32", 3, 64, (3, 3), (1, 1), (1, 1), (2, 2)) == "direct"
+
+
+# --- The CUDA kernels, transliterated -------------------------------------------------------
+# No GPU runs here, so the launch plans and index arrays that CuPy calls hand to
+# kernels/sparse_kernel_conv.cu are checked on the CPU by a line-by-line NumPy transliteration of
+# the kernels (vectorised over lanes, rows and taps). Shared memory starts as NaN and every read
+# is bounds-checked, so a word the kernels would read before staging it, or a tile too small for
+# its plan, fails the comparison; so does an output the kernels would not write.
+
+CONV_FIELDS = ("n", "in_h", "in_w", "cin", "out_h", "out_w", "cout", "str_h", "str_w", "dil_h",
+               "dil_w", "pad_h", "pad_w", "idil_h", "idil_w", "tile_rows", "tile_cols", "pitch",
+               "chunk", "warps_y", "warps_q", "groups", "store_rows")
+GRAD_FIELDS = ("n", "in_h", "in_w", "cin", "out_h", "out_w", "cout", "str_h", "str_w", "dil_h",
+               "dil_w", "pad_h", "pad_w", "tile_rows", "tile_cols", "pitch", "chunk", "co_chunk")
+
+
+def _read(smem, index):
+    assert index.size == 0 or index.min() >= 0 and index.max() < smem.size, "shared-memory read out of bounds"
+    return smem[index]
+
+
+def _stage(smem, x, n, a, y0, x0, ci0, nci, idil=(1, 1)):
+    rows, cols, pitch = a["tile_rows"], a["tile_cols"], a["pitch"]
+    yv, xv = y0 + numpy.arange(rows), x0 + numpy.arange(cols)
+    y_ok = (yv >= 0) & (yv % idil[0] == 0) & (yv // idil[0] < a["in_h"])
+    x_ok = (xv >= 0) & (xv % idil[1] == 0) & (xv // idil[1] < a["in_w"])
+    values = numpy.zeros((nci, cols, rows))
+    picked = x[n][(yv[y_ok] // idil[0])[:, None], xv[x_ok] // idil[1], ci0:ci0 + nci]
+    values[:, numpy.flatnonzero(x_ok)[:, None], numpy.flatnonzero(y_ok)] = picked.transpose(2, 1, 0)
+    index = ((numpy.arange(nci)[:, None, None] * cols + numpy.arange(cols)[:, None]) * pitch
+             + numpy.arange(rows))
+    assert index.max() < smem.size, "tile larger than the plan's shared memory"
+    smem[index] = values
+
+
+def _store(smem, out, acc, a, n, oy0, ox0, co0, q_per_warp, bias):
+    """store_output: acc [warps_q, warps_y, Q, P, 32] through shared memory, store_rows a pass."""
+    warps_q, warps_y, _, p_rows, _ = acc.shape
+    cta_co, co_pitch = warps_q * q_per_warp, (warps_q * q_per_warp) | 1
+    rows = warps_y * p_rows
+    for r0 in range(0, rows, a["store_rows"]):
+        smem[:] = numpy.nan
+        for wq, wy, q, p in itertools.product(range(warps_q), range(warps_y),
+                                              range(q_per_warp), range(p_rows)):
+            r = wy * p_rows + p - r0
+            if 0 <= r < a["store_rows"]:
+                index = (r * 32 + numpy.arange(32)) * co_pitch + wq * q_per_warp + q
+                assert index.max() < smem.size, "store pass larger than shared memory"
+                smem[index] = acc[wq, wy, q, p]
+        e = numpy.arange(min(a["store_rows"], rows - r0) * 32 * cta_co)
+        pixel, c = e // cta_co, e % cta_co
+        oy, ox, co = oy0 + r0 + pixel // 32, ox0 + pixel % 32, co0 + c
+        ok = (oy < a["out_h"]) & (ox < a["out_w"]) & (co < a["cout"])
+        v = _read(smem, pixel[ok] * co_pitch + c[ok])
+        out[n, oy[ok], ox[ok], co[ok]] = v + (0 if bias is None else bias[co[ok]])
+
+
+def emulate_conv(plan, x, out_shape, arrays, bias=None):
+    """sparse_kernel_conv_window or _direct, as kernels/sparse_kernel_conv.cu runs `plan`."""
+    a = dict(zip(CONV_FIELDS, plan.ints))
+    ranges, columns, taps, values = (None if v is None else to_numpy(v) for v in arrays)
+    values = values.astype(numpy.float64)
+    window = plan.kernel == "sparse_kernel_conv_window"
+    p_rows, q_per_warp = plan.template[1:3]
+    r_rows = plan.template[3] if window else None
+    out = numpy.full(out_shape, numpy.nan)
+    smem = numpy.empty(plan.smem // (8 if plan.template[0] == "double" else 4))
+    lanes = numpy.arange(32)
+    group_blocks = -(-a["groups"] // a["warps_q"])
+    for bz, by, bx in itertools.product(*(range(g) for g in plan.grid[::-1])):
+        n, g0 = bz // group_blocks, (bz % group_blocks) * a["warps_q"]
+        oy0, ox0 = by * a["warps_y"] * p_rows, bx * 32
+        acc = numpy.zeros((a["warps_q"], a["warps_y"], q_per_warp, p_rows, 32))
+        for ci0 in range(0, a["cin"], a["chunk"]):
+            nci = min(a["chunk"], a["cin"] - ci0)
+            smem[:] = numpy.nan
+            _stage(smem, x, n, a, oy0 * a["str_h"] - a["pad_h"], ox0 * a["str_w"] - a["pad_w"],
+                   ci0, nci, (a["idil_h"], a["idil_w"]))
+            for wq, wy in itertools.product(range(a["warps_q"]), range(a["warps_y"])):
+                g = g0 + wq
+                if g >= a["groups"]:
+                    continue
+                if window:
+                    lane_base = lanes * a["str_w"] * a["pitch"] + wy * p_rows
+                    for c in range(ranges[g * a["cin"] + ci0], ranges[g * a["cin"] + ci0 + nci]):
+                        ci, kw, row0, first = columns[c]
+                        last = columns[c + 1][3]
+                        src = lane_base + ((ci - ci0) * a["tile_cols"] + kw * a["dil_w"]) * a["pitch"] + row0
+                        assert (src % 4 == 0).all(), "window loads must be 16-byte aligned"
+                        win = _read(smem, src[:, None] + numpy.arange(p_rows + r_rows))
+                        q, r = taps[first:last] // r_rows, taps[first:last] % r_rows
+                        rows = win[:, r[:, None] + numpy.arange(p_rows)]  # [32, T, P]
+                        numpy.add.at(acc[wq, wy], q,
+                                     (values[first:last, None] * rows).transpose(1, 2, 0))
+                else:
+                    lane_base = lanes * a["str_w"] * a["pitch"] + wy * p_rows * a["str_h"]
+                    for q in range(q_per_warp):
+                        co = g * q_per_warp + q
+                        if co >= a["cout"]:
+                            break
+                        first = ranges[co * a["cin"] + ci0]
+                        last = ranges[co * a["cin"] + ci0 + nci]
+                        tap = taps[first:last]
+                        src = (((tap >> 16) - ci0) * a["tile_cols"] + (tap & 255) * a["dil_w"]) * a["pitch"] \
+                            + ((tap >> 8) & 255) * a["dil_h"]
+                        index = (src[:, None, None] + lane_base[:, None]
+                                 + numpy.arange(p_rows) * a["str_h"])  # [T, 32, P]
+                        acc[wq, wy, q] += numpy.einsum("t,tlp->pl", values[first:last],
+                                                       _read(smem, index))
+        _store(smem, out, acc, a, n, oy0, ox0, g0 * q_per_warp, q_per_warp,
+               None if bias is None else bias.astype(numpy.float64))
+    assert not numpy.isnan(out).any(), "outputs left unwritten"
+    return out
+
+
+def emulate_grad_values(plan, x, dy, ranges, taps, nnz):
+    """sparse_kernel_conv_grad_values, as kernels/sparse_kernel_conv.cu runs `plan`."""
+    a = dict(zip(GRAD_FIELDS, plan.ints))
+    ranges, taps = to_numpy(ranges), to_numpy(taps)
+    p_rows = plan.template[1]
+    grad = numpy.zeros(nnz)
+    smem = numpy.empty(plan.smem // (8 if plan.template[0] == "double" else 4))
+    dys_at = a["chunk"] * a["tile_cols"] * a["pitch"]
+    co_blocks = -(-a["cout"] // a["co_chunk"])
+    lanes = numpy.arange(32)
+    for bz, by, bx in itertools.product(*(range(g) for g in plan.grid[::-1])):
+        n, co0 = bz // co_blocks, (bz % co_blocks) * a["co_chunk"]
+        nco = min(a["co_chunk"], a["cout"] - co0)
+        oy0, ox0 = by * p_rows, bx * 32
+        oy, ox = oy0 + numpy.arange(p_rows)[:, None], ox0 + lanes
+        inside = (oy < a["out_h"]) & (ox < a["out_w"])
+        d = numpy.zeros((nco, p_rows, 32))
+        pixels = dy[n, oy.clip(max=a["out_h"] - 1), ox.clip(max=a["out_w"] - 1)]  # [P, 32, Cout]
+        d[:, inside] = pixels[inside].T[co0:co0 + nco]
+        assert dys_at + nco * p_rows * 32 <= smem.size, "dy tile beyond shared memory"
+        for ci0 in range(0, a["cin"], a["chunk"]):
+            nci = min(a["chunk"], a["cin"] - ci0)
+            smem[:] = numpy.nan
+            _stage(smem, x, n, a, oy0 * a["str_h"] - a["pad_h"], ox0 * a["str_w"] - a["pad_w"],
+                   ci0, nci)
+            for c in range(nco):
+                co = co0 + c
+                first, last = ranges[co * a["cin"] + ci0], ranges[co * a["cin"] + ci0 + nci]
+                tap = taps[first:last]
+                src = (((tap >> 16) - ci0) * a["tile_cols"] + (tap & 255) * a["dil_w"]) * a["pitch"] \
+                    + ((tap >> 8) & 255) * a["dil_h"]
+                index = (src[:, None, None] + (lanes * a["str_w"] * a["pitch"])[None, :, None]
+                         + numpy.arange(p_rows) * a["str_h"])  # [T, 32, P]
+                grad[first:last] += numpy.einsum("pl,tlp->t", d[c], _read(smem, index))
+    return grad
+
+
+EMULATED = [s for s in SWEEPS if s[0] in ("k3", "k11", "cin1", "cin33", "cout65", "size37",
+                                          "batch")]
+
+
+def _emulated_strategies(window, dtype):
+    return ["direct"] + (["taps", "patches"] if window and dtype != "float64" else [])
+
+
+@pytest.mark.parametrize("name, x_shape, w_shape", EMULATED)
+def test_kernels_transliterated_on_sweep_shapes(rng, name, x_shape, w_shape):
+    x = random_array(rng, x_shape, numpy.float32)
+    w = pruned_weight(rng, w_shape, 0.1)
+    bias = random_array(rng, (w_shape[3],), numpy.float32)
+    kernel = SparseKernel.from_dense(w)
+    expected = reference(x, w, (1, 1), "SAME", (1, 1), bias)
+    out_hw, pads = skc.conv_geometry(x_shape[1:3], w_shape[:2], (1, 1), "SAME", (1, 1))
+    for strategy in _emulated_strategies(True, "float32"):
+        plan = skc.conv_plan(strategy, "float32", x_shape[0], x_shape[1:3], w_shape[2], out_hw,
+                             w_shape[3], w_shape[:2], (1, 1), (1, 1), pads, (1, 1))
+        arrays = kernel._launch_arrays(False, plan.layout, 1)
+        out = emulate_conv(plan, x, expected.shape, arrays, bias)
+        numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
+
+
+@pytest.mark.parametrize("strides, padding, dilations", COMBOS)
+def test_kernels_transliterated_on_every_geometry(rng, strides, padding, dilations):
+    """Forward, input gradient (the transposed weight, zeros between dy's pixels) and values
+    gradient, at every stride / padding / dilation, with a kernel taller than one window."""
+    x = random_array(rng, (2, 19, 37, 5), numpy.float64)
+    w = pruned_weight(rng, (9, 4, 5, 6), 0.3, numpy.float64)
+    kernel = SparseKernel.from_dense(w)
+    kw = dict(strides=strides, padding=padding, dilations=dilations)
+    expected = reference(x, w, **kw)
+    dy = random_array(rng, expected.shape, numpy.float64)
+    expected_dx, expected_dw = reference_gradients(x, w, dy, **kw)
+    out_hw, pads = skc.conv_geometry(x.shape[1:3], w.shape[:2], strides, skc._padding(padding),
+                                     dilations)
+    cin, cout = w.shape[2:]
+    strides_t, pads_t, input_dilation = skc.transposed_geometry(w.shape, strides, dilations, pads)
+    for strategy in _emulated_strategies(strides[0] == 1, "float32"):
+        plan = skc.conv_plan(strategy, "float32", 2, x.shape[1:3], cin, out_hw, cout, w.shape[:2],
+                             strides, dilations, pads, (1, 1))
+        out = emulate_conv(plan, x, expected.shape, kernel._launch_arrays(False, plan.layout,
+                                                                          dilations[0]))
+        numpy.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12, err_msg=strategy)
+    for strategy in _emulated_strategies(strides == (1, 1), "float32"):
+        plan = skc.conv_plan(strategy, "float32", 2, out_hw, cout, x.shape[1:3], cin, w.shape[:2],
+                             strides_t, dilations, pads_t, input_dilation)
+        dx = emulate_conv(plan, dy, x.shape, kernel._launch_arrays(True, plan.layout,
+                                                                   dilations[0]))
+        numpy.testing.assert_allclose(dx, expected_dx, rtol=1e-12, atol=1e-12, err_msg=strategy)
+    plan = skc.grad_values_plan("float64", 2, x.shape[1:3], cin, out_hw, cout, w.shape[:2],
+                                strides, dilations, pads)
+    ranges, _, taps, _ = kernel._launch_arrays(False, None, dilations[0])
+    dv = emulate_grad_values(plan, x, dy, ranges, taps, kernel.nnz)
+    numpy.testing.assert_allclose(dv, expected_dw.reshape(-1)[kernel.positions], rtol=1e-12,
+                                  atol=1e-12)
+
+
+def test_kernels_transliterated_on_large_dilation(rng):
+    """A kernel spanning several windows and a chunked input (more channels than a tile holds)."""
+    x = random_array(rng, (1, 40, 33, 70), numpy.float32)
+    w = pruned_weight(rng, (5, 3, 70, 9), 0.05)
+    kernel = SparseKernel.from_dense(w)
+    expected = reference(x, w, (1, 1), "SAME", (5, 2))
+    out_hw, pads = skc.conv_geometry(x.shape[1:3], w.shape[:2], (1, 1), "SAME", (5, 2))
+    for strategy in ("taps", "patches", "direct"):
+        plan = skc.conv_plan(strategy, "float32", 1, x.shape[1:3], 70, out_hw, 9, w.shape[:2],
+                             (1, 1), (5, 2), pads, (1, 1))
+        assert dict(zip(CONV_FIELDS, plan.ints))["chunk"] < 70
+        out = emulate_conv(plan, x, expected.shape, kernel._launch_arrays(False, plan.layout, 5))
+        numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
