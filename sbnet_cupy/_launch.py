@@ -53,7 +53,7 @@ def function(device, op, kernel, *template_args):
         import cupy
 
         with cupy.cuda.Device(device):
-            compiled = _kernels.get_kernel(op, kernel, *template_args)
+            compiled = _kernels.get_kernel(op, kernel, *template_args).kernel
         entry = _functions[key] = (compiled.ptr, compiled)  # the Function keeps its module loaded
     return entry[0]
 
