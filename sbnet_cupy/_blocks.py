@@ -93,6 +93,8 @@ def launch(plan, device, stream, src, dst, indices, counts, rows, image_shape, g
     `geometry` ((bh, bw), (oh, ow), (sh, sw)) in an image [n, height, width, ...]."""
     (bh, bw), (oh, ow), (sh, sw) = geometry
     n_batch, height, width = image_shape
+    if rows >= 2**31:  # checked here, where the count is known under torch.compile too
+        raise ValueError(f"active_block_indices has too many rows: {rows}")
     _launch.launch(device, stream, plan.function, (rows, *plan.grid_yz), plan.block,
                    plan.shared_mem,
                    STACK_ARGS,

@@ -140,9 +140,6 @@ def check_block_list(active_block_indices, bin_counts):
     if size(counts.shape) != 1 or not dtype_name(counts).startswith(("int", "uint")):
         raise ValueError(f"bin_counts must be one integer, as an array of shape [1], "
                          f"got shape {tuple(counts.shape)} dtype {dtype_name(counts)}")
-    rows = indices.shape[0]
-    if isinstance(rows, int) and rows >= 2**31:  # (torch.compile may trace a symbolic size)
-        raise ValueError(f"active_block_indices has too many rows: {rows}")
 
 
 def block_list(xp, active_block_indices, bin_counts):
