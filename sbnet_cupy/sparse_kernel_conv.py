@@ -81,6 +81,16 @@ class _Taps:
         self._arrays = {}
         self._transposed = None
 
+    @classmethod
+    def from_positions(cls, xp, shape, positions):
+        """The taps at flat HWIO indices `positions` (int64, canonical order: as a SparseKernel's
+        positions), for the bridges, which keep the mask as a tensor."""
+        k_h, k_w, cin, cout = shape
+        rest, co = xp.divmod(positions, cout)
+        rest, ci = xp.divmod(rest, cin)
+        kh, kw = xp.divmod(rest, k_w)
+        return cls(xp, tuple(shape), *(a.astype(xp.int32) for a in (co, ci, kh, kw)))
+
     def arrays(self, transposed, layout, dil_h):
         """(ranges, columns, taps, order) of a launch: the index arrays of the "direct" kernel
         (layout None; columns None) or of the window kernels (layout (q, r)), for this weight
@@ -184,7 +194,7 @@ class SparseKernel:
         if max(k_h, k_w) > _MAX_KERNEL_SIDE or cin > _MAX_CIN:
             raise ValueError(f"w's kernel sides must be at most {_MAX_KERNEL_SIDE} and its input "
                              f"channels at most {_MAX_CIN}, got shape {w.shape}")
-        with _checks.device_of(w):
+        with _checks.on_device(w):
             nonzero = (w & 0x7FFF) != 0 if dtype == "bfloat16" else w != 0
             # C order over [Cout, Cin, KH, KW] is the canonical order.
             co, ci, kh, kw = (a.astype(xp.int32) for a in xp.nonzero(nonzero.transpose(3, 2, 0, 1)))
@@ -227,7 +237,7 @@ class SparseKernel:
     def to_dense(self):
         """The dense weight [KH, KW, Cin, Cout] (zeros at the pruned taps)."""
         xp = self._taps.xp
-        with _checks.device_of(self.values):
+        with _checks.on_device(self.values):
             w = xp.zeros(math.prod(self.shape), dtype=self.values.dtype)
             w[self.positions] = self.values
         return w.reshape(self.shape)
@@ -285,49 +295,71 @@ def _padding(padding):
 
 @functools.lru_cache(maxsize=1024)
 def conv_geometry(in_hw, kernel_hw, strides, padding, dilations):
-    """((out_h, out_w), (pad_top, pad_left)) of a convolution, TensorFlow's rules: SAME gives
-    ceil(in / stride) outputs with the padding split evenly (the extra row at the bottom),
-    VALID ceil((in - (k - 1) * dilation) / stride), explicit pads what they say."""
-    out, before = [], []
+    """((out_h, out_w), ((top, bottom), (left, right))) of a convolution, TensorFlow's rules:
+    SAME gives ceil(in / stride) outputs with the padding split evenly (the extra row at the
+    bottom), VALID ceil((in - (k - 1) * dilation) / stride), explicit pads what they say."""
+    out, pads = [], []
     for axis in range(2):
         size, k, s, d = in_hw[axis], kernel_hw[axis], strides[axis], dilations[axis]
         extent = (k - 1) * d + 1
         if padding == "SAME":
             o = -(-size // s)
-            pad = max((o - 1) * s + extent - size, 0) // 2
+            total = max((o - 1) * s + extent - size, 0)
+            before, after = total // 2, total - total // 2
         else:
-            pad, after = (0, 0) if padding == "VALID" else padding[axis]
-            padded = size + pad + after
+            before, after = (0, 0) if padding == "VALID" else padding[axis]
+            padded = size + before + after
             if padded < extent:
                 raise ValueError(f"kernel is larger than the padded input: its extent "
                                  f"{extent} (size {k}, dilation {d}) exceeds {padded} "
-                                 f"(input {size}, padding {pad} + {after}) on axis {axis}")
+                                 f"(input {size}, padding {before} + {after}) on axis {axis}")
             o = (padded - extent) // s + 1
         out.append(o)
-        before.append(pad)
-    return tuple(out), tuple(before)
+        pads.append((before, after))
+    return tuple(out), tuple(pads)
 
 
-def _check_call(xp, name, x, kernel, strides, padding, dilations, strategy):
-    """Checks shared by the forward and the gradients; returns (strides, padding, dilations)."""
-    if not isinstance(kernel, SparseKernel):
+ConvCall = namedtuple("ConvCall", ["strides", "dilations", "out_hw", "pads"])
+ConvCall.__doc__ = """Checked geometry of a call: strides and dilations as int pairs, the output
+size and the explicit padding ((top, bottom), (left, right))."""
+
+
+def check_conv(x, kernel_shape, strides, padding, dilations, bias, strategy):
+    """Checks a convolution's arguments (arrays or tensors; kernel_shape [KH, KW, Cin, Cout])
+    and returns its ConvCall. Shared by sparse_kernel_conv2d and the bridges."""
+    _checks.nhwc("x", x)
+    k_h, k_w, cin, cout = kernel_shape
+    if x.shape[3] != cin:
+        raise ValueError(f"x has {x.shape[3]} channels but kernel expects {cin} "
+                         f"(kernel shape {tuple(kernel_shape)})")
+    strides = _checks.int_pair("strides", strides, minimum=1)
+    dilations = _checks.int_pair("dilations", dilations, minimum=1)
+    out_hw, pads = conv_geometry(tuple(x.shape[1:3]), (k_h, k_w), strides, _padding(padding),
+                                 dilations)
+    if bias is not None and (tuple(bias.shape) != (cout,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be a {_checks.dtype_name(x)} array of shape ({cout},), "
+                         f"got {_checks.dtype_name(bias)} {tuple(bias.shape)}")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
+    return ConvCall(strides, dilations, out_hw, pads)
+
+
+def _check_kernel(xp, name, x, kernel):
+    """Checks that `kernel` is a SparseKernel converted for x's backend, device and dtype."""
+    if type(kernel) is not SparseKernel:
         raise TypeError(f"kernel must be a SparseKernel (SparseKernel.from_dense(w)), "
                         f"got {type(kernel).__name__}")
     if kernel._taps.xp is not xp:
         raise TypeError(f"kernel was converted for {kernel._taps.xp.__name__} arrays but {name} "
                         f"is a {xp.__name__} array")
-    if xp is not numpy and kernel.device != x.device.id:
+    if xp is not numpy and kernel.device != x.data.device_id:
         raise ValueError(f"kernel was converted on device {kernel.device} but {name} is on "
-                         f"device {x.device.id}")
+                         f"device {x.data.device_id}")
     if x.dtype != kernel.values.dtype:
         raise TypeError(f"kernel was converted for {kernel.values.dtype} ({kernel.dtype}) but "
                         f"{name} is {x.dtype}")
     if xp is numpy and kernel.dtype == "bfloat16":
         raise TypeError("bfloat16 needs CuPy arrays (NumPy has no bfloat16 arithmetic)")
-    if strategy is not None and strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
-    return (_checks.int_pair("strides", strides, minimum=1), _padding(padding),
-            _checks.int_pair("dilations", dilations, minimum=1))
 
 
 def _acc_dtype(dtype):
@@ -355,43 +387,36 @@ def sparse_kernel_conv2d(x, kernel, *, strides=(1, 1), padding="SAME", dilations
     Returns:
         [N, OH, OW, Cout] array of x's dtype: float16 and bfloat16 accumulate in float32, the
         result rounded once; float32 results equal the dense convolution's up to float32
-        rounding. With pad_top, pad_left from the padding and xpad = x zero-padded::
+        rounding. With xpad = x zero-padded by (top, left)::
 
             out[n, oy, ox, co] = bias[co] + sum over kh, kw, ci of
                 xpad[n, oy*SH + kh*DH, ox*SW + kw*DW, ci] * w[kh, kw, ci, co]
 
         where the sum runs over the non-zero taps of w only.
     """
-    xp = _checks.array_module(x=x)
-    x = _checks.nhwc("x", x)
-    strides, padding, dilations = _check_call(xp, "x", x, kernel, strides, padding, dilations,
-                                              strategy)
-    k_h, k_w, cin, cout = kernel.shape
-    if x.shape[3] != cin:
-        raise ValueError(f"x has {x.shape[3]} channels but kernel expects {cin} "
-                         f"(kernel shape {kernel.shape})")
-    out_hw, pads = conv_geometry(x.shape[1:3], (k_h, k_w), strides, padding, dilations)
-    shape = (x.shape[0], *out_hw, cout)
-    if bias is not None:
-        _checks.array_module(x=x, bias=bias)
-        if bias.shape != (cout,) or bias.dtype != x.dtype:
-            raise ValueError(f"bias must be a {x.dtype} array of shape ({cout},), "
-                             f"got {bias.dtype} {bias.shape}")
-    with _checks.device_of(x):
+    xp = _checks.array_module(x=x) if bias is None else _checks.array_module(x=x, bias=bias)
+    _check_kernel(xp, "x", x, kernel)
+    call = _checks.memoized(_CHECKED, check_conv, (x, kernel.shape, strides, padding, dilations,
+                                                    bias, strategy), _checks.ARRAY_TYPES)
+    shape = (x.shape[0], *call.out_hw, kernel.shape[3])
+    before = (call.pads[0][0], call.pads[1][0])
+    with _checks.on_device(x):
         if out is None:
             out = xp.empty(shape, dtype=x.dtype)
-        else:
-            _checks.array_module(x=x, out=out)
-            if out.shape != shape or out.dtype != x.dtype or not out.flags.c_contiguous:
-                raise ValueError(f"out must be a C-contiguous {x.dtype} array of shape {shape}, "
-                                 f"got {out.dtype} {out.shape}")
+        elif (type(out) is not type(x) or out.shape != shape or out.dtype != x.dtype
+              or not out.flags.c_contiguous):
+            raise ValueError(f"out must be a C-contiguous {x.dtype} {xp.__name__} array of "
+                             f"shape {shape}, got {type(out).__name__} {out.dtype} {out.shape}")
         if xp is numpy:
-            out[...] = _forward_numpy(x, kernel, strides, dilations, out_hw, pads, bias)
+            out[...] = _forward_numpy(x, kernel, call.strides, call.dilations, call.out_hw,
+                                      before, bias)
         else:
-            strategy = strategy or choose_strategy(kernel.dtype, cin, cout, (k_h, k_w), strides,
-                                                   dilations)
-            _conv_cupy(x, kernel, False, out, strides, dilations, pads, (1, 1), bias, strategy)
+            _conv_cupy(x, kernel, False, out, call.strides, call.dilations, before, (1, 1), bias,
+                       strategy)
     return out
+
+
+_CHECKED = {}
 
 
 def sparse_kernel_conv2d_grad_input(dy, kernel, input_shape, *, strides=(1, 1), padding="SAME",
@@ -403,33 +428,29 @@ def sparse_kernel_conv2d_grad_input(dy, kernel, input_shape, *, strides=(1, 1), 
         kernel: the SparseKernel of the forward call.
         input_shape: (N, H, W, Cin) of the forward call's x.
         strides, padding, dilations: those of the forward call.
-        strategy: as for sparse_kernel_conv2d; "taps" and "patches" need strides[0] == 1.
+        strategy: as for sparse_kernel_conv2d; "taps" and "patches" need unit strides.
 
     Returns:
         dx [N, H, W, Cin] of dy's dtype::
 
-            dx[n, oy*SH + kh*DH - pad_top, ox*SW + kw*DW - pad_left, ci] +=
+            dx[n, oy*SH + kh*DH - top, ox*SW + kw*DW - left, ci] +=
                 dy[n, oy, ox, co] * w[kh, kw, ci, co]   (over the non-zero taps)
 
-    On CuPy it is the forward convolution of dy, with zeros between its pixels for strides > 1,
-    by the weight flipped in kh and kw with Cin and Cout swapped.
+    On CuPy it is the forward convolution of dy, with SH - 1 (SW - 1) zeros between its rows
+    (columns), by the weight flipped in kh and kw with Cin and Cout swapped.
     """
     xp = _checks.array_module(dy=dy)
-    dy = _checks.nhwc("dy", dy)
-    strides, padding, dilations = _check_call(xp, "dy", dy, kernel, strides, padding, dilations,
-                                              strategy)
-    input_shape = _input_shape(input_shape, kernel, dy)
-    k_h, k_w, cin, cout = kernel.shape
-    out_hw, pads = _check_dy(dy, kernel, input_shape, strides, padding, dilations)
-    with _checks.device_of(dy):
+    _check_kernel(xp, "dy", dy, kernel)
+    call = check_grad(dy, kernel.shape, input_shape, strides, padding, dilations, strategy)
+    before = (call.pads[0][0], call.pads[1][0])
+    with _checks.on_device(dy):
         if xp is numpy:
-            return _grad_input_numpy(dy, kernel, input_shape, strides, dilations, pads)
-        dx = xp.empty(input_shape, dtype=dy.dtype)
-        strides_t, pads_t, input_dilation = transposed_geometry(kernel.shape, strides,
-                                                                dilations, pads)
-        strategy = strategy or choose_strategy(kernel.dtype, cout, cin, (k_h, k_w), strides_t,
-                                               dilations, input_dilation)
-        _conv_cupy(dy, kernel, True, dx, strides_t, dilations, pads_t, input_dilation, None,
+            return _grad_input_numpy(dy, kernel, tuple(input_shape), call.strides,
+                                     call.dilations, before)
+        dx = xp.empty(tuple(input_shape), dtype=dy.dtype)
+        strides_t, pads_t, input_dilation = transposed_geometry(kernel.shape, call.strides,
+                                                                call.dilations, before)
+        _conv_cupy(dy, kernel, True, dx, strides_t, call.dilations, pads_t, input_dilation, None,
                    strategy)
         return dx
 
@@ -453,47 +474,50 @@ def sparse_kernel_conv2d_grad_values(x, dy, kernel, *, strides=(1, 1), padding="
     from run to run.
     """
     xp = _checks.array_module(x=x, dy=dy)
-    x, dy = _checks.nhwc("x", x), _checks.nhwc("dy", dy)
-    strides, padding, dilations = _check_call(xp, "x", x, kernel, strides, padding, dilations,
-                                              None)
+    _check_kernel(xp, "x", x, kernel)
     if dy.dtype != x.dtype:
         raise TypeError(f"dy dtype {dy.dtype} differs from x dtype {x.dtype}")
-    if x.shape[3] != kernel.shape[2]:
-        raise ValueError(f"x has {x.shape[3]} channels but kernel expects {kernel.shape[2]}")
-    out_hw, pads = _check_dy(dy, kernel, x.shape, strides, padding, dilations)
-    with _checks.device_of(x):
+    _checks.nhwc("x", x)
+    call = check_grad(dy, kernel.shape, x.shape, strides, padding, dilations, None)
+    before = (call.pads[0][0], call.pads[1][0])
+    with _checks.on_device(x):
         if xp is numpy:
-            return _grad_values_numpy(x, dy, kernel, strides, dilations, pads)
-        return _grad_values_cupy(x, dy, kernel, strides, dilations, pads)
+            return _grad_values_numpy(x, dy, kernel, call.strides, call.dilations, before)
+        return _grad_values_cupy(x, dy, kernel, call.strides, call.dilations, before)
 
 
-def transposed_geometry(kernel_shape, strides, dilations, pads):
-    """(strides, pads, input dilation) of the forward convolution that computes the input
-    gradient: dx[iy] = sum over kh of D[iy + kh' * DH - pad'] * w[KH-1-kh'], where D is dy
-    with SH - 1 zeros between its rows (and likewise for the columns), kh' = KH-1-kh and
-    pad' = (KH-1) * DH - pad_top."""
-    pads_t = tuple((k - 1) * d - p for k, d, p in zip(kernel_shape[:2], dilations, pads))
-    return (1, 1), pads_t, tuple(strides)
-
-
-def _input_shape(input_shape, kernel, dy):
+def check_grad(dy, kernel_shape, input_shape, strides, padding, dilations, strategy):
+    """Checks the arguments of a gradient (arrays or tensors): dy is the output gradient of a
+    convolution of an input of input_shape (N, H, W, Cin); returns its ConvCall."""
+    _checks.nhwc("dy", dy)
     try:
         shape = tuple(int(s) for s in input_shape)
     except TypeError:
         raise TypeError(f"input_shape must be (N, H, W, Cin), got {input_shape!r}") from None
-    if len(shape) != 4 or shape[0] != dy.shape[0] or shape[3] != kernel.shape[2] or min(shape) < 0:
+    if (len(shape) != 4 or shape[0] != dy.shape[0] or shape[3] != kernel_shape[2]
+            or min(shape) < 0):
         raise ValueError(f"input_shape must be (N, H, W, Cin) = ({dy.shape[0]}, H, W, "
-                         f"{kernel.shape[2]}), got {input_shape!r}")
-    return shape
+                         f"{kernel_shape[2]}), got {input_shape!r}")
+    strides = _checks.int_pair("strides", strides, minimum=1)
+    dilations = _checks.int_pair("dilations", dilations, minimum=1)
+    out_hw, pads = conv_geometry(shape[1:3], tuple(kernel_shape[:2]), strides,
+                                 _padding(padding), dilations)
+    expected = (shape[0], *out_hw, kernel_shape[3])
+    if tuple(dy.shape) != expected:
+        raise ValueError(f"dy must have the forward output's shape {expected}, "
+                         f"got {tuple(dy.shape)}")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
+    return ConvCall(strides, dilations, out_hw, pads)
 
 
-def _check_dy(dy, kernel, input_shape, strides, padding, dilations):
-    out_hw, pads = conv_geometry(tuple(input_shape[1:3]), kernel.shape[:2], strides, padding,
-                                 dilations)
-    expected = (input_shape[0], *out_hw, kernel.shape[3])
-    if dy.shape != expected:
-        raise ValueError(f"dy must have the forward output's shape {expected}, got {dy.shape}")
-    return out_hw, pads
+def transposed_geometry(kernel_shape, strides, dilations, pads):
+    """(strides, pads, input dilation) of the forward convolution that computes the input
+    gradient: dx[iy] = sum over kh' of D[iy + kh' * DH - pad'] * w[KH-1-kh'], where D is dy
+    with SH - 1 zeros between its rows (and likewise for the columns) and pad' = (KH-1) * DH -
+    pad_top."""
+    pads_t = tuple((k - 1) * d - p for k, d, p in zip(kernel_shape[:2], dilations, pads))
+    return (1, 1), pads_t, tuple(strides)
 
 
 # --- NumPy backend -------------------------------------------------------------------------
@@ -566,11 +590,12 @@ def _grad_values_numpy(x, dy, kernel, strides, dilations, pads):
 
 # --- CuPy backend --------------------------------------------------------------------------
 
-ConvPlan = namedtuple("ConvPlan", ["kernel", "template", "grid", "block", "smem", "ints",
-                                   "layout"])
-ConvPlan.__doc__ = """Launch of a forward kernel: name and template arguments, grid, block, shared
-memory bytes, the int fields of ConvArgs, and the layout (q, r) of the window kernels' index
-arrays (None for "direct")."""
+ConvPlan = namedtuple("ConvPlan", ["function", "kernel", "template", "grid", "block", "smem",
+                                   "ints", "layout"])
+ConvPlan.__doc__ = """Launch of a forward kernel: the compiled function (None in a plan made
+without a device), name and template arguments, grid, block, shared-memory bytes, the int
+fields of ConvArgs, and the layout (q, r) of the window kernels' index arrays (None for
+"direct")."""
 
 
 def _round_up(value, multiple):
@@ -579,17 +604,21 @@ def _round_up(value, multiple):
 
 @functools.lru_cache(maxsize=1024)
 def conv_plan(strategy, dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
-              input_dilation):
+              input_dilation, device=None):
     """The ConvPlan of a convolution of an [n, *in_hw, cin] input (with input_dilation - 1
-    zeros between its pixels) into [n, *out_hw, cout], by a kernel_hw weight."""
+    zeros between its pixels) into [n, *out_hw, cout] by a kernel_hw weight, padded by pads
+    (top, left); strategy None applies choose_strategy. With a device, the plan carries the
+    compiled kernel."""
     acc_size = 8 if dtype == "float64" else 4
     (k_h, k_w), (sh, sw), (dh, dw) = kernel_hw, strides, dilations
+    strategy = strategy or choose_strategy(dtype, cin, cout, kernel_hw, strides, dilations,
+                                           input_dilation)
     if strategy == "direct":
         p, q, r = _DIRECT_P, _DIRECT_Q, None
     else:
         if sh != 1 or tuple(input_dilation) != (1, 1):
-            raise ValueError(f"strategy {strategy!r} needs strides[0] == 1 and no input "
-                             f"dilation, got strides {strides}, input dilation {input_dilation}")
+            raise ValueError(f"strategy {strategy!r} needs unit vertical strides (and, for the "
+                             f"input gradient, unit strides), got strides {strides}")
         if dtype == "float64":
             raise TypeError(f"strategy {strategy!r} computes in float32: float64 runs 'direct'")
         extent = (k_h - 1) * dh + 1
@@ -625,10 +654,12 @@ def conv_plan(strategy, dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, 
             pitch, chunk, warps_y, warps_q, groups, store_rows)
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
     if r is None:
-        name, template, layout = "sparse_kernel_conv_direct", (ctype, p, q), None
+        kernel, template, layout = "sparse_kernel_conv_direct", (ctype, p, q), None
     else:
-        name, template, layout = "sparse_kernel_conv_window", (ctype, p, q, r), (q, r)
-    return ConvPlan(name, template, grid, (32 * warps_y * warps_q, 1, 1),
+        kernel, template, layout = "sparse_kernel_conv_window", (ctype, p, q, r), (q, r)
+    function = (None if device is None
+                else _launch.function(device, "sparse_kernel_conv", kernel, *template))
+    return ConvPlan(function, kernel, template, grid, (32 * warps_y * warps_q, 1, 1),
                     max(chunk * channel_bytes, store_rows * row_bytes), ints, layout)
 
 
@@ -648,10 +679,12 @@ def instantiations():
 
 
 def launch_conv(device, stream, plan, x, out, bias, ranges, columns, taps, values):
-    """Launch a ConvPlan on raw pointers (ints): x and out C-contiguous NHWC, bias 0 for none,
-    the index arrays and values as _launch_arrays gives them (columns 0 for "direct")."""
-    function = _launch.function(device, "sparse_kernel_conv", plan.kernel, *plan.template)
-    _launch.launch(device, stream, function, plan.grid, plan.block, plan.smem, _CONV_ARGS,
+    """Launch a ConvPlan (made with this device) on raw addresses: x and out C-contiguous NHWC,
+    bias 0 for none, the index arrays and values of _Taps.arrays for plan.layout (columns 0 for
+    "direct"). Nothing to do for an empty output."""
+    if plan.grid[0] * plan.grid[1] * plan.grid[2] == 0:
+        return
+    _launch.launch(device, stream, plan.function, plan.grid, plan.block, plan.smem, _CONV_ARGS,
                    (x, out, bias, ranges, columns, taps, values, *plan.ints))
 
 
@@ -662,23 +695,25 @@ def _conv_cupy(x, kernel, transposed, out, strides, dilations, pads, input_dilat
     k_h, k_w, cin, cout = kernel.shape
     if transposed:
         cin, cout = cout, cin
+    device = x.data.device_id
     plan = conv_plan(strategy, kernel.dtype, x.shape[0], x.shape[1:3], cin, out.shape[1:3], cout,
-                     (k_h, k_w), strides, dilations, pads, input_dilation)
+                     (k_h, k_w), strides, dilations, pads, input_dilation, device)
     ranges, columns, taps, values = kernel._launch_arrays(transposed, plan.layout, dilations[0])
-    if out.size == 0:
-        return
-    x = cupy.ascontiguousarray(x)
-    bias = 0 if bias is None else cupy.ascontiguousarray(bias).data.ptr
-    launch_conv(x.data.device_id, cupy.cuda.get_current_stream().ptr, plan, x.data.ptr,
-                out.data.ptr, bias, ranges.data.ptr, 0 if columns is None else columns.data.ptr,
-                taps.data.ptr, values.data.ptr)
+    x = x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+    if bias is not None and not bias.flags.c_contiguous:
+        bias = cupy.ascontiguousarray(bias)
+    launch_conv(device, cupy.cuda.get_current_stream().ptr, plan, x.data.ptr, out.data.ptr,
+                0 if bias is None else bias.data.ptr, ranges.data.ptr,
+                0 if columns is None else columns.data.ptr, taps.data.ptr, values.data.ptr)
 
 
-GradValuesPlan = namedtuple("GradValuesPlan", ["template", "grid", "block", "smem", "ints"])
+GradValuesPlan = namedtuple("GradValuesPlan", ["function", "template", "grid", "block", "smem",
+                                               "ints"])
 
 
 @functools.lru_cache(maxsize=1024)
-def grad_values_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads):
+def grad_values_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
+                     device=None):
     """Launch of the gradient with respect to the values (see conv_plan)."""
     acc_size = 8 if dtype == "float64" else 4
     (k_h, k_w), (sh, sw), (dh, dw) = kernel_hw, strides, dilations
@@ -701,17 +736,21 @@ def grad_values_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dil
             _checks.grid_dim("x (batch x channel groups)", n * -(-cout // co_chunk)))
     ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, rows, cols, pitch, chunk,
             co_chunk)
-    return GradValuesPlan((_kernels.ARITHMETIC_CTYPES[dtype], p), grid, (32 * _GRAD_WARPS, 1, 1),
+    template = (_kernels.ARITHMETIC_CTYPES[dtype], p)
+    function = (None if device is None else
+                _launch.function(device, "sparse_kernel_conv", "sparse_kernel_conv_grad_values",
+                                 *template))
+    return GradValuesPlan(function, template, grid, (32 * _GRAD_WARPS, 1, 1),
                           dy_bytes + chunk * channel_bytes, ints)
 
 
 def launch_grad_values(device, stream, plan, x, dy, ranges, taps, grad):
-    """Launch a GradValuesPlan on raw pointers: grad is a zeroed float32 (float64 for float64)
-    array of the kernel's nnz, which the kernel adds to; ranges and taps those of the
-    "direct" launch arrays of the kernel (not transposed)."""
-    function = _launch.function(device, "sparse_kernel_conv", "sparse_kernel_conv_grad_values",
-                                *plan.template)
-    _launch.launch(device, stream, function, plan.grid, plan.block, plan.smem,
+    """Launch a GradValuesPlan (made with this device) on raw addresses: grad is a zeroed
+    float32 (float64 for float64) array of the kernel's nnz, which the kernel adds to; ranges
+    and taps those of _Taps.arrays(False, None, ...)."""
+    if plan.grid[0] * plan.grid[1] * plan.grid[2] == 0:
+        return
+    _launch.launch(device, stream, plan.function, plan.grid, plan.block, plan.smem,
                    _GRAD_VALUES_ARGS, (x, dy, ranges, taps, grad, *plan.ints))
 
 
@@ -719,13 +758,15 @@ def _grad_values_cupy(x, dy, kernel, strides, dilations, pads):
     import cupy
 
     k_h, k_w, cin, cout = kernel.shape
+    device = x.data.device_id
     plan = grad_values_plan(kernel.dtype, x.shape[0], x.shape[1:3], cin, dy.shape[1:3], cout,
-                            (k_h, k_w), strides, dilations, pads)
+                            (k_h, k_w), strides, dilations, pads, device)
     ranges, _, taps, _ = kernel._launch_arrays(False, None, dilations[0])
     grad = cupy.zeros(kernel.nnz, _acc_dtype(kernel.dtype))
-    if kernel.nnz and dy.size and x.size:
-        x, dy = cupy.ascontiguousarray(x), cupy.ascontiguousarray(dy)
-        launch_grad_values(x.data.device_id, cupy.cuda.get_current_stream().ptr, plan, x.data.ptr,
+    if kernel.nnz and x.size:
+        x = x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+        dy = dy if dy.flags.c_contiguous else cupy.ascontiguousarray(dy)
+        launch_grad_values(device, cupy.cuda.get_current_stream().ptr, plan, x.data.ptr,
                            dy.data.ptr, ranges.data.ptr, taps.data.ptr, grad.data.ptr)
     if kernel.dtype == "bfloat16":
         return float32_to_bfloat16_bits(grad).view(x.dtype)
