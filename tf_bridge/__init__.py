@@ -22,11 +22,13 @@ from sbnet_cupy import _checks
 __all__ = [
     "BlockParams",
     "ReduceMask",
+    "SparseKernel",
     "calc_block_params",
     "calc_block_params_res_block",
     "reduce_mask",
     "res_block_bottleneck",
     "sparse_gather",
+    "sparse_kernel_conv2d",
     "sparse_res_block_bottleneck",
     "sparse_scatter",
     "sparse_scatter_var",
@@ -229,3 +231,6 @@ def sparse_res_block_bottleneck(x, indices, block_params, weights, *, use_var=Fa
     scatter = sparse_scatter_var if use_var else sparse_scatter
     return scatter(out, counts, active, x, bsize=block_params.bsize_out,
                    bstride=block_params.bsize_out, add=True)
+
+
+from .sparse_kernel_conv import SparseKernel, sparse_kernel_conv2d  # noqa: E402 (uses _call)
