@@ -293,7 +293,6 @@ def _padding(padding):
     return pads
 
 
-@functools.lru_cache(maxsize=1024)
 def conv_geometry(in_hw, kernel_hw, strides, padding, dilations):
     """((out_h, out_w), ((top, bottom), (left, right))) of a convolution, TensorFlow's rules:
     SAME gives ceil(in / stride) outputs with the padding split evenly (the extra row at the

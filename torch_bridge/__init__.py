@@ -11,6 +11,7 @@ from sbnet_cupy import BlockParams, ReduceMask, calc_block_params, calc_block_pa
 
 from ._ops import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_var
 from .capacity_graphs import CapacityGraphs, capacity_bucket
+from .sparse_kernel_conv import SparseKernelConv2d, sparse_kernel_conv2d
 from .sparse_res_block import SparseConv2d, SparseResBlockBottleneck, SparseResStage
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "CapacityGraphs",
     "ReduceMask",
     "SparseConv2d",
+    "SparseKernelConv2d",
     "SparseResBlockBottleneck",
     "SparseResStage",
     "calc_block_params",
@@ -25,6 +27,7 @@ __all__ = [
     "capacity_bucket",
     "reduce_mask",
     "sparse_gather",
+    "sparse_kernel_conv2d",
     "sparse_scatter",
     "sparse_scatter_var",
 ]
