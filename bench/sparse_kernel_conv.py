@@ -1,0 +1,300 @@
+"""Convolution with a pruned kernel against cuDNN's dense convolution: the seed's five sweeps.
+
+    python -m bench.sparse_kernel_conv [--quick] [--out bench/results] [--sweeps ...]
+        [--batches ...] [--repeats N] [--replot CSV]
+
+Sweeps (seed 002, at its sizes; batch 1 and 8): kxkx3x64 kernels on 1x256x512x3, k = 3..11;
+11x11xCinx3 on 1x256x512xCin; 11x11x3xCout on 1x256x512x3; 11x11x32x64 on 1x256x512x32 over
+the ratio of non-zeros; 11x11x3x64 on 1xSxSx3 over S = 64..1024. Every case has 10% non-zero
+taps (the ratio sweep aside), SAME padding, stride 1, and runs in two precisions: "tf32"
+(float32 data; ours computes in exact float32, cuDNN may use TF32 tensor cores, and its strict
+float32 time is reported too) and "fp16" (float16 data, float32 accumulation on both sides).
+
+Per case: our time for every strategy (sbnet_cupy.sparse_kernel_conv2d, CuPy arrays sharing
+torch's memory through DLPack) and the rule's choice; effective TFLOP/s = 2 x non-zero taps x
+output pixels / time; cuDNN's time (torch, channels_last, cudnn.benchmark) measured in the same
+run; the estimated crossover ratio of non-zeros where cuDNN becomes faster (our time at 10% and
+40% non-zeros, linear in the non-zeros between). Each side runs as a CUDA graph of back-to-back
+launches, timed with CUDA events after a warm-up: the median of --repeats replays. Every result
+is checked against cuDNN's strict float32 convolution first. Writes
+<out>/sparse_kernel_conv_<device>.csv, .md and .png (--sweeps / --batches: a subset, named by
+it).
+"""
+
+import argparse
+import csv
+import datetime
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy
+
+import sbnet_cupy
+from bench.ops import _graph_ms
+
+SIZE = (256, 512)
+SWEEPS = {
+    "kernel": ("k", [dict(k=k, cin=3, cout=64) for k in (3, 5, 7, 9, 11)]),
+    "cin": ("Cin", [dict(k=11, cin=c, cout=3) for c in (1, 3, 8, 16, 32, 64)]),
+    "cout": ("Cout", [dict(k=11, cin=3, cout=c) for c in (8, 16, 32, 64, 128)]),
+    "ratio": ("non-zero ratio", [dict(k=11, cin=32, cout=64, density=d)
+                                 for d in (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)]),
+    "size": ("S (input SxS)", [dict(k=11, cin=3, cout=64, size=(s, s))
+                               for s in (64, 128, 256, 512, 1024)]),
+}
+QUICK = {"kernel": (3, 11), "cin": (32,), "ratio": (0.1,), "size": (128,)}
+SWEEP_KEY = {"kernel": "k", "cin": "cin", "cout": "cout", "ratio": "density", "size": "size"}
+DENSITY, CROSSOVER_PROBE = 0.1, 0.4
+TOLERANCE = {"tf32": 2e-4, "fp16": 2e-2}  # max error / max |reference|
+HEADLINE = dict(sweep="kernel", k=11, batch=1)  # the seed's 11x11x3x64 case: target >= 3x
+
+
+def cases(quick, sweeps=tuple(SWEEPS), batches=(1, 8)):
+    for sweep in sweeps:
+        for point in SWEEPS[sweep][1]:
+            value = point.get(SWEEP_KEY[sweep])
+            if quick and (sweep not in QUICK or (value[0] if sweep == "size" else value)
+                          not in QUICK[sweep]):
+                continue
+            for batch in ((1,) if quick else batches):
+                for precision in ("tf32", "fp16"):
+                    yield dict(sweep=sweep, batch=batch, precision=precision,
+                               size=point.get("size", SIZE), k=point["k"], cin=point["cin"],
+                               cout=point["cout"], density=point.get("density", DENSITY))
+
+
+def _pruned_weight(rng, k, cin, cout, density):
+    """HWIO float32 weight with exactly round(density * size) random non-zero taps."""
+    total = k * k * cin * cout
+    w = numpy.zeros(total, numpy.float32)
+    keep = rng.choice(total, max(1, round(density * total)), replace=False)
+    w[keep] = rng.standard_normal(keep.size) * math.sqrt(2 / (k * k * cin * density))
+    return w.reshape(k, k, cin, cout)
+
+
+def _torch_graph_ms(torch, fn, launches, repeats):
+    """Median time of one call of fn, from a CUDA graph of `launches` calls back to back."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # cudnn.benchmark picks its algorithm on the first call
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times) / launches
+
+
+def _launches(ms):
+    """Launches a graph: enough for ~2 ms a replay, at most 20."""
+    return max(1, min(20, round(2 / max(ms, 1e-3))))
+
+
+def run_case(torch, cupy, case, repeats, rng):
+    height, width = case["size"]
+    n, k, cin, cout = case["batch"], case["k"], case["cin"], case["cout"]
+    dtype = torch.float16 if case["precision"] == "fp16" else torch.float32
+    x = torch.randn(n, cin, height, width, device="cuda").to(dtype)
+    x = x.contiguous(memory_format=torch.channels_last)
+    x_nhwc = cupy.from_dlpack(x.permute(0, 2, 3, 1))  # the same memory, NHWC
+    w = torch.tensor(_pruned_weight(rng, k, cin, cout, case["density"]), device="cuda").to(dtype)
+    w_dense = w.permute(3, 2, 0, 1).contiguous(memory_format=torch.channels_last)
+    kernel = sbnet_cupy.SparseKernel.from_dense(cupy.from_dlpack(w))
+    out = cupy.empty((n, height, width, cout), x_nhwc.dtype)
+
+    torch.backends.cudnn.allow_tf32 = False
+    reference = torch.nn.functional.conv2d(x.float(), w_dense.float(), padding="same")
+    reference = reference.permute(0, 2, 3, 1)
+    scale = float(reference.abs().max())
+    pixels = n * height * width
+    row = dict(case, size=f"{height}x{width}", nnz=kernel.nnz,
+               strategy=sbnet_cupy.sparse_kernel_conv.choose_strategy(
+                   kernel.dtype, cin, cout, (k, k), (1, 1), (1, 1)))
+    for strategy in sbnet_cupy.sparse_kernel_conv.STRATEGIES:
+        call = lambda: sbnet_cupy.sparse_kernel_conv2d(x_nhwc, kernel, out=out, strategy=strategy)
+        call()
+        error = float((torch.from_dlpack(out).float() - reference).abs().max()) / scale
+        if not error <= TOLERANCE[case["precision"]]:
+            raise AssertionError(f"{strategy} is off by {error:.2e} (relative) on {row}")
+        start = time.perf_counter()
+        call()
+        cupy.cuda.get_current_stream().synchronize()
+        ms = _graph_ms(cupy, [call] * _launches(1e3 * (time.perf_counter() - start)), repeats)
+        row[f"{strategy}_ms"] = ms
+    row["ours_ms"] = row[f"{row['strategy']}_ms"]
+    row["best"] = min(sbnet_cupy.sparse_kernel_conv.STRATEGIES, key=lambda s: row[f"{s}_ms"])
+    row["best_ms"] = row[f"{row['best']}_ms"]
+    row["tflops"] = 2 * kernel.nnz * pixels / row["ours_ms"] / 1e9
+
+    conv = lambda: torch.nn.functional.conv2d(x, w_dense, padding="same")
+    for name, tf32 in (("cudnn_ms", True), ("cudnn_fp32_ms", False)):
+        if name == "cudnn_fp32_ms" and case["precision"] != "tf32":
+            continue
+        torch.backends.cudnn.allow_tf32 = tf32
+        start = time.perf_counter()
+        conv()
+        torch.cuda.synchronize()
+        row[name] = _torch_graph_ms(torch, conv, _launches(1e3 * (time.perf_counter() - start)),
+                                    repeats)
+    torch.backends.cudnn.allow_tf32 = True
+    row["cudnn_tflops"] = 2 * k * k * cin * cout * pixels / row["cudnn_ms"] / 1e9
+    row["speedup"] = row["cudnn_ms"] / row["ours_ms"]
+
+    # Crossover: our time is about linear in the non-zero taps; probe a second density.
+    probe = sbnet_cupy.SparseKernel.from_dense(cupy.asarray(
+        _pruned_weight(rng, k, cin, cout, CROSSOVER_PROBE)).astype(x_nhwc.dtype))
+    call = lambda: sbnet_cupy.sparse_kernel_conv2d(x_nhwc, probe, out=out)
+    call()
+    probe_ms = _graph_ms(cupy, [call] * _launches(row["ours_ms"] * 4), repeats)
+    d0, d1 = kernel.density, probe.density
+    slope = (probe_ms - row["ours_ms"]) / (d1 - d0)
+    row["crossover"] = (d0 + (row["cudnn_ms"] - row["ours_ms"]) / slope if slope > 0
+                        else float("nan"))
+    return row
+
+
+def _row_text(r):
+    return (f"{r['sweep']:>6} n={r['batch']} {r['precision']:>4} {r['size']:>9} k={r['k']:<2} "
+            f"{r['cin']:>2}->{r['cout']:<3} d={r['density']:<5} ours {r['ours_ms']:.4f} ms "
+            f"({r['strategy']}; best {r['best']} {r['best_ms']:.4f}) {r['tflops']:6.1f} TFLOP/s"
+            f" | cuDNN {r['cudnn_ms']:.4f} ms: {r['speedup']:.2f}x, crossover "
+            f"{r['crossover']:.2f}")
+
+
+def write_markdown(rows, path, device, command):
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = [f"# Pruned-kernel convolution against cuDNN on {device}", "",
+             f"{datetime.date.today()}, `{command}`. Times in ms (CUDA graphs, median); "
+             f"speed-up = cuDNN / ours (rule's strategy); crossover: estimated ratio of "
+             f"non-zeros above which cuDNN is faster.", ""]
+    for row in rows:
+        if all(row.get(k) == v for k, v in HEADLINE.items()) and row["size"] == "256x512":
+            lines.append(f"- Headline, 11x11x3x64 on 1x256x512x3 at 10%, {row['precision']}: "
+                         f"ours {row['ours_ms']:.4f} ms, cuDNN {row['cudnn_ms']:.4f} ms: "
+                         f"**{row['speedup']:.2f}x** (target >= 3x)")
+    columns = ["batch", "precision", "size", "k", "cin", "cout", "density", "nnz", "strategy",
+               "ours_ms", "tflops", "best", "best_ms", "taps_ms", "patches_ms", "direct_ms",
+               "cudnn_ms", "cudnn_fp32_ms", "speedup", "crossover"]
+    for sweep, (label, _) in SWEEPS.items():
+        chosen = [r for r in rows if r["sweep"] == sweep]
+        if not chosen:
+            continue
+        lines += ["", f"## {sweep} sweep ({label})", "", "| " + " | ".join(columns) + " |",
+                  "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in chosen]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rows, path):
+    """A panel per sweep and batch: time against the swept value, ours (rule) and cuDNN, TF32
+    and fp16."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweeps = [s for s in SWEEPS if any(r["sweep"] == s for r in rows)]
+    batches = sorted({r["batch"] for r in rows})
+    fig, grid = plt.subplots(len(batches), len(sweeps), squeeze=False,
+                             figsize=(4.2 * len(sweeps), 3.6 * len(batches)))
+    for axes, batch in zip(grid, batches):
+        for ax, sweep in zip(axes, sweeps):
+            key = SWEEP_KEY[sweep]
+            for precision, color in (("tf32", "tab:blue"), ("fp16", "tab:orange")):
+                chosen = [r for r in rows if (r["sweep"], r["batch"], r["precision"]) ==
+                          (sweep, batch, precision)]
+                if not chosen:
+                    continue
+                xs = [int(str(r[key]).split("x")[0]) if key == "size" else r[key] for r in chosen]
+                ax.plot(xs, [r["ours_ms"] for r in chosen], "o-", color=color,
+                        label=f"ours {precision}")
+                ax.plot(xs, [r["cudnn_ms"] for r in chosen], "s--", color=color,
+                        label=f"cuDNN {precision}")
+            ax.set_yscale("log")
+            if sweep in ("size", "ratio"):
+                ax.set_xscale("log")
+            ax.set_title(f"{sweep}, batch {batch}")
+            ax.set_xlabel(SWEEPS[sweep][0])
+            ax.legend(fontsize=6)
+        axes[0].set_ylabel("ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def _write_csv(rows, path):
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()})
+
+
+def _read_csv(path):
+    def value(v):
+        for kind in (int, float):
+            try:
+                return kind(v)
+            except ValueError:
+                pass
+        return v
+
+    with open(path) as f:
+        return [{k: value(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="a few cases, batch 1 (< 2 min)")
+    parser.add_argument("--sweeps", nargs="+", choices=list(SWEEPS), default=list(SWEEPS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--replot", type=pathlib.Path, help="only redraw the plot of this CSV")
+    args = parser.parse_args(argv)
+    if args.replot:
+        plot(_read_csv(args.replot), args.replot.with_suffix(".png"))
+        return 0
+    import cupy
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    device = torch.cuda.get_device_name()
+    slug = device.replace(" ", "_")
+    suffix = "_quick" if args.quick else "".join(
+        f"_{s}" for s in args.sweeps if args.sweeps != list(SWEEPS)) + "".join(
+        f"_n{b}" for b in args.batches if args.batches != [1, 8])
+    name = f"sparse_kernel_conv{suffix}_{slug}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "python -m bench.sparse_kernel_conv " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    rows, started = [], time.time()
+    for i, case in enumerate(cases(args.quick, args.sweeps, args.batches)):
+        rows.append(run_case(torch, cupy, case, args.repeats, numpy.random.default_rng(i)))
+        cupy.get_default_memory_pool().free_all_blocks()  # the case's tensors are gone
+        torch.cuda.empty_cache()
+        print(_row_text(rows[-1]), f"[{time.time() - started:.0f} s]", flush=True)
+        _write_csv(rows, args.out / f"{name}.csv")  # after every row: a timeout keeps the rest
+    write_markdown(rows, args.out / f"{name}.md", device, command)
+    plot(rows, args.out / f"{name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
