@@ -178,11 +178,15 @@ __global__ void sparse_kernel_conv_window(const ConvArgs a) {
         __syncthreads();
         if (g >= a.groups) continue;
         const int last = ranges[g * a.cin + ci0 + nci];
-        for (int c = ranges[g * a.cin + ci0]; c < last; ++c) {
-            const int4 column = columns[c];
+        int c = ranges[g * a.cin + ci0];
+        int4 column = columns[c];  // the loads of the next column and tap go out early
+        for (; c < last; ++c) {
             const int t_end = columns[c + 1].w;
             const Acc* src = tile + lane_base +
                              ((column.x - ci0) * a.tile_cols + column.y * a.dil_w) * a.pitch + column.z;
+            int t = column.w, code = taps[t];
+            Acc v = to_acc(values[t]);
+            column = columns[c + 1];
             Acc win[P + R];
 #pragma unroll
             for (int i = 0; i < (P + R) / V; ++i) {
@@ -190,7 +194,14 @@ __global__ void sparse_kernel_conv_window(const ConvArgs a) {
 #pragma unroll
                 for (int e = 0; e < V; ++e) win[i * V + e] = w.v[e];
             }
-            for (int t = column.w; t < t_end; ++t) fma_tap<P, Q, R>(acc, win, to_acc(values[t]), taps[t]);
+            for (++t; t < t_end; ++t) {
+                const int next_code = taps[t];
+                const Acc next_v = to_acc(values[t]);
+                fma_tap<P, Q, R>(acc, win, v, code);
+                code = next_code;
+                v = next_v;
+            }
+            fma_tap<P, Q, R>(acc, win, v, code);
         }
     }
     store_output<T, P, Q>(acc, a, tile, n, oy0, ox0, g0 * Q, wy, wq, lane);
