@@ -213,12 +213,14 @@ class SparseResStage(nn.Module):
 
     def forward(self, x, mask, *, capacity=None, tol=0.5, inplace=False):
         """x: [N, H, W, C]; mask: [N, H, W]. With inplace=True the units add into x itself;
-        without, the first unit makes a new tensor and the others add into it."""
+        without, the first unit makes a new tensor and, when no gradient is recorded, the
+        others add into it."""
         first = self.units[0]
         found = first.reduce_mask(mask, tol=tol, capacity=capacity)
         inside = first.inside_image(x, found)
+        into_new = not torch.is_grad_enabled()
         for i, unit in enumerate(self.units):
-            x = unit(x, found, inplace=inplace or i > 0, inside=inside)
+            x = unit(x, found, inplace=inplace or (into_new and i > 0), inside=inside)
         return x
 
     def dense(self, x):
