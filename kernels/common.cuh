@@ -124,29 +124,51 @@ struct AtomicAdd {
     }
 };
 
-// Number of valid rows of an index list: the count the op was given, clamped to the rows the
-// list has (capacity mode reports the true count, which may exceed them).
-static __device__ __forceinline__ int valid_rows(const int* count, int rows) {
-    return min(max(*count, 0), rows);
+// Every kernel takes its arguments as one struct passed by value: sbnet_cupy/_launch.py packs it
+// with Python's struct module (native alignment), which makes a launch cheap on the host. Each
+// struct's size is asserted here and in the Python layout, so the two cannot drift apart.
+
+// A list of blocks in an NHWC tensor [n_batch, height, width, ...]: rows (n, hi, wi) of
+// `indices`, the first *count of `rows` valid (capacity mode reports the true count, which may
+// exceed the rows); block (n, hi, wi) is bh x bw pixels from (off_h + str_h*hi, off_w + str_w*wi).
+struct BlockList {
+    const int* indices;
+    const int* count;
+    int rows, n_batch, height, width, bh, bw, off_h, off_w, str_h, str_w;
+};
+
+// Arguments of the gather and scatter kernels: `src` is read and `dst` written (x and the stack
+// for a gather, the stack and y for a scatter).
+struct StackArgs {
+    const void* src;
+    void* dst;
+    const void* scale;  // sparse_gather_affine: per-channel scale and shift, in the Acc type
+    const void* shift;
+    BlockList list;
+    int words_per_pixel;  // row-copy kernels: words a pixel; transposing kernels: channels
+    int tile_rows, log2_tile_c, pitch;  // transposing kernels only (see tile_index)
+};
+static_assert(sizeof(StackArgs) == 104, "StackArgs must match sbnet_cupy/_blocks.py");
+
+static __device__ __forceinline__ int valid_rows(const BlockList& list) {
+    return min(max(*list.count, 0), list.rows);
 }
 
-// Where block m of the index list sits in the image. `inside` is false for rows past the count
-// and for indices that point outside the batch: such blocks read as zeros and write nothing.
+// Where block m of the list sits in the image. `inside` is false for rows past the count and for
+// indices that point outside the batch: such blocks read as zeros and write nothing.
 struct block_origin {
     i64 n, h, w;  // batch index and top-left pixel (h, w may be negative or past the image)
     bool inside;
 };
 
-static __device__ __forceinline__ block_origin locate_block(
-    const int* __restrict__ indices, const int* __restrict__ count, int rows, int m,
-    int n_batch, int off_h, int off_w, int str_h, int str_w) {
+static __device__ __forceinline__ block_origin locate_block(const BlockList& list, int m) {
     block_origin b = {0, 0, 0, false};
-    if (m >= valid_rows(count, rows)) return b;
-    const int* row = indices + 3 * (i64)m;
+    if (m >= valid_rows(list)) return b;
+    const int* row = list.indices + 3 * (i64)m;
     b.n = row[0];
-    b.h = off_h + (i64)str_h * row[1];
-    b.w = off_w + (i64)str_w * row[2];
-    b.inside = b.n >= 0 && b.n < n_batch;
+    b.h = list.off_h + (i64)list.str_h * row[1];
+    b.w = list.off_w + (i64)list.str_w * row[2];
+    b.inside = b.n >= 0 && b.n < list.n_batch;
     return b;
 }
 
@@ -159,18 +181,16 @@ struct block_row {
     int first, last, length;
 };
 
-static __device__ __forceinline__ block_row locate_row(
-    const int* __restrict__ indices, const int* __restrict__ count, int rows, int m, int r,
-    int n_batch, int height, int width, int words_per_pixel, int bh, int bw, int off_h,
-    int off_w, int str_h, int str_w) {
-    const block_origin b = locate_block(indices, count, rows, m, n_batch, off_h, off_w, str_h, str_w);
-    block_row row = {0, 0, 0, 0, bw * words_per_pixel};
-    row.stack = ((i64)m * bh + r) * row.length;
+static __device__ __forceinline__ block_row locate_row(const BlockList& list, int m, int r,
+                                                       int words_per_pixel) {
+    const block_origin b = locate_block(list, m);
+    block_row row = {0, 0, 0, 0, list.bw * words_per_pixel};
+    row.stack = ((i64)m * list.bh + r) * row.length;
     const i64 h = b.h + r;
-    if (!b.inside || h < 0 || h >= height) return row;
-    row.first = (int)min(max(-b.w, (i64)0), (i64)bw) * words_per_pixel;
-    row.last = (int)min(max(width - b.w, (i64)0), (i64)bw) * words_per_pixel;
-    row.image = ((b.n * height + h) * width + b.w) * words_per_pixel;
+    if (!b.inside || h < 0 || h >= list.height) return row;
+    row.first = (int)min(max(-b.w, (i64)0), (i64)list.bw) * words_per_pixel;
+    row.last = (int)min(max(list.width - b.w, (i64)0), (i64)list.bw) * words_per_pixel;
+    row.image = ((b.n * list.height + h) * list.width + b.w) * words_per_pixel;
     return row;
 }
 

@@ -31,21 +31,35 @@ static __device__ __forceinline__ int cta_inclusive_scan(int value, int* warp_su
     return before + value;
 }
 
-// BH, BW: block size, or 0 to read it from bh, bw at run time.
-// tickets: one counter, zero before the launch; the last CTA sets it back to zero.
+// Arguments. tickets: one counter, zero before the launch; the last CTA sets it back to zero.
 // capacity: rows of `indices`; rows past the count up to fill_rows are set to -1.
+struct ReduceMaskArgs {
+    const void* mask;
+    unsigned* words;
+    unsigned* tickets;
+    int* indices;
+    int* count;
+    double tol;
+    int n_batch, height, width, bh, bw, off_h, off_w, str_h, str_w, bcount_h, bcount_w;
+    int capacity, fill_rows;
+};
+static_assert(sizeof(ReduceMaskArgs) == 104, "ReduceMaskArgs must match sbnet_cupy/reduce_mask.py");
+
+// BH, BW: block size, or 0 to read it from the arguments at run time.
 template <typename T, bool AVG, int BH, int BW>
-__global__ void __launch_bounds__(WARPS * 32) reduce_mask(
-    const T* __restrict__ mask, int n_batch, int height, int width, int bh_rt, int bw_rt,
-    int off_h, int off_w, int str_h, int str_w, int bcount_h, int bcount_w, double tol,
-    unsigned* __restrict__ words, unsigned* __restrict__ tickets, int* __restrict__ indices,
-    int* __restrict__ count, int capacity, int fill_rows) {
+__global__ void __launch_bounds__(WARPS * 32) reduce_mask(const ReduceMaskArgs a) {
     typedef typename acc_type<T>::type Acc;
-    const int bh = BH ? BH : bh_rt;
-    const int bw = BW ? BW : bw_rt;
+    const T* __restrict__ mask = static_cast<const T*>(a.mask);
+    unsigned* __restrict__ words = a.words;
+    int* __restrict__ indices = a.indices;
+    const int height = a.height, width = a.width, bcount_w = a.bcount_w;
+    const int off_h = a.off_h, off_w = a.off_w, str_h = a.str_h, str_w = a.str_w;
+    const int capacity = a.capacity;
+    const int bh = BH ? BH : a.bh;
+    const int bw = BW ? BW : a.bw;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int per_image = bcount_h * bcount_w;
-    const int total = per_image * n_batch;
+    const int per_image = a.bcount_h * bcount_w;
+    const int total = per_image * a.n_batch;
 
     __shared__ int flags[WARPS];
     __shared__ int warp_sums[WARPS];
@@ -74,7 +88,7 @@ __global__ void __launch_bounds__(WARPS * 32) reduce_mask(
             acc = AVG ? acc + other : (other > acc ? other : acc);
         }
         // Average over the whole block area, out-of-range pixels counting as zero, as SBNet does.
-        active = (AVG ? acc / Acc(bh * bw) : acc) > Acc(tol);
+        active = (AVG ? acc / Acc(bh * bw) : acc) > Acc(a.tol);
     }
     if (lane == 0) flags[warp] = active;
     __syncthreads();
@@ -83,7 +97,7 @@ __global__ void __launch_bounds__(WARPS * 32) reduce_mask(
         if (lane == 0) {
             words[blockIdx.x] = word;
             __threadfence();  // publish the word before taking a ticket
-            last_cta = atomicAdd(tickets, 1u) == gridDim.x - 1;
+            last_cta = atomicAdd(a.tickets, 1u) == gridDim.x - 1;
         }
     }
     __syncthreads();
@@ -121,10 +135,10 @@ __global__ void __launch_bounds__(WARPS * 32) reduce_mask(
         __syncthreads();  // chunk_words and chunk_rows are rewritten next round
     }
     if (threadIdx.x == 0) {
-        *count = written;
-        *tickets = 0;
+        *a.count = written;
+        *a.tickets = 0;
     }
-    for (i64 i = written + threadIdx.x; i < fill_rows; i += blockDim.x) {
+    for (i64 i = written + threadIdx.x; i < a.fill_rows; i += blockDim.x) {
         indices[3 * i] = indices[3 * i + 1] = indices[3 * i + 2] = -1;
     }
 }

@@ -83,37 +83,75 @@ def array_module(**arrays):
     return cupy
 
 
-def device_of(a):
-    """Context that makes a's device current (for allocations and launches), for CuPy arrays."""
-    return a.device if cupy is not None and isinstance(a, cupy.ndarray) else contextlib.nullcontext()
-
-
 def nhwc(name, a):
     """Checks that `a` is a 4-D NHWC tensor."""
     if a.ndim != 4:
-        raise ValueError(f"{name} must be 4-D [N, H, W, C], got shape {a.shape}")
+        raise ValueError(f"{name} must be 4-D [N, H, W, C], got shape {tuple(a.shape)}")
     return a
 
 
-def block_list(xp, active_block_indices, bin_counts):
-    """int32 [rows, 3] indices and int32 [1] count, converted (on the device) where needed."""
+def dtype_name(a):
+    """NumPy's name of an array's or a tensor's dtype ('float32', 'bfloat16', ...): the checks
+    are shared by NumPy and CuPy arrays and torch tensors ('torch.float32')."""
+    dtype = a.dtype
+    return dtype.name if isinstance(dtype, numpy.dtype) else str(dtype)[6:]
+
+
+def size(shape):
+    """Number of elements of a shape (a loop rather than math.prod, which torch.compile's tracer
+    does not follow)."""
+    elements = 1
+    for extent in shape:
+        elements *= extent
+    return elements
+
+
+def check_block_list(active_block_indices, bin_counts):
+    """Checks an index list [M, 3] of integers and its count, an integer array of one element."""
     indices, counts = active_block_indices, bin_counts
     if indices.ndim != 2 or indices.shape[1] != 3:
-        raise ValueError(f"active_block_indices must be [M, 3], got shape {indices.shape}")
-    if indices.dtype.kind not in "iu":
-        raise TypeError(f"active_block_indices must be integers, got {indices.dtype}")
-    if counts.size != 1 or counts.dtype.kind not in "iu":
+        raise ValueError(f"active_block_indices must be [M, 3], got shape {tuple(indices.shape)}")
+    if not dtype_name(indices).startswith(("int", "uint")):
+        raise TypeError(f"active_block_indices must be integers, got {dtype_name(indices)}")
+    if size(counts.shape) != 1 or not dtype_name(counts).startswith(("int", "uint")):
         raise ValueError(f"bin_counts must be one integer, as an array of shape [1], "
-                         f"got shape {counts.shape} dtype {counts.dtype}")
+                         f"got shape {tuple(counts.shape)} dtype {dtype_name(counts)}")
     if indices.shape[0] >= 2**31:
         raise ValueError(f"active_block_indices has too many rows: {indices.shape[0]}")
+
+
+def block_list(xp, active_block_indices, bin_counts):
+    """int32 [rows, 3] indices and int32 [1] count of a checked list, converted (on the device)
+    where needed."""
+    indices, counts = active_block_indices, bin_counts
     # Indices past int32 point outside any tensor; clipping keeps them outside.
     if indices.dtype != xp.int32:
         limits = xp.iinfo(xp.int32)
         indices = xp.clip(indices, limits.min, limits.max).astype(xp.int32)
     if counts.dtype != xp.int32:
         counts = xp.clip(counts, 0, xp.iinfo(xp.int32).max).astype(xp.int32)
-    return xp.ascontiguousarray(indices), xp.ascontiguousarray(counts.reshape(1))
+    if not indices.flags.c_contiguous:
+        indices = xp.ascontiguousarray(indices)
+    if not counts.flags.c_contiguous or counts.shape != (1,):
+        counts = xp.ascontiguousarray(counts).reshape(1)
+    return indices, counts
+
+
+def alignment(*addresses):
+    """The largest power of two up to 16 that divides every address: how wide an access may be."""
+    low = 16
+    for address in addresses:
+        low |= address
+    return low & -low
+
+
+def on_device(a):
+    """Context that makes a CuPy array's device current for allocations and launches (nothing to
+    do, the common case, when it already is)."""
+    if cupy is None or not isinstance(a, cupy.ndarray) or (
+            a.data.device_id == cupy.cuda.runtime.getDevice()):
+        return contextlib.nullcontext()
+    return a.device
 
 
 def valid_rows_numpy(indices, counts):

@@ -74,10 +74,11 @@ def _cached_name_expression(kernel, template_args):
     return name_expression(kernel, *template_args)
 
 
-def widest_access(row_bytes, *arrays):
-    """Largest access (16, 8, 4, 2 or 1 bytes) that divides row_bytes and every array's address."""
+def widest_access(row_bytes, alignment):
+    """Largest access (16, 8, 4, 2 or 1 bytes) that divides row_bytes and the pointers'
+    alignment (_checks.alignment)."""
     for width in (16, 8, 4, 2):
-        if row_bytes % width == 0 and all(a.data.ptr % width == 0 for a in arrays):
+        if row_bytes % width == 0 and alignment % width == 0:
             return width
     return 1
 

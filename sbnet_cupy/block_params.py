@@ -11,13 +11,9 @@ BlockParams = namedtuple("BlockParams", ["bsize", "bsize_out", "boffset", "bcoun
 def _spatial(name, value, length4_slice):
     """(H, W) from a pair, or from SBNet's 4-element form ([N, H, W, C] sizes, [1, BH, BW, 1]
     blocks, [1, SH, SW, 1] strides, [KH, KW, Cin, Cout] kernels)."""
-    try:
-        values = tuple(value)
-    except TypeError:
-        values = (value, value)
-    if len(values) == 4:
-        values = values[length4_slice]
-    return _checks.int_pair(name, values, minimum=1)
+    if not isinstance(value, int) and hasattr(value, "__len__") and len(value) == 4:
+        value = tuple(value)[length4_slice]
+    return _checks.int_pair(name, value, minimum=1)
 
 
 def calc_block_params(in_size, bsize, ksize, strides=(1, 1), padding="SAME"):

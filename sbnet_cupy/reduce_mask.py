@@ -6,10 +6,9 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels
+from . import _checks, _kernels, _launch
 
 _THREADS = 1024  # 32 warps, one block each; kernels/reduce_mask.cu assumes this
-_MASK_CTYPES = {numpy.dtype(name): ctype for name, ctype in _kernels.MASK_CTYPES.items()}
 
 
 class ReduceMask(namedtuple("ReduceMask", ["active_block_indices", "bin_counts"])):
@@ -49,7 +48,7 @@ def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, a
         out: with capacity, optional (active_block_indices, bin_counts) arrays to write into:
             C-contiguous int32 [K, 3] and [1] on the mask's device (or NumPy arrays).
         workspace: CuPy only, optional uint32 array of at least ceil(N * BCH * BCW / 32) + 1
-            elements whose first element is 0, for the kernel's flags and ticket counter (it
+            elements whose first element is 0, for the kernel's ticket counter and flags (it
             leaves the counter at 0). By default one per device and stream is allocated on first
             use; pass one to capture the call in a CUDA graph on a new stream, and never share
             one between calls that may run at the same time.
@@ -67,35 +66,21 @@ def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, a
          if pool(block(n, hi, wi)) > tol]
     """
     xp = _checks.array_module(mask=mask)
-    if mask.ndim == 4 and mask.shape[3] == 1:
+    bcount, geometry, capacity = check_reduce_mask(mask, bcount, bsize, boffset, bstride, tol,
+                                                   capacity)
+    if mask.ndim == 4:
         mask = mask[..., 0]
-    if mask.ndim != 3:
-        raise ValueError(f"mask must be [N, H, W] or [N, H, W, 1], got shape {mask.shape}")
-    if mask.dtype not in _MASK_CTYPES:
-        raise TypeError(f"mask dtype must be one of {sorted(_kernels.MASK_CTYPES)}, "
-                        f"got {mask.dtype}")
-    bcount = _checks.int_pair("bcount", bcount, minimum=0)
-    geometry = _checks.block_geometry(bsize, boffset, bstride)
-    if not isinstance(tol, (int, float, numpy.number)) or isinstance(tol, bool):
-        raise TypeError(f"tol must be a number, got {tol!r}")
-    if capacity is not None:
-        if (not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool)
-                or capacity < 0):
-            raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
-    capacity = None if capacity is None else int(capacity)
     total = mask.shape[0] * bcount[0] * bcount[1]
-    if total >= 2**31 or (capacity or 0) >= 2**31:
-        raise ValueError(f"too many blocks for int32 indices: {total} (capacity {capacity})")
     if out is not None:
         if capacity is None:
             raise ValueError("out needs capacity: without it the number of rows is not known "
                              "before the call")
         _check_out(mask, out, capacity)
-    n_words = math.ceil(total / 32)
+    n_words = workspace_words(total)
     if workspace is not None:
         _checks.array_module(mask=mask, workspace=workspace)
-        if workspace.dtype != numpy.uint32 or workspace.ndim != 1 or workspace.size < n_words + 1:
-            raise ValueError(f"workspace must be a 1-D uint32 array of at least {n_words + 1} "
+        if workspace.dtype != numpy.uint32 or workspace.ndim != 1 or workspace.size < n_words:
+            raise ValueError(f"workspace must be a 1-D uint32 array of at least {n_words} "
                              f"elements, got {workspace.dtype} {workspace.shape}")
     if xp is numpy:
         result = _reduce_mask_numpy(mask, bcount, geometry, float(tol), bool(avgpool), capacity)
@@ -105,6 +90,35 @@ def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, a
         return ReduceMask(*out)
     return _reduce_mask_cupy(mask, bcount, geometry, float(tol), bool(avgpool), capacity, out,
                              workspace)
+
+
+def check_reduce_mask(mask, bcount, bsize, boffset, bstride, tol, capacity):
+    """Checks reduce_mask's arguments (an array or a tensor); returns bcount, the block geometry
+    and the capacity as ints."""
+    if mask.ndim not in (3, 4) or (mask.ndim == 4 and mask.shape[3] != 1):
+        raise ValueError(f"mask must be [N, H, W] or [N, H, W, 1], got shape {tuple(mask.shape)}")
+    if _checks.dtype_name(mask) not in _kernels.MASK_CTYPES:
+        raise TypeError(f"mask dtype must be one of {sorted(_kernels.MASK_CTYPES)}, "
+                        f"got {_checks.dtype_name(mask)}")
+    bcount = _checks.int_pair("bcount", bcount, minimum=0)
+    geometry = _checks.block_geometry(bsize, boffset, bstride)
+    if not isinstance(tol, (int, float, numpy.number)) or isinstance(tol, bool):
+        raise TypeError(f"tol must be a number, got {tol!r}")
+    if capacity is not None:
+        if (not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool)
+                or capacity < 0):
+            raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
+        capacity = int(capacity)
+    total = mask.shape[0] * bcount[0] * bcount[1]
+    if total >= 2**31 or (capacity or 0) >= 2**31:
+        raise ValueError(f"too many blocks for int32 indices: {total} (capacity {capacity})")
+    return bcount, geometry, capacity
+
+
+def workspace_words(total):
+    """uint32 words of the kernel's workspace for `total` blocks: the ticket counter, then a
+    flag word for every 32 blocks."""
+    return 1 + math.ceil(total / 32)
 
 
 def _check_out(mask, out, capacity):
@@ -152,29 +166,58 @@ def _reduce_mask_numpy(mask, bcount, geometry, tol, avgpool, capacity):
     return _with_capacity(numpy, active, capacity)
 
 
-# Counter and flag words of the kernel, one set per (device, stream): launches on one stream
-# run in order, and the kernel leaves the counter at zero for the next one.
+# Workspaces of the kernel, one per (device, stream): launches on one stream run in order, and
+# the kernel leaves the ticket counter at zero for the next one. Outgrown buffers stay referenced
+# (they are small), since a launch still queued on the stream may use them.
 _workspaces = {}
+_retired = []
 
 
-def _workspace(cupy, n_words):
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
-    buffer = _workspaces.get(key)
-    if buffer is None or buffer.size < n_words + 1:
-        size = max(n_words + 1, 2 * (0 if buffer is None else buffer.size))
-        buffer = _workspaces[key] = cupy.zeros(size, dtype=cupy.uint32)
-    return buffer[1:n_words + 1], buffer[:1]
+def shared_workspace(device, stream, n_words):
+    """Address of a workspace of at least n_words for launches on `stream` of `device`."""
+    buffer = _workspaces.get((device, stream))
+    if buffer is None or buffer.size < n_words:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            size = max(n_words, 4096, 2 * (0 if buffer is None else buffer.size))
+            if buffer is not None:
+                _retired.append(buffer)
+            buffer = _workspaces[(device, stream)] = cupy.empty(size, dtype=cupy.uint32)
+            # Zeroed on the stream that uses it, so the first launch sees the zeros.
+            cupy.cuda.runtime.memsetAsync(buffer.data.ptr, 0, 4 * size, stream)
+    return buffer.data.ptr
+
+
+# kernels/reduce_mask.cu ReduceMaskArgs: mask, words, tickets, indices, count, tol, 13 ints.
+_ARGS = _launch.layout("5Pd13i", 104)
+
+
+def launch_reduce_mask(device, stream, mask, mask_shape, mask_dtype, bcount, geometry, tol,
+                       avgpool, rows, fill_rows, indices, count, workspace):
+    """The CUDA reduce_mask on raw addresses (checked arguments): a C-contiguous mask
+    [N, H, W]; int32 indices [rows, 3] and count [1]; the first fill_rows rows past the count
+    set to -1; `workspace` as shared_workspace gives it (ticket counter zero)."""
+    (bh, bw), (oh, ow), (sh, sw) = geometry
+    n, height, width = mask_shape
+    total = n * bcount[0] * bcount[1]
+    size = _kernels.specialised_size(bh) if bh == bw else 0
+    kernel = _launch.function(device, "reduce_mask", "reduce_mask",
+                              _kernels.MASK_CTYPES[mask_dtype], avgpool, size, size)
+    n_words = workspace_words(total) - 1
+    _launch.launch(device, stream, kernel, (n_words, 1, 1), (_THREADS, 1, 1), 0, _ARGS,
+                   (mask, workspace + 4, workspace, indices, count, tol, n, height, width, bh,
+                    bw, oh, ow, sh, sw, bcount[0], bcount[1], rows, fill_rows))
 
 
 def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity, out, workspace):
     import cupy
 
-    (bh, bw), (oh, ow), (sh, sw) = geometry
     n, height, width = mask.shape
     total = n * bcount[0] * bcount[1]
     rows = total if capacity is None else capacity
-    with mask.device:
-        mask = cupy.ascontiguousarray(mask)
+    with _checks.on_device(mask):
+        mask = mask if mask.flags.c_contiguous else cupy.ascontiguousarray(mask)
         if out is not None:
             indices, count = out
         else:
@@ -185,20 +228,14 @@ def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity, out, works
             count.fill(0)
             indices.fill(-1)
             return ReduceMask(indices, count)
-        size = _kernels.specialised_size(bh) if bh == bw else 0
-        kernel = _kernels.get_kernel("reduce_mask", "reduce_mask",
-                                     _MASK_CTYPES[mask.dtype], avgpool,
-                                     size, size)
-        n_words = math.ceil(total / 32)
+        device, stream = mask.data.device_id, cupy.cuda.get_current_stream().ptr
         if workspace is None:
-            words, tickets = _workspace(cupy, n_words)
+            workspace_ptr = shared_workspace(device, stream, workspace_words(total))
         else:
-            words, tickets = workspace[1:n_words + 1], workspace[:1]
-        i32 = numpy.int32
-        kernel((n_words,), (_THREADS,),
-               (mask, i32(n), i32(height), i32(width), i32(bh), i32(bw), i32(oh), i32(ow),
-                i32(sh), i32(sw), i32(bcount[0]), i32(bcount[1]), numpy.float64(tol), words,
-                tickets, indices, count, i32(rows), i32(0 if capacity is None else rows)))
+            workspace_ptr = workspace.data.ptr
+        launch_reduce_mask(device, stream, mask.data.ptr, mask.shape, mask.dtype.name, bcount,
+                           geometry, tol, avgpool, rows, 0 if capacity is None else rows,
+                           indices.data.ptr, count.data.ptr, workspace_ptr)
         if capacity is None:
             indices = indices[:int(count.get()[0])]
     return ReduceMask(indices, count)

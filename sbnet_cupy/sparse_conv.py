@@ -64,7 +64,7 @@ def sparse_conv2d(x, w, bin_counts, active_block_indices, block_params, *, bias=
                            boffset=block_params.boffset, bstride=block_params.bstrides)
     out = conv2d_valid(blocks, w, bias)
     if base is None:
-        with _checks.device_of(x):
+        with _checks.on_device(x):
             base = xp.zeros(x.shape[:3] + (w.shape[3],), dtype=out.dtype)
     return sparse_scatter(out, bin_counts, active_block_indices, base,
                           bsize=block_params.bsize_out, bstride=block_params.bsize_out)
@@ -113,7 +113,7 @@ def sparse_res_block_bottleneck(x, bin_counts, active_block_indices, block_param
     geometry = dict(bsize=block_params.bsize, boffset=block_params.boffset,
                     bstride=block_params.bstrides)
     blocks = sparse_gather(x, bin_counts, active_block_indices, **geometry)
-    with _checks.device_of(x):
+    with _checks.on_device(x):
         ones = xp.ones(x.shape[:3] + (1,), dtype=x.dtype)
     inside = sparse_gather(ones, bin_counts, active_block_indices, **geometry)
     out = _residual(xp, blocks, folded, conv2d_valid, inside).astype(x.dtype, copy=False)

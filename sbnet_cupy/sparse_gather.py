@@ -1,5 +1,7 @@
 """sparse_gather: cut the listed blocks out of an NHWC tensor into a dense stack."""
 
+import functools
+
 import numpy
 
 from . import _blocks, _checks, _kernels
@@ -32,14 +34,12 @@ def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0),
     """
     xp = _checks.array_module(x=x, bin_counts=bin_counts,
                               active_block_indices=active_block_indices)
-    x = _checks.nhwc("x", x)
-    geometry = _checks.block_geometry(bsize, boffset, bstride)
-    (bh, bw), channels, transpose = geometry.bsize, x.shape[3], bool(transpose)
-    affine = _check_affine(xp, x, scale, shift, relu, transpose)
-    with _checks.device_of(x):
+    geometry = check_gather(x, bin_counts, active_block_indices, bsize, boffset, bstride,
+                            transpose, scale, shift, relu)
+    transpose = bool(transpose)
+    shape = stack_shape(active_block_indices.shape[0], geometry.bsize, x.shape[3], transpose)
+    with _checks.on_device(x):
         indices, counts = _checks.block_list(xp, active_block_indices, bin_counts)
-        shape = ((indices.shape[0], channels, bh, bw) if transpose
-                 else (indices.shape[0], bh, bw, channels))
         if out is None:
             out = xp.empty(shape, dtype=x.dtype)
         else:
@@ -47,37 +47,84 @@ def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0),
             if out.shape != shape or out.dtype != x.dtype or not out.flags.c_contiguous:
                 raise ValueError(f"out must be a C-contiguous {x.dtype} array of shape {shape}, "
                                  f"got {out.dtype} {out.shape}")
-        if affine is not None:
-            affine = tuple(xp.ascontiguousarray(a, dtype=_acc_dtype(x)) for a in affine)
+        affine = None
+        if scale is not None:
+            _checks.array_module(x=x, scale=scale, shift=shift)
+            affine = tuple(xp.ascontiguousarray(a, dtype=affine_dtype(x.dtype.name))
+                           for a in (scale, shift))
         if xp is numpy:
             _gather_numpy(x, counts, indices, geometry, transpose, out, affine, bool(relu))
         else:
-            _gather_cupy(x, counts, indices, geometry, transpose, out, affine, bool(relu))
+            import cupy
+
+            x = x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+            scale_ptr, shift_ptr = (0, 0) if affine is None else (a.data.ptr for a in affine)
+            launch_gather(x.data.device_id, cupy.cuda.get_current_stream().ptr, x.data.ptr,
+                          out.data.ptr, indices.data.ptr, counts.data.ptr, scale_ptr, shift_ptr,
+                          x.shape, shape[0], x.dtype.name, x.itemsize, geometry, transpose,
+                          bool(relu))
     return out
 
 
-def _acc_dtype(x):
-    return numpy.float64 if x.dtype == numpy.float64 else numpy.float32
-
-
-def _check_affine(xp, x, scale, shift, relu, transpose):
-    """(scale, shift) arrays, or None for a plain gather."""
+def check_gather(x, bin_counts, active_block_indices, bsize, boffset, bstride, transpose,
+                 scale, shift, relu):
+    """Checks sparse_gather's arguments (arrays or tensors) and returns the block geometry."""
+    _checks.nhwc("x", x)
+    geometry = _checks.block_geometry(bsize, boffset, bstride)
+    _checks.check_block_list(active_block_indices, bin_counts)
     if scale is None and shift is None:
         if relu:
             raise ValueError("relu=True needs scale and shift")
-        return None
+        return geometry
     if scale is None or shift is None:
         raise ValueError("scale and shift go together")
     if transpose:
         raise ValueError("scale and shift need transpose=False")
-    if x.dtype.name not in _kernels.ARITHMETIC_CTYPES:
-        raise TypeError(f"scale and shift need a float x, got {x.dtype}")
-    _checks.array_module(x=x, scale=scale, shift=shift)
+    if _checks.dtype_name(x) not in _kernels.ARITHMETIC_CTYPES:
+        raise TypeError(f"scale and shift need a float x, got {_checks.dtype_name(x)}")
     for name, a in (("scale", scale), ("shift", shift)):
-        if a.shape != (x.shape[3],):
+        if tuple(a.shape) != (x.shape[3],):
             raise ValueError(f"{name} must have shape ({x.shape[3]},) (one value a channel), "
-                             f"got {a.shape}")
-    return scale, shift
+                             f"got {tuple(a.shape)}")
+    return geometry
+
+
+def stack_shape(rows, bsize, channels, transpose):
+    return (rows, channels, *bsize) if transpose else (rows, *bsize, channels)
+
+
+def affine_dtype(dtype_name):
+    """The dtype the fused BatchNorm's scale and shift are read in: the kernels' arithmetic."""
+    return "float64" if dtype_name == "float64" else "float32"
+
+
+def launch_gather(device, stream, x, out, indices, counts, scale, shift, x_shape, rows,
+                  dtype_name, itemsize, geometry, transpose, relu):
+    """The CUDA gather on raw addresses (checked arguments): C-contiguous x [N, H, W, C] into
+    out, int32 indices [rows, 3] and count [1]; scale and shift 0 or [C] in affine_dtype."""
+    n, height, width, channels = x_shape
+    if rows == 0 or channels == 0:
+        return
+    plan = _gather_plan(*geometry.bsize, channels, itemsize, dtype_name, transpose,
+                        bool(scale), relu, _checks.alignment(x, out))
+    _blocks.launch("sparse_gather", plan, device, stream, x, out, indices, counts, rows,
+                   (n, height, width), geometry, scale, shift)
+
+
+@functools.lru_cache(maxsize=1024)
+def _gather_plan(bh, bw, channels, itemsize, dtype_name, transpose, affine, relu, alignment):
+    if transpose:
+        return _blocks.transpose_plan("sparse_gather_transposed",
+                                      (_kernels.STORAGE_CTYPES[itemsize],), bh, bw, channels,
+                                      itemsize, alignment)
+    if affine:
+        vector = _kernels.widest_access(channels * itemsize, alignment) // itemsize
+        return _blocks.row_plan("sparse_gather_affine",
+                                (_kernels.ARITHMETIC_CTYPES[dtype_name], vector, relu), bh, bw,
+                                channels // vector)
+    word = _kernels.widest_access(channels * itemsize, alignment)
+    return _blocks.row_plan("sparse_gather", (_kernels.STORAGE_CTYPES[word],), bh, bw,
+                            channels * itemsize // word)
 
 
 def _gather_numpy(x, counts, indices, geometry, transpose, out, affine, relu):
@@ -92,44 +139,3 @@ def _gather_numpy(x, counts, indices, geometry, transpose, out, affine, relu):
             values = numpy.maximum(values, 0)
     valid = stack[:n_valid]
     valid[inside] = values
-
-
-def _gather_cupy(x, counts, indices, geometry, transpose, out, affine, relu):
-    import cupy
-
-    (bh, bw), (oh, ow), (sh, sw) = geometry
-    n, height, width, channels = x.shape
-    rows = indices.shape[0]
-    i32 = numpy.int32
-    x = cupy.ascontiguousarray(x)
-    if out.size == 0:
-        return
-    geometry_args = (i32(oh), i32(ow), i32(sh), i32(sw))
-    if transpose:
-        grid, block, smem, vector, tile_rows, log2_tile_c, pitch = _blocks.transpose_launch(
-            rows, bh, bw, channels, x.itemsize, x, out)
-        kernel = _kernels.get_kernel("sparse_gather", "sparse_gather_transposed",
-                                     _kernels.STORAGE_CTYPES[x.itemsize], vector)
-        kernel(grid, block,
-               (x, out, indices, counts, i32(rows), i32(n), i32(height), i32(width),
-                i32(channels), i32(bh), i32(bw), *geometry_args, i32(tile_rows),
-                i32(log2_tile_c), i32(pitch)), shared_mem=smem)
-    elif affine is not None:
-        width_bytes = _kernels.widest_access(channels * x.itemsize, x, out)
-        vector = width_bytes // x.itemsize
-        grid, block = _blocks.row_launch(rows, bh, bw * channels // vector)
-        kernel = _kernels.get_kernel("sparse_gather", "sparse_gather_affine",
-                                     _kernels.ARITHMETIC_CTYPES[x.dtype.name], vector, relu)
-        kernel(grid, block,
-               (x, out, *affine, indices, counts, i32(rows), i32(n), i32(height), i32(width),
-                i32(channels // vector), i32(bh), i32(bw), *geometry_args))
-    else:
-        pixel_bytes = channels * x.itemsize
-        word = _kernels.widest_access(pixel_bytes, x, out)
-        words_per_pixel = pixel_bytes // word
-        grid, block = _blocks.row_launch(rows, bh, bw * words_per_pixel)
-        kernel = _kernels.get_kernel("sparse_gather", "sparse_gather",
-                                     _kernels.STORAGE_CTYPES[word])
-        kernel(grid, block,
-               (x, out, indices, counts, i32(rows), i32(n), i32(height), i32(width),
-                i32(words_per_pixel), i32(bh), i32(bw), *geometry_args))

@@ -1,5 +1,7 @@
 """sparse_scatter, sparse_scatter_var: put a stack of blocks back into an NHWC tensor."""
 
+import functools
+
 import numpy
 
 from . import _blocks, _checks, _kernels
@@ -44,45 +46,88 @@ def sparse_scatter_var(blocks, bin_counts, active_block_indices, ybase, *, bsize
 
 
 def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,
-             atomic, transpose, in_place, data_dtype=None):
-    """sparse_scatter(_var). data_dtype names the data type when the arrays hold its bits under
-    another dtype (the bridges pass bfloat16 tensors as int16 arrays: CuPy has no bfloat16)."""
+             atomic, transpose, in_place):
     xp = _checks.array_module(blocks=blocks, bin_counts=bin_counts,
                               active_block_indices=active_block_indices, ybase=ybase)
-    ybase = _checks.nhwc("ybase", ybase)
-    geometry = _checks.block_geometry(bsize, boffset, bstride)
+    geometry = check_scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset,
+                             bstride, add, atomic, transpose, on_gpu=xp is not numpy)
     add, atomic, transpose = bool(add), bool(atomic), bool(transpose)
-    (bh, bw), channels = geometry.bsize, ybase.shape[3]
-    expected = (channels, bh, bw) if transpose else (bh, bw, channels)
-    if blocks.ndim != 4 or blocks.shape[1:] != expected:
-        raise ValueError(f"blocks must have shape [M, {'C, BH, BW' if transpose else 'BH, BW, C'}]"
-                         f" = [M, {', '.join(map(str, expected))}], got {blocks.shape}")
-    if blocks.dtype != ybase.dtype:
-        raise TypeError(f"blocks dtype {blocks.dtype} differs from ybase dtype {ybase.dtype}")
-    data_dtype = data_dtype or ybase.dtype.name
-    if add and (data_dtype not in _kernels.ARITHMETIC_CTYPES
-                or (xp is numpy and data_dtype == "bfloat16")):
-        raise TypeError(f"add=True needs a float dtype ({', '.join(_kernels.ARITHMETIC_CTYPES)}; "
-                        f"bfloat16 on the GPU only), got {data_dtype}")
-    _checks.atomic_for_overlap(geometry, add, atomic)
     if in_place and xp is numpy and not ybase.flags.writeable:
         raise ValueError("ybase must be writeable for sparse_scatter_var")
-    with _checks.device_of(ybase):
+    with _checks.on_device(ybase):
         indices, counts = _checks.block_list(xp, active_block_indices, bin_counts)
-        if blocks.shape[0] != indices.shape[0]:
-            raise ValueError(f"blocks has {blocks.shape[0]} rows but active_block_indices has "
-                             f"{indices.shape[0]}")
         y = ybase if in_place else ybase.copy(order="C")
         # The kernels need a C-contiguous output: scatter into a copy, then copy back.
         work = y if y.flags.c_contiguous else y.copy(order="C")
         if xp is numpy:
             _scatter_numpy(blocks, counts, indices, work, geometry, add, transpose)
         else:
-            _scatter_cupy(blocks, counts, indices, work, geometry, add, atomic, transpose,
-                          data_dtype)
+            import cupy
+
+            blocks = blocks if blocks.flags.c_contiguous else cupy.ascontiguousarray(blocks)
+            launch_scatter(work.data.device_id, cupy.cuda.get_current_stream().ptr,
+                           blocks.data.ptr, work.data.ptr, indices.data.ptr, counts.data.ptr,
+                           work.shape, blocks.shape[0], work.dtype.name, work.itemsize, geometry,
+                           add, atomic, transpose)
         if work is not y:
             y[...] = work
     return y
+
+
+def check_scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,
+                  atomic, transpose, *, on_gpu):
+    """Checks sparse_scatter's arguments (arrays or tensors) and returns the block geometry."""
+    _checks.nhwc("ybase", ybase)
+    geometry = _checks.block_geometry(bsize, boffset, bstride)
+    (bh, bw), channels = geometry.bsize, ybase.shape[3]
+    expected = (channels, bh, bw) if transpose else (bh, bw, channels)
+    if blocks.ndim != 4 or tuple(blocks.shape[1:]) != expected:
+        raise ValueError(f"blocks must have shape [M, {'C, BH, BW' if transpose else 'BH, BW, C'}]"
+                         f" = [M, {', '.join(map(str, expected))}], got {tuple(blocks.shape)}")
+    if blocks.dtype != ybase.dtype:
+        raise TypeError(f"blocks dtype {blocks.dtype} differs from ybase dtype {ybase.dtype}")
+    data_dtype = _checks.dtype_name(ybase)
+    if add and (data_dtype not in _kernels.ARITHMETIC_CTYPES
+                or (not on_gpu and data_dtype == "bfloat16")):
+        raise TypeError(f"add=True needs a float dtype ({', '.join(_kernels.ARITHMETIC_CTYPES)}; "
+                        f"bfloat16 on the GPU only), got {data_dtype}")
+    _checks.atomic_for_overlap(geometry, add, atomic)
+    _checks.check_block_list(active_block_indices, bin_counts)
+    if blocks.shape[0] != active_block_indices.shape[0]:
+        raise ValueError(f"blocks has {blocks.shape[0]} rows but active_block_indices has "
+                         f"{active_block_indices.shape[0]}")
+    return geometry
+
+
+def launch_scatter(device, stream, blocks, y, indices, counts, y_shape, rows, dtype_name,
+                   itemsize, geometry, add, atomic, transpose):
+    """The CUDA scatter on raw addresses (checked arguments): the C-contiguous stack of `rows`
+    blocks into C-contiguous y [N, H, W, C], in place; int32 indices [rows, 3] and count [1]."""
+    n, height, width, channels = y_shape
+    if rows == 0 or n * height * width * channels == 0:
+        return
+    op = ("AtomicAdd" if atomic else "Add") if add else "Assign"
+    plan = _scatter_plan(*geometry.bsize, channels, itemsize, dtype_name, op, transpose,
+                         _checks.alignment(blocks, y))
+    _blocks.launch("sparse_scatter", plan, device, stream, blocks, y, indices, counts, rows,
+                   (n, height, width), geometry)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scatter_plan(bh, bw, channels, itemsize, dtype_name, op, transpose, alignment):
+    adds = op != "Assign"
+    if transpose:
+        element = (_kernels.ARITHMETIC_CTYPES[dtype_name] if adds
+                   else _kernels.STORAGE_CTYPES[itemsize])
+        return _blocks.transpose_plan("sparse_scatter_transposed", (element, op), bh, bw,
+                                      channels, itemsize, alignment)
+    pixel_bytes = channels * itemsize
+    width_bytes = _kernels.widest_access(pixel_bytes, alignment)
+    if adds:
+        word = f"vec_t<{_kernels.ARITHMETIC_CTYPES[dtype_name]}, {width_bytes // itemsize}>"
+    else:
+        word = _kernels.STORAGE_CTYPES[width_bytes]
+    return _blocks.row_plan("sparse_scatter", (word, op), bh, bw, pixel_bytes // width_bytes)
 
 
 def _scatter_numpy(blocks, counts, indices, y, geometry, add, transpose):
@@ -95,42 +140,3 @@ def _scatter_numpy(blocks, counts, indices, y, geometry, add, transpose):
         numpy.add.at(y, where, values)  # unbuffered: a pixel listed twice gets both
     else:
         y[where] = values
-
-
-def _scatter_cupy(blocks, counts, indices, y, geometry, add, atomic, transpose, data_dtype):
-    import cupy
-
-    (bh, bw), (oh, ow), (sh, sw) = geometry
-    n, height, width, channels = y.shape
-    rows = indices.shape[0]
-    if rows == 0 or y.size == 0 or blocks.size == 0:
-        return
-    blocks = cupy.ascontiguousarray(blocks)
-    op = ("AtomicAdd" if atomic else "Add") if add else "Assign"
-    i32 = numpy.int32
-    geometry_args = (i32(oh), i32(ow), i32(sh), i32(sw))
-    if transpose:
-        grid, block, smem, vector, tile_rows, log2_tile_c, pitch = _blocks.transpose_launch(
-            rows, bh, bw, channels, y.itemsize, blocks, y)
-        element = (_kernels.ARITHMETIC_CTYPES[data_dtype] if add
-                   else _kernels.STORAGE_CTYPES[y.itemsize])
-        kernel = _kernels.get_kernel("sparse_scatter", "sparse_scatter_transposed", element,
-                                     vector, op)
-        kernel(grid, block,
-               (blocks, y, indices, counts, i32(rows), i32(n), i32(height), i32(width),
-                i32(channels), i32(bh), i32(bw), *geometry_args, i32(tile_rows),
-                i32(log2_tile_c), i32(pitch)), shared_mem=smem)
-        return
-    pixel_bytes = channels * y.itemsize
-    width_bytes = _kernels.widest_access(pixel_bytes, blocks, y)
-    if add:
-        word = (f"vec_t<{_kernels.ARITHMETIC_CTYPES[data_dtype]}, "
-                f"{width_bytes // y.itemsize}>")
-    else:
-        word = _kernels.STORAGE_CTYPES[width_bytes]
-    words_per_pixel = pixel_bytes // width_bytes
-    grid, block = _blocks.row_launch(rows, bh, bw * words_per_pixel)
-    kernel = _kernels.get_kernel("sparse_scatter", "sparse_scatter", word, op)
-    kernel(grid, block,
-           (blocks, y, indices, counts, i32(rows), i32(n), i32(height), i32(width),
-            i32(words_per_pixel), i32(bh), i32(bw), *geometry_args))

@@ -1,148 +1,210 @@
-"""The custom ops behind torch_bridge, their fake kernels and their gradients."""
+"""The ops behind torch_bridge: registered once with torch.library (schema, CPU and CUDA
+kernels, fake kernels, autograd), and called from Python with as little host work as possible.
 
-import contextlib
-import math
-from typing import Optional
+How a call runs (``_call``):
+- Eager, nothing to record for autograd (``torch.no_grad()``, ``inference_mode()``, or no input
+  that requires grad): the wrapper checks the arguments once, with sbnet_cupy's own checks, and
+  calls the implementation directly, without the dispatcher. CUDA tensors launch the kernels on
+  raw pointers (sbnet_cupy's ``launch_*`` functions) on torch's current stream.
+- Eager, with a gradient to record: the same implementation inside a ``torch.autograd.Function``
+  whose setup and backward are the functions registered as the op's autograd.
+- Traced (torch.compile, torch.export, fake tensors, functorch transforms, dispatch modes): the
+  wrapper calls ``torch.ops.sbnet.<op>``, which the tracer sees as one op with its fake kernel
+  and its autograd.
+The ops are defined with ``torch.library.Library.define`` and ``impl`` rather than
+``torch.library.custom_op``, whose Python wrapper adds host time to every dispatched call (what
+inductor's generated code makes in the default compile mode).
+"""
 
 import torch
-from torch import Tensor
 
 import sbnet_cupy
 from sbnet_cupy import _checks
-from sbnet_cupy.sparse_scatter import _scatter
+from sbnet_cupy.reduce_mask import (check_reduce_mask, launch_reduce_mask, shared_workspace,
+                                    workspace_words)
+from sbnet_cupy.sparse_gather import affine_dtype, check_gather, launch_gather, stack_shape
+from sbnet_cupy.sparse_scatter import check_scatter, launch_scatter
+
+_lib = torch.library.Library("sbnet", "DEF")
 
 
-@contextlib.contextmanager
-def _on_current_stream(device):
-    """Make CuPy launch on the tensor's device and on torch's current stream there, so the
-    kernels are ordered with torch's work (and captured with it into CUDA graphs)."""
-    if device.type != "cuda":
-        yield
-        return
-    import cupy
+def _register(schema, impl, fake, setup=None, backward=None):
+    """Define sbnet::<op> with its CPU and CUDA kernel, fake kernel and autograd; returns the
+    op's overload and, with a backward, the autograd.Function for eager calls."""
+    name = schema[:schema.index("(")]
+    _lib.define(schema)
+    for key in ("CPU", "CUDA"):
+        _lib.impl(name, impl, key)
+    torch.library.register_fake(f"sbnet::{name}", fake, lib=_lib)
+    if backward is None:
+        return getattr(torch.ops.sbnet, name).default, None
+    torch.library.register_autograd(f"sbnet::{name}", backward, setup_context=setup, lib=_lib)
+    function = type(name, (torch.autograd.Function,),
+                    dict(forward=staticmethod(impl), setup_context=staticmethod(setup),
+                         backward=staticmethod(backward)))
+    return getattr(torch.ops.sbnet, name).default, function
 
-    with cupy.cuda.Device(device.index):
-        with cupy.cuda.Stream.from_external(torch.cuda.current_stream(device)):
-            yield
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _array(t):
-    """Zero-copy NumPy (CPU) or CuPy (CUDA) view of a contiguous tensor. bfloat16 travels as
-    int16: neither NumPy nor CuPy has it.
+def _traced(tensors):
+    """Whether the call must go through the dispatcher: something is tracing or transforming it
+    (torch.compile and torch.export set is_compiling; fake and functional tensors are
+    subclasses; functorch and dispatch modes keep their own state)."""
+    return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() > 0
+            or any(type(t) not in _PLAIN for t in tensors))
 
-    CUDA tensors are wrapped by pointer (the CuPy array keeps the tensor alive) rather than
-    through DLPack: cupy.from_dlpack costs ~27 us a tensor on the H100 machine against ~2.5 us,
-    four tensors an op, and the DLPack stream handshake is not needed on torch's own stream."""
+
+def _call(op, function, impl, args, tensors, differentiable=()):
+    """Run an op on checked arguments by the cheapest route that serves the call (see above)."""
+    if _traced(tensors):
+        return op(*args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
+        return function.apply(*args)
+    return impl(*args)
+
+
+def _same_device(**tensors):
+    devices = {name: t.get_device() for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        described = ", ".join(f"{n} is on {'cpu' if d < 0 else f'cuda:{d}'}"
+                              for n, d in devices.items())
+        raise ValueError(f"tensors on different devices: {described}")
+
+
+try:
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # what inductor's generated code calls
+except AttributeError:  # a build without CUDA, which never launches
+    _raw_stream = None
+
+
+def _contiguous(t):
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _numpy(t):
+    """Zero-copy NumPy view of a CPU tensor, for the NumPy backend. bfloat16 travels as int16:
+    NumPy has no bfloat16."""
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    if t.device.type == "cpu":
-        return t.detach().numpy()
-    import cupy
-
-    if t.dtype not in _CUPY_DTYPES:
-        raise TypeError(f"{t.dtype} tensors are not supported")
-    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t,
-                                     t.device.index)
-    return cupy.ndarray(tuple(t.shape), _CUPY_DTYPES[t.dtype], cupy.cuda.MemoryPointer(memory, 0))
-
-
-_CUPY_DTYPES = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64",
-                torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16",
-                torch.int32: "int32", torch.int64: "int64", torch.bool: "bool"}
-
-
-def _data_dtype(t):
-    return "bfloat16" if t.dtype == torch.bfloat16 else None
-
-
-def _stack_shape(rows, bsize, channels, transpose):
-    return (rows, channels, *bsize) if transpose else (rows, *bsize, channels)
+    return t.detach().numpy()
 
 
 def _block_list(bin_counts, active_block_indices):
-    return (bin_counts.to(torch.int32).contiguous(),
-            active_block_indices.to(torch.int32).contiguous())
+    """int32 count [1] and indices [M, 3], contiguous: what the kernels read."""
+    counts, indices = bin_counts, active_block_indices
+    if counts.dtype != torch.int32 or not counts.is_contiguous() or counts.ndim != 1:
+        counts = counts.to(torch.int32).reshape(1).contiguous()
+    if indices.dtype != torch.int32 or not indices.is_contiguous():
+        indices = indices.to(torch.int32).contiguous()
+    return counts, indices
 
 
-# --- reduce_mask --------------------------------------------------------------------------
+def _geometry(bsize, boffset, bstride):
+    return _checks.BlockGeometry(tuple(bsize), tuple(boffset), tuple(bstride))
 
-@torch.library.custom_op("sbnet::reduce_mask", mutates_args=())
-def _reduce_mask(mask: Tensor, bcount: list[int], bsize: list[int], boffset: list[int],
-                 bstride: list[int], tol: float, avgpool: bool,
-                 capacity: Optional[int]) -> tuple[Tensor, Tensor]:
-    mask = mask.contiguous()
+
+# --- reduce_mask ---------------------------------------------------------------------------
+
+def _reduce_mask_impl(mask, bcount, bsize, boffset, bstride, tol, avgpool, capacity):
     if mask.dtype == torch.bfloat16:
         mask = mask.float()
-    total = mask.shape[0] * bcount[0] * bcount[1]
+    mask = _contiguous(mask)
+    n, height, width = mask.shape[:3]
+    total = n * bcount[0] * bcount[1]
     rows = total if capacity is None else capacity
     indices = mask.new_empty((rows, 3), dtype=torch.int32)
     counts = mask.new_empty((1,), dtype=torch.int32)
-    workspace = None
-    if mask.is_cuda:  # a fresh zeroed workspace: safe on any stream and inside graph capture
-        workspace = mask.new_zeros((math.ceil(total / 32) + 1,), dtype=torch.int32)
-    with _on_current_stream(mask.device):
-        sbnet_cupy.reduce_mask(
-            _array(mask), bcount, bsize=bsize, boffset=boffset, bstride=bstride, tol=tol,
-            avgpool=avgpool, capacity=rows, out=(_array(indices), _array(counts)),
-            workspace=None if workspace is None else _array(workspace).view("uint32"))
+    geometry = _geometry(bsize, boffset, bstride)
+    if not mask.is_cuda:
+        sbnet_cupy.reduce_mask(_numpy(mask), bcount, bsize=geometry.bsize,
+                               boffset=geometry.boffset, bstride=geometry.bstride, tol=tol,
+                               avgpool=avgpool, capacity=rows,
+                               out=(_numpy(indices), _numpy(counts)))
+    elif total == 0:
+        counts.zero_()
+        indices.fill_(-1)
+    else:
+        device = mask.get_device()
+        stream = _raw_stream(device)
+        if torch.cuda.is_current_stream_capturing():
+            # A workspace of the graph's own, zeroed by a node of the graph at every replay.
+            workspace = torch.zeros(workspace_words(total), dtype=torch.int32,
+                                    device=mask.device)
+            workspace_ptr = workspace.data_ptr()
+        else:
+            workspace_ptr = shared_workspace(device, stream, workspace_words(total))
+        launch_reduce_mask(device, stream, mask.data_ptr(), (n, height, width),
+                           _checks.dtype_name(mask), bcount, geometry, tol, avgpool, rows,
+                           0 if capacity is None else rows, indices.data_ptr(),
+                           counts.data_ptr(), workspace_ptr)
     if capacity is None:
         indices = indices[:int(counts.item())].clone()
     return indices, counts
 
 
-@_reduce_mask.register_fake
-def _(mask, bcount, bsize, boffset, bstride, tol, avgpool, capacity):
+def _reduce_mask_fake(mask, bcount, bsize, boffset, bstride, tol, avgpool, capacity):
     rows = torch.library.get_ctx().new_dynamic_size() if capacity is None else capacity
     return (mask.new_empty((rows, 3), dtype=torch.int32),
             mask.new_empty((1,), dtype=torch.int32))
+
+
+_reduce_mask_op, _ = _register(
+    "reduce_mask(Tensor mask, int[] bcount, int[] bsize, int[] boffset, int[] bstride, "
+    "float tol, bool avgpool, SymInt? capacity) -> (Tensor, Tensor)",
+    _reduce_mask_impl, _reduce_mask_fake)
 
 
 def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, avgpool=False,
                 capacity=None):
     """sbnet_cupy.reduce_mask on a tensor: ReduceMask(active_block_indices, bin_counts) as int32
     tensors on the mask's device. Not differentiable. With `capacity`, no host sync."""
-    bsize, boffset, bstride = _checks.block_geometry(bsize, boffset, bstride)
-    bcount = _checks.int_pair("bcount", bcount, minimum=0)
-    if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
-        raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
-    indices, counts = _reduce_mask(mask, list(bcount), list(bsize), list(boffset),
-                                   list(bstride), float(tol), bool(avgpool), capacity)
+    symbolic = isinstance(capacity, torch.SymInt)  # a capacity torch.compile made dynamic
+    bcount, geometry, checked = check_reduce_mask(mask, bcount, bsize, boffset, bstride, tol,
+                                                  None if symbolic else capacity)
+    args = (mask, bcount, *geometry, float(tol), bool(avgpool),
+            capacity if symbolic else checked)
+    indices, counts = _call(_reduce_mask_op, None, _reduce_mask_impl, args, (mask,))
     return sbnet_cupy.ReduceMask(indices, counts)
 
 
 # --- sparse_gather --------------------------------------------------------------------------
 
-@torch.library.custom_op("sbnet::sparse_gather", mutates_args=())
-def _gather(x: Tensor, bin_counts: Tensor, active_block_indices: Tensor, bsize: list[int],
-            boffset: list[int], bstride: list[int], transpose: bool, scale: Optional[Tensor],
-            shift: Optional[Tensor], relu: bool) -> Tensor:
-    x = x.contiguous()
+def _gather_impl(x, bin_counts, active_block_indices, bsize, boffset, bstride, transpose, scale,
+                 shift, relu):
+    x = _contiguous(x)
     counts, indices = _block_list(bin_counts, active_block_indices)
-    out = x.new_empty(_stack_shape(indices.shape[0], bsize, x.shape[3], transpose))
-    affine = {} if scale is None else dict(scale=_array(scale.contiguous()),
-                                           shift=_array(shift.contiguous()), relu=relu)
-    with _on_current_stream(x.device):
-        sbnet_cupy.sparse_gather(_array(x), _array(counts), _array(indices), bsize=bsize,
-                                 boffset=boffset, bstride=bstride, transpose=transpose,
-                                 out=_array(out), **affine)
+    out = x.new_empty(stack_shape(indices.shape[0], bsize, x.shape[3], transpose))
+    geometry = _geometry(bsize, boffset, bstride)
+    if scale is not None:
+        scale, shift = _contiguous(scale), _contiguous(shift)
+    if not x.is_cuda:
+        affine = {} if scale is None else dict(scale=_numpy(scale), shift=_numpy(shift),
+                                               relu=relu)
+        sbnet_cupy.sparse_gather(_numpy(x), _numpy(counts), _numpy(indices),
+                                 bsize=geometry.bsize, boffset=geometry.boffset,
+                                 bstride=geometry.bstride, transpose=transpose, out=_numpy(out),
+                                 **affine)
+        return out
+    device = x.get_device()
+    launch_gather(device, _raw_stream(device), x.data_ptr(), out.data_ptr(), indices.data_ptr(),
+                  counts.data_ptr(), 0 if scale is None else scale.data_ptr(),
+                  0 if shift is None else shift.data_ptr(), x.shape, out.shape[0],
+                  _checks.dtype_name(x), x.element_size(), geometry, transpose, relu)
     return out
 
 
-@_gather.register_fake
-def _(x, bin_counts, active_block_indices, bsize, boffset, bstride, transpose, scale, shift,
-      relu):
-    return x.new_empty(_stack_shape(active_block_indices.shape[0], bsize, x.shape[3],
-                                    transpose))
+def _gather_fake(x, bin_counts, active_block_indices, bsize, boffset, bstride, transpose, scale,
+                 shift, relu):
+    return x.new_empty(stack_shape(active_block_indices.shape[0], bsize, x.shape[3], transpose))
 
 
 def _gather_setup(ctx, inputs, output):
-    x, bin_counts, active_block_indices, *ctx.geometry, scale, shift, ctx.relu = inputs
-    if any(t is not None and t.requires_grad for t in (scale, shift)):
-        raise ValueError("scale and shift of sparse_gather get no gradient: fold BatchNorm "
-                         "into the gather for inference only")
+    x, bin_counts, active_block_indices, *ctx.geometry, scale, shift, relu = inputs
     ctx.x_shape = x.shape
-    ctx.save_for_backward(bin_counts, active_block_indices, scale,
-                          output if ctx.relu else None)
+    ctx.save_for_backward(bin_counts, active_block_indices, scale, output if relu else None)
 
 
 def _gather_backward(ctx, grad):
@@ -154,25 +216,43 @@ def _gather_backward(ctx, grad):
         grad = grad * scale.to(grad.dtype)
         if output is not None:
             grad = grad * (output > 0)
-    dx = _scatter_op(grad.contiguous(), bin_counts, active_block_indices,
-                     grad.new_zeros(ctx.x_shape), bsize, boffset, bstride, True, True, transpose)
+    dx = _scatter(_contiguous(grad), bin_counts, active_block_indices,
+                  grad.new_zeros(ctx.x_shape), bsize, boffset, bstride, True, True, transpose)
     return dx, None, None, None, None, None, None, None, None, None
 
 
-_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+_gather_op, _GatherFunction = _register(
+    "sparse_gather(Tensor x, Tensor bin_counts, Tensor active_block_indices, int[] bsize, "
+    "int[] boffset, int[] bstride, bool transpose, Tensor? scale, Tensor? shift, bool relu) "
+    "-> Tensor",
+    _gather_impl, _gather_fake, _gather_setup, _gather_backward)
+
+
+def _gather(x, bin_counts, active_block_indices, bsize, boffset, bstride, transpose, scale=None,
+            shift=None, relu=False):
+    args = (x, bin_counts, active_block_indices, bsize, boffset, bstride, transpose, scale,
+            shift, relu)
+    tensors = (x, bin_counts, active_block_indices) if scale is None else (
+        x, bin_counts, active_block_indices, scale, shift)
+    return _call(_gather_op, _GatherFunction, _gather_impl, args, tensors, (x,))
 
 
 def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0), bstride=None,
                   transpose=False, scale=None, shift=None, relu=False):
     """sbnet_cupy.sparse_gather on tensors; differentiable in x. scale, shift and relu fuse an
     inference BatchNorm (and ReLU) into the gather, as in sbnet_cupy (no gradient for them)."""
-    _checks.nhwc("x", x)
-    bsize, boffset, bstride = _checks.block_geometry(bsize, boffset, bstride)
-    if scale is not None and shift is not None:  # the kernels compute in float (double)
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    geometry = check_gather(x, bin_counts, active_block_indices, bsize, boffset, bstride,
+                            transpose, scale, shift, relu)
+    _same_device(x=x, bin_counts=bin_counts, active_block_indices=active_block_indices,
+                 scale=scale, shift=shift)
+    if scale is not None:
+        if scale.requires_grad or shift.requires_grad:
+            raise ValueError("scale and shift of sparse_gather get no gradient: fold BatchNorm "
+                             "into the gather for inference only")
+        acc = getattr(torch, affine_dtype(_checks.dtype_name(x)))  # the kernels' arithmetic
         scale, shift = scale.to(acc), shift.to(acc)
-    return _gather(x, bin_counts, active_block_indices, list(bsize), list(boffset),
-                   list(bstride), bool(transpose), scale, shift, bool(relu))
+    return _gather(x, bin_counts, active_block_indices, *geometry, bool(transpose), scale,
+                   shift, bool(relu))
 
 
 # --- sparse_scatter -------------------------------------------------------------------------
@@ -181,25 +261,30 @@ def _scatter_into(blocks, bin_counts, active_block_indices, y, bsize, boffset, b
                   atomic, transpose):
     """Scatter into the contiguous tensor y, in place."""
     counts, indices = _block_list(bin_counts, active_block_indices)
-    with _on_current_stream(y.device):
-        _scatter(_array(blocks.contiguous()), _array(counts), _array(indices), _array(y), bsize,
-                 boffset, bstride, add, atomic, transpose, in_place=True,
-                 data_dtype=_data_dtype(y))
+    blocks = _contiguous(blocks)
+    geometry = _geometry(bsize, boffset, bstride)
+    if not y.is_cuda:
+        sbnet_cupy.sparse_scatter_var(_numpy(blocks), _numpy(counts), _numpy(indices), _numpy(y),
+                                      bsize=geometry.bsize, boffset=geometry.boffset,
+                                      bstride=geometry.bstride, add=add, atomic=atomic,
+                                      transpose=transpose)
+        return
+    device = y.get_device()
+    launch_scatter(device, _raw_stream(device), blocks.data_ptr(), y.data_ptr(),
+                   indices.data_ptr(), counts.data_ptr(), y.shape, blocks.shape[0],
+                   _checks.dtype_name(y), y.element_size(), geometry, add, atomic, transpose)
 
 
-@torch.library.custom_op("sbnet::sparse_scatter", mutates_args=())
-def _scatter_op(blocks: Tensor, bin_counts: Tensor, active_block_indices: Tensor, ybase: Tensor,
-                bsize: list[int], boffset: list[int], bstride: list[int], add: bool,
-                atomic: bool, transpose: bool) -> Tensor:
+def _scatter_impl(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,
+                  atomic, transpose):
     y = ybase.clone(memory_format=torch.contiguous_format)
     _scatter_into(blocks, bin_counts, active_block_indices, y, bsize, boffset, bstride, add,
                   atomic, transpose)
     return y
 
 
-@_scatter_op.register_fake
-def _(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add, atomic,
-      transpose):
+def _scatter_fake(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,
+                  atomic, transpose):
     return torch.empty_like(ybase, memory_format=torch.contiguous_format)
 
 
@@ -213,48 +298,63 @@ def _scatter_setup(ctx, inputs, output):
 def _scatter_backward(ctx, grad):
     bin_counts, active_block_indices = ctx.saved_tensors
     bsize, boffset, bstride = ctx.geometry
-    grad = grad.contiguous()
+    grad = _contiguous(grad)
     # Each block element went to one output pixel (pixels outside the output went nowhere):
     # its gradient is the gradient there.
     d_blocks = _gather(grad, bin_counts, active_block_indices, bsize, boffset, bstride,
-                       ctx.transpose, None, None, False)
+                       ctx.transpose)
     if ctx.add:
         d_ybase = grad
     else:  # ybase shows through only where no block was written: zero the written pixels
-        d_ybase = _scatter_op(grad.new_zeros(ctx.blocks_shape), bin_counts,
-                              active_block_indices, grad, bsize, boffset, bstride, False, False,
-                              ctx.transpose)
+        d_ybase = _scatter(grad.new_zeros(ctx.blocks_shape), bin_counts, active_block_indices,
+                           grad, bsize, boffset, bstride, False, False, ctx.transpose)
     return d_blocks, None, None, d_ybase, None, None, None, None, None, None
 
 
-_scatter_op.register_autograd(_scatter_backward, setup_context=_scatter_setup)
+_scatter_op, _ScatterFunction = _register(
+    "sparse_scatter(Tensor blocks, Tensor bin_counts, Tensor active_block_indices, "
+    "Tensor ybase, int[] bsize, int[] boffset, int[] bstride, bool add, bool atomic, "
+    "bool transpose) -> Tensor",
+    _scatter_impl, _scatter_fake, _scatter_setup, _scatter_backward)
 
 
-@torch.library.custom_op("sbnet::sparse_scatter_", mutates_args=("ybase",))
-def _scatter_in_place(blocks: Tensor, bin_counts: Tensor, active_block_indices: Tensor,
-                      ybase: Tensor, bsize: list[int], boffset: list[int], bstride: list[int],
-                      add: bool, atomic: bool, transpose: bool) -> None:
-    y = ybase if ybase.is_contiguous() else ybase.contiguous()
+def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,
+             atomic, transpose):
+    args = (blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,
+            atomic, transpose)
+    return _call(_scatter_op, _ScatterFunction, _scatter_impl, args,
+                 (blocks, bin_counts, active_block_indices, ybase), (blocks, ybase))
+
+
+def _scatter_in_place_impl(blocks, bin_counts, active_block_indices, ybase, bsize, boffset,
+                           bstride, add, atomic, transpose):
+    y = _contiguous(ybase)
     _scatter_into(blocks, bin_counts, active_block_indices, y, bsize, boffset, bstride, add,
                   atomic, transpose)
     if y is not ybase:
         ybase.copy_(y)
 
 
-@_scatter_in_place.register_fake
-def _(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add, atomic,
-      transpose):
+def _scatter_in_place_fake(blocks, bin_counts, active_block_indices, ybase, bsize, boffset,
+                           bstride, add, atomic, transpose):
     return None
 
 
-def _scatter_args(blocks, ybase, bsize, boffset, bstride, add, atomic, transpose):
-    _checks.nhwc("ybase", ybase)
-    geometry = _checks.block_geometry(bsize, boffset, bstride)
-    if blocks.dtype != ybase.dtype:
-        raise TypeError(f"blocks dtype {blocks.dtype} differs from ybase dtype {ybase.dtype}")
-    _checks.atomic_for_overlap(geometry, add, atomic)
-    bsize, boffset, bstride = geometry
-    return list(bsize), list(boffset), list(bstride), bool(add), bool(atomic), bool(transpose)
+_scatter_in_place_op, _ = _register(
+    "sparse_scatter_(Tensor blocks, Tensor bin_counts, Tensor active_block_indices, "
+    "Tensor(a!) ybase, int[] bsize, int[] boffset, int[] bstride, bool add, bool atomic, "
+    "bool transpose) -> ()",
+    _scatter_in_place_impl, _scatter_in_place_fake)
+
+
+def _checked_scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride,
+                     add, atomic, transpose):
+    geometry = check_scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset,
+                             bstride, add, atomic, transpose, on_gpu=ybase.is_cuda)
+    _same_device(blocks=blocks, bin_counts=bin_counts,
+                 active_block_indices=active_block_indices, ybase=ybase)
+    return (blocks, bin_counts, active_block_indices, ybase, *geometry, bool(add), bool(atomic),
+            bool(transpose))
 
 
 def sparse_scatter(blocks, bin_counts, active_block_indices, ybase, *, bsize, boffset=(0, 0),
@@ -263,14 +363,19 @@ def sparse_scatter(blocks, bin_counts, active_block_indices, ybase, *, bsize, bo
 
     Where blocks overlap without add, which block lands is unspecified and so is the gradient
     of the blocks there."""
-    args = _scatter_args(blocks, ybase, bsize, boffset, bstride, add, atomic, transpose)
-    return _scatter_op(blocks, bin_counts, active_block_indices, ybase, *args)
+    return _scatter(*_checked_scatter(blocks, bin_counts, active_block_indices, ybase, bsize,
+                                      boffset, bstride, add, atomic, transpose))
 
 
 def sparse_scatter_var(blocks, bin_counts, active_block_indices, ybase, *, bsize,
                        boffset=(0, 0), bstride=None, add=False, atomic=False, transpose=False):
     """sbnet_cupy.sparse_scatter_var on tensors: writes into ybase and returns it. For
-    inference: autograd does not track in-place custom ops, so use sparse_scatter to train."""
-    args = _scatter_args(blocks, ybase, bsize, boffset, bstride, add, atomic, transpose)
-    _scatter_in_place(blocks, bin_counts, active_block_indices, ybase, *args)
+    inference: autograd does not record it, so use sparse_scatter to train."""
+    args = _checked_scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset,
+                            bstride, add, atomic, transpose)
+    if torch.is_grad_enabled() and (blocks.requires_grad or ybase.requires_grad):
+        raise ValueError("sparse_scatter_var is for inference (autograd does not record it): "
+                         "use sparse_scatter when blocks or ybase require grad")
+    _call(_scatter_in_place_op, None, _scatter_in_place_impl, args,
+          (blocks, bin_counts, active_block_indices, ybase))
     return ybase

@@ -27,13 +27,14 @@ class _BatchNormAffine(nn.Module):
         return z * self.scale.view(1, -1, 1, 1) + self.shift.view(1, -1, 1, 1)
 
 
-# Block geometry depends only on the image size: computed once, not on every forward.
-_conv_params = functools.lru_cache(maxsize=64)(calc_block_params)
-
-
-@functools.lru_cache(maxsize=64)
 def _res_block_params(height, width, bsize_out):
     return calc_block_params_res_block((height, width), bsize_out + 2, [(1, 1), (3, 3), (1, 1)])
+
+
+# Block geometry depends only on the image size: computed once when eager, not on every forward
+# (torch.compile computes it while tracing, and would only warn about the cache).
+_cached_conv_params = functools.lru_cache(maxsize=64)(calc_block_params)
+_cached_res_block_params = functools.lru_cache(maxsize=64)(_res_block_params)
 
 
 def _nchw(blocks):
@@ -59,7 +60,8 @@ class SparseConv2d(nn.Module):
 
     def block_params(self, height, width):
         k = self.conv.kernel_size[0]
-        return _conv_params((height, width), self.bsize_out + k - 1, k)
+        params = calc_block_params if torch.compiler.is_compiling() else _cached_conv_params
+        return params((height, width), self.bsize_out + k - 1, k)
 
     def reduce_mask(self, mask, *, tol=0.5, capacity=None):
         params = self.block_params(*mask.shape[1:3])
@@ -108,7 +110,9 @@ class SparseResBlockBottleneck(nn.Module):
         self._inside, self._affine = {}, {}
 
     def block_params(self, height, width):
-        return _res_block_params(height, width, self.bsize_out)
+        params = (_res_block_params if torch.compiler.is_compiling()
+                  else _cached_res_block_params)
+        return params(height, width, self.bsize_out)
 
     def reduce_mask(self, mask, *, tol=0.5, capacity=None):
         params = self.block_params(*mask.shape[1:3])
@@ -136,9 +140,11 @@ class SparseResBlockBottleneck(nn.Module):
         return self.conv3(F.relu(self.bn3(z)))
 
     def _gather_affine(self, x):
-        """bn1's scale and shift in the gather's arithmetic type, converted once (not inside
-        every call, nor every CUDA graph replay)."""
+        """bn1's scale and shift in the gather's arithmetic type, converted once when eager (a
+        compiled graph converts them itself, or folds the conversion away)."""
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if torch.compiler.is_compiling():
+            return self.bn1.scale.to(acc), self.bn1.shift.to(acc)
         key = (x.device, acc)
         if key not in self._affine:
             self._affine = {key: (self.bn1.scale.to(x.device, acc),
@@ -146,11 +152,16 @@ class SparseResBlockBottleneck(nn.Module):
         return self._affine[key]
 
     def _inside_image(self, x, params, found):
-        """[M, 1, bh, bw] mask of the block pixels that lie inside the image."""
+        """[M, 1, bh, bw] mask of the block pixels that lie inside the image: a gather of ones,
+        kept from call to call when eager (a compiled graph makes its own)."""
         key = (x.shape[:3], x.dtype, x.device)
-        if key not in self._inside:
-            self._inside = {key: x.new_ones(x.shape[:3] + (1,))}
-        return _nchw(_ops.sparse_gather(self._inside[key], found.bin_counts,
+        if torch.compiler.is_compiling():
+            ones = x.new_ones(x.shape[:3] + (1,))
+        else:
+            if key not in self._inside:
+                self._inside = {key: x.new_ones(x.shape[:3] + (1,))}
+            ones = self._inside[key]
+        return _nchw(_ops.sparse_gather(ones, found.bin_counts,
                                         found.active_block_indices, bsize=params.bsize,
                                         boffset=params.boffset, bstride=params.bstrides))
 
@@ -174,3 +185,37 @@ class SparseResBlockBottleneck(nn.Module):
     def dense(self, x):
         """The same unit on the whole NHWC tensor."""
         return x + _nhwc(self._residual(_nchw(x), 1))
+
+
+class SparseResStage(nn.Module):
+    """A stage of SBNet's network: `units` SparseResBlockBottleneck units of one size that share
+    one block list (SBNet's T2 stages have 3, 6, 6 and 3).
+
+    forward(x, mask, capacity=None) runs one reduce_mask on the mask, then every unit on its
+    blocks. With `capacity` nothing synchronises with the host, so the stage runs under CUDA
+    graphs, torch.compile(mode="reduce-overhead") included; see capacity_bucket for choosing it.
+    """
+
+    def __init__(self, channels, bottleneck, units, *, bsize_out=16):
+        super().__init__()
+        self.units = nn.ModuleList(SparseResBlockBottleneck(channels, bottleneck,
+                                                            bsize_out=bsize_out)
+                                   for _ in range(units))
+
+    def fold_batchnorm(self):
+        for unit in self.units:
+            unit.fold_batchnorm()
+        return self
+
+    def forward(self, x, mask, *, capacity=None, tol=0.5, inplace=False):
+        """x: [N, H, W, C]; mask: [N, H, W]. With inplace=True the units add into x itself."""
+        found = self.units[0].reduce_mask(mask, tol=tol, capacity=capacity)
+        for unit in self.units:
+            x = unit(x, found, inplace=inplace)
+        return x
+
+    def dense(self, x):
+        """The same units on the whole NHWC tensor."""
+        for unit in self.units:
+            x = unit.dense(x)
+        return x

@@ -1,0 +1,187 @@
+"""Host time of one call of every op: through torch_bridge (no grad, inference_mode, with autograd
+recording) and through sbnet_cupy on CuPy arrays, beside torch's own small ops measured in the
+same run.
+
+    python -m bench.overhead [--out DIR] [--calls N] [--profile]
+
+Tensors are tiny, so a call's time is the host's: the Python wrapper, the checks, the dispatch
+and the launch. Each figure is the median over --rounds rounds of the mean time of --calls calls
+in a row (host clock, the GPU keeping up); the results are checked against the NumPy backend
+first. --profile prints where the time of each torch_bridge op goes (cProfile, the top
+functions by own time). Writes <out>/overhead_<device>.csv and .md.
+"""
+
+import argparse
+import cProfile
+import io
+import pathlib
+import pstats
+import statistics
+import sys
+import time
+
+import numpy
+import torch
+
+import sbnet_cupy
+import torch_bridge as tb
+
+GEOMETRY = dict(bsize=(10, 10), boffset=(-1, -1), bstride=(8, 8))
+
+
+def _host_us(call, calls, rounds):
+    for _ in range(20):  # warm-up: compile kernels, fill caches
+        call()
+    torch.cuda.synchronize()
+    means = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        means.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(means)
+
+
+def _inputs():
+    """A 1x32x32 mask with a few active 8x8 blocks, 16-channel fp32 tensors: launch cost only."""
+    rng = numpy.random.default_rng(0)
+    mask = torch.tensor(rng.random((1, 32, 32)) > 0.97, device="cuda")
+    x = torch.randn(1, 32, 32, 16, device="cuda")
+    found = tb.reduce_mask(mask, (4, 4), capacity=16, **GEOMETRY)
+    counts, indices = found.bin_counts, found.active_block_indices
+    blocks = tb.sparse_gather(x, counts, indices, **GEOMETRY)
+    return mask, x, counts, indices, blocks
+
+
+def _check(mask, x, counts, indices, blocks):
+    """torch_bridge and sbnet_cupy on CuPy agree with the NumPy backend on these inputs."""
+    import cupy
+
+    want = sbnet_cupy.reduce_mask(mask.cpu().numpy(), (4, 4), capacity=16, **GEOMETRY)
+    got = tb.reduce_mask(mask, (4, 4), capacity=16, **GEOMETRY)
+    numpy.testing.assert_array_equal(got.active_block_indices.cpu().numpy(),
+                                     want.active_block_indices)
+    args = (counts.cpu().numpy(), indices.cpu().numpy())
+    stack = sbnet_cupy.sparse_gather(x.cpu().numpy(), *args, **GEOMETRY)
+    numpy.testing.assert_array_equal(tb.sparse_gather(x, counts, indices, **GEOMETRY).cpu(),
+                                     stack)
+    numpy.testing.assert_array_equal(
+        cupy.asnumpy(sbnet_cupy.sparse_gather(cupy.asarray(x), cupy.asarray(counts),
+                                              cupy.asarray(indices), **GEOMETRY)), stack)
+    y = sbnet_cupy.sparse_scatter(stack, *args, x.cpu().numpy(), add=True, atomic=True,
+                                  **GEOMETRY)
+    got = tb.sparse_scatter(blocks, counts, indices, x, add=True, atomic=True, **GEOMETRY)
+    numpy.testing.assert_allclose(got.cpu().numpy(), y, rtol=1e-6)
+
+
+def torch_calls(mask, x, counts, indices, blocks):
+    """name -> (call, tensors whose requires_grad the autograd mode sets)."""
+    scale, shift = torch.rand(16, device="cuda"), torch.rand(16, device="cuda")
+    y = x.clone()
+    weight = torch.randn(16, 16, 3, 3, device="cuda")
+    x_nchw = x.permute(0, 3, 1, 2)
+    return {
+        "reduce_mask(capacity)": lambda: tb.reduce_mask(mask, (4, 4), capacity=16, **GEOMETRY),
+        "sparse_gather": lambda: tb.sparse_gather(x, counts, indices, **GEOMETRY),
+        "sparse_gather(transpose)": lambda: tb.sparse_gather(x, counts, indices, transpose=True,
+                                                             **GEOMETRY),
+        "sparse_gather(scale, shift, relu)": lambda: tb.sparse_gather(
+            x, counts, indices, scale=scale, shift=shift, relu=True, **GEOMETRY),
+        "sparse_scatter(add)": lambda: tb.sparse_scatter(blocks, counts, indices, x, add=True,
+                                                         atomic=True, **GEOMETRY),
+        "sparse_scatter_var(add)": lambda: tb.sparse_scatter_var(
+            blocks, counts, indices, y, add=True, atomic=True, **GEOMETRY),
+        "torch: x + x": lambda: x + x,
+        "torch: x.clone()": lambda: x.clone(),
+        "torch: conv2d 16->16 3x3": lambda: torch.nn.functional.conv2d(x_nchw, weight,
+                                                                       padding=1),
+    }
+
+
+def cupy_calls(mask, x, counts, indices, blocks):
+    import cupy
+
+    mask, x, counts, indices, blocks = (cupy.asarray(t) for t in (mask, x, counts, indices,
+                                                                  blocks))
+    y = x.copy()
+    return {
+        "reduce_mask(capacity)": lambda: sbnet_cupy.reduce_mask(mask, (4, 4), capacity=16,
+                                                                **GEOMETRY),
+        "sparse_gather": lambda: sbnet_cupy.sparse_gather(x, counts, indices, **GEOMETRY),
+        "sparse_scatter(add)": lambda: sbnet_cupy.sparse_scatter(
+            blocks, counts, indices, x, add=True, atomic=True, **GEOMETRY),
+        "sparse_scatter_var(add)": lambda: sbnet_cupy.sparse_scatter_var(
+            blocks, counts, indices, y, add=True, atomic=True, **GEOMETRY),
+        "cupy: x + x": lambda: x + x,
+    }
+
+
+def profile(call, calls=2000, top=12):
+    """The functions where `calls` calls spend their own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    inputs = _inputs()
+    _check(*inputs)
+    rows = []
+    for name, call in torch_calls(*inputs).items():
+        row = dict(api="torch_bridge", op=name)
+        with torch.no_grad():
+            row["no_grad_us"] = _host_us(call, args.calls, args.rounds)
+        with torch.inference_mode():
+            row["inference_mode_us"] = _host_us(call, args.calls, args.rounds)
+        rows.append(row)
+    # With autograd recording: the inputs that carry gradients require them.
+    mask, x, counts, indices, blocks = inputs
+    graded = (mask, x.detach().requires_grad_(True), counts, indices,
+              blocks.detach().requires_grad_(True))
+    for row, call in zip(rows, torch_calls(*graded).values()):
+        if not row["op"].startswith(("reduce_mask", "sparse_scatter_var")):
+            row["autograd_us"] = _host_us(call, args.calls, args.rounds)
+    for name, call in cupy_calls(*inputs).items():
+        rows.append(dict(api="sbnet_cupy (CuPy arrays)", op=name,
+                         no_grad_us=_host_us(call, args.calls, args.rounds)))
+    if args.profile:
+        with torch.no_grad():
+            for name, call in torch_calls(*inputs).items():
+                if not name.startswith("torch"):
+                    print(f"--- {name}, torch_bridge, no grad\n{profile(call)}")
+
+    device = torch.cuda.get_device_name()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"overhead_{device.replace(' ', '_')}"
+    fields = ["api", "op", "no_grad_us", "inference_mode_us", "autograd_us"]
+    with open(stem.with_suffix(".csv"), "w") as f:
+        f.write(",".join(fields) + "\n")
+        for r in rows:
+            f.write(",".join(str(round(r[k], 2)) if isinstance(r.get(k), float)
+                             else str(r.get(k, "")) for k in fields) + "\n")
+    lines = [f"# Host time per call, {device}, torch {torch.__version__}", "",
+             "| api | op | no_grad us | inference_mode us | autograd us |", "|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r[k]:.1f}" if k in r else "" for k in fields[2:]]
+        lines.append(f"| {r['api']} | {r['op']} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
+    stem.with_suffix(".md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
