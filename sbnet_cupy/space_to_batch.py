@@ -74,13 +74,13 @@ def space_to_batch(x, block, paddings=0, *, data_format="NHWC", out=None):
             out[(i*BW + j)*N + n] = padded[n, i::BH, j::BW]   # i < BH, j < BW, n < N
     """
     xp = _checks.array_module(x=x)
-    geometry = space_to_batch_geometry(x.shape, block, paddings, data_format)
-    out = _output(xp, x, out, geometry.y_shape)
-    if out.size:
+    geometry = check_space_to_batch(x, block, paddings, data_format)
+    with _checks.on_device(x):
+        out = _output(xp, x, out, geometry.y_shape)
         if xp is numpy:
             _space_to_batch_numpy(x, geometry, out)
         else:
-            _run_cupy("space_to_batch", geometry, x, out)
+            launch_space_to_batch(*_cupy_call(x, out), geometry, x.itemsize)
     return out
 
 
@@ -105,13 +105,13 @@ def batch_to_space(y, block, crops=0, *, data_format="NHWC", out=None):
             out = full[:, top:top + H, left:left + W]
     """
     xp = _checks.array_module(y=y)
-    geometry = batch_to_space_geometry(y.shape, block, crops, data_format)
-    out = _output(xp, y, out, geometry.x_shape)
-    if out.size:
+    geometry = check_batch_to_space(y, block, crops, data_format)
+    with _checks.on_device(y):
+        out = _output(xp, y, out, geometry.x_shape)
         if xp is numpy:
             _batch_to_space_numpy(y, geometry, out)
         else:
-            _run_cupy("batch_to_space", geometry, out, y)
+            launch_batch_to_space(*_cupy_call(y, out), geometry, y.itemsize)
     return out
 
 
@@ -150,7 +150,7 @@ def atrous_conv2d(x, w, rate, padding):
         raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
     g = dilated_conv_geometry(tuple(x.shape[1:3]), kernel, rate, paddings, conv_padding=False)
     if 0 in g.out_size:
-        with _checks.device_of(x):
+        with _checks.on_device(x):
             return _checks.array_module(x=x).zeros((x.shape[0], *g.out_size, w.shape[3]), x.dtype)
     blocks = space_to_batch(x, rate, g.paddings)
     return batch_to_space(conv2d_valid(blocks, w), rate, g.crops)
@@ -244,10 +244,10 @@ def _dims(name, shape, data_format):
     return (n, c, a, b) if data_format == "NHWC" else (n, a, b, c)
 
 
-def space_to_batch_geometry(x_shape, block, paddings, data_format="NHWC"):
-    """The checked Reshape of space_to_batch(x, block, paddings): ValueError/TypeError naming
-    the argument otherwise."""
-    return _space_to_batch_geometry(tuple(x_shape), _checks.int_pair("block", block, minimum=1),
+def check_space_to_batch(x, block, paddings, data_format="NHWC"):
+    """Checks space_to_batch's arguments (x an array or a tensor) and returns its Reshape;
+    ValueError/TypeError naming the argument otherwise."""
+    return _space_to_batch_geometry(tuple(x.shape), _checks.int_pair("block", block, minimum=1),
                                     margins("paddings", paddings), _data_format(data_format))
 
 
@@ -263,9 +263,9 @@ def _space_to_batch_geometry(x_shape, block, paddings, data_format):
                    data_format)
 
 
-def batch_to_space_geometry(y_shape, block, crops, data_format="NHWC"):
-    """The checked Reshape of batch_to_space(y, block, crops)."""
-    return _batch_to_space_geometry(tuple(y_shape), _checks.int_pair("block", block, minimum=1),
+def check_batch_to_space(y, block, crops, data_format="NHWC"):
+    """Checks batch_to_space's arguments (y an array or a tensor) and returns its Reshape."""
+    return _batch_to_space_geometry(tuple(y.shape), _checks.int_pair("block", block, minimum=1),
                                     margins("crops", crops), _data_format(data_format))
 
 
@@ -282,9 +282,8 @@ def _batch_to_space_geometry(y_shape, block, crops, data_format):
 
 
 def _output(xp, like, out, shape):
-    with _checks.device_of(like):
-        if out is None:
-            return xp.empty(shape, dtype=like.dtype)
+    if out is None:
+        return xp.empty(shape, dtype=like.dtype)
     _checks.array_module(like=like, out=out)
     if out.shape != shape or out.dtype != like.dtype or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous {like.dtype} array of shape {shape}, "
@@ -331,29 +330,34 @@ def _batch_to_space_numpy(y, g, out):
 
 # --- CUDA -----------------------------------------------------------------------------------
 
-def _run_cupy(op, g, x, y):
+def _cupy_call(src, dst):
+    """(device, stream, src address, dst address) of a launch on CuPy arrays."""
     import cupy
 
-    if op == "space_to_batch":
-        x = cupy.ascontiguousarray(x)
-    else:
-        y = cupy.ascontiguousarray(y)
-    launch(op, g, x.data.ptr, y.data.ptr, x.itemsize, x.data.device_id,
-           cupy.cuda.get_current_stream().ptr)
+    src = src if src.flags.c_contiguous else cupy.ascontiguousarray(src)
+    return src.data.device_id, cupy.cuda.get_current_stream().ptr, src.data.ptr, dst.data.ptr
 
 
-def launch(op, geometry, x_ptr, y_ptr, itemsize, device, stream):
-    """Run `op` ("space_to_batch": x -> y, or "batch_to_space": y -> x) on raw pointers to
-    C-contiguous tensors of the shapes in `geometry` (a Reshape from space_to_batch_geometry or
-    batch_to_space_geometry), elements of `itemsize` bytes, on `device` and `stream` (a
-    cudaStream_t address). No checks beyond the geometry's: for bridges that did their own."""
-    bits = (x_ptr | y_ptr) & 15
-    plan = _plan(op, geometry, itemsize, (bits & -bits) if bits else 16)
+def launch_space_to_batch(device, stream, x, y, geometry, itemsize):
+    """The CUDA space_to_batch on raw addresses (checked arguments): C-contiguous x and y of
+    geometry's shapes (a Reshape from check_space_to_batch), elements of `itemsize` bytes, on
+    `device` and `stream` (a cudaStream_t address)."""
+    _launch_reshape(device, stream, "space_to_batch", geometry, x, y, itemsize)
+
+
+def launch_batch_to_space(device, stream, y, x, geometry, itemsize):
+    """The CUDA batch_to_space on raw addresses, as launch_space_to_batch (geometry from
+    check_batch_to_space)."""
+    _launch_reshape(device, stream, "batch_to_space", geometry, x, y, itemsize)
+
+
+def _launch_reshape(device, stream, op, geometry, x, y, itemsize):
+    plan = _plan(op, geometry, itemsize, _checks.alignment(x, y))
     if plan is not None:
         kernel, template, grid, block, smem, arguments, values = plan
         _launch.launch(device, stream,
                        _launch.function(device, "space_to_batch", kernel, *template),
-                       grid, block, smem, arguments, (x_ptr, y_ptr) + values)
+                       grid, block, smem, arguments, (x, y) + values)
 
 
 def _divisor(d):
@@ -383,7 +387,7 @@ def _plan(op, g, itemsize, align):
 
 
 def _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, pixel_bytes, align):
-    word = next(b for b in (16, 8, 4, 2, 1) if pixel_bytes % b == 0 and align % b == 0)
+    word = _kernels.widest_access(pixel_bytes, align)
     words = pixel_bytes // word
     rows, row_words = (bh * bw * n * hq, wq * words) if op == "space_to_batch" else (n * h, w * words)
     _check_int32(rows=rows, row_words=row_words, padded_width=bw * wq)
