@@ -247,12 +247,14 @@ def _dims(name, shape, data_format):
 def check_space_to_batch(x, block, paddings, data_format="NHWC"):
     """Checks space_to_batch's arguments (x an array or a tensor) and returns its Reshape;
     ValueError/TypeError naming the argument otherwise."""
-    return _space_to_batch_geometry(tuple(x.shape), _checks.int_pair("block", block, minimum=1),
-                                    margins("paddings", paddings), _data_format(data_format))
+    return space_to_batch_reshape(tuple(x.shape), _checks.int_pair("block", block, minimum=1),
+                                  margins("paddings", paddings), _data_format(data_format))
 
 
 @functools.lru_cache(maxsize=256)
-def _space_to_batch_geometry(x_shape, block, paddings, data_format):
+def space_to_batch_reshape(x_shape, block, paddings, data_format):
+    """check_space_to_batch on arguments already in their checked form (tuples of ints):
+    cached, for the bridges' calls."""
     n, c, h, w = _dims("x", x_shape, data_format)
     (bh, bw), ((top, bottom), (left, right)) = block, paddings
     padded = (h + top + bottom, w + left + right)
@@ -265,12 +267,13 @@ def _space_to_batch_geometry(x_shape, block, paddings, data_format):
 
 def check_batch_to_space(y, block, crops, data_format="NHWC"):
     """Checks batch_to_space's arguments (y an array or a tensor) and returns its Reshape."""
-    return _batch_to_space_geometry(tuple(y.shape), _checks.int_pair("block", block, minimum=1),
-                                    margins("crops", crops), _data_format(data_format))
+    return batch_to_space_reshape(tuple(y.shape), _checks.int_pair("block", block, minimum=1),
+                                  margins("crops", crops), _data_format(data_format))
 
 
 @functools.lru_cache(maxsize=256)
-def _batch_to_space_geometry(y_shape, block, crops, data_format):
+def batch_to_space_reshape(y_shape, block, crops, data_format):
+    """check_batch_to_space on arguments in their checked form: cached, for the bridges."""
     batch, c, hq, wq = _dims("y", y_shape, data_format)
     (bh, bw), ((top, bottom), (left, right)) = block, crops
     if batch % (bh * bw):
