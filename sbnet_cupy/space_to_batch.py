@@ -134,26 +134,31 @@ def atrous_conv2d(x, w, rate, padding):
                                   for a < KH, b < KW, c < C)
     """
     _checks.array_module(x=x, w=w)
-    x = _checks.nhwc("x", x)
-    if w.ndim != 4 or w.shape[2] != x.shape[3]:
-        raise ValueError(f"w must be [KH, KW, C, K] with C = {x.shape[3]} (x's channels), "
-                         f"got shape {w.shape}")
-    if w.dtype != x.dtype:
-        raise TypeError(f"w dtype {w.dtype} differs from x dtype {x.dtype}")
-    rate = _checks.int_pair("rate", rate, minimum=1)
-    kernel = tuple(w.shape[:2])
-    if padding == "SAME":
-        paddings = same_padding(kernel, rate)
-    elif padding == "VALID":
-        paddings = ((0, 0), (0, 0))
-    else:
-        raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
-    g = dilated_conv_geometry(tuple(x.shape[1:3]), kernel, rate, paddings, conv_padding=False)
+    rate, paddings = check_atrous_conv2d(x, w, rate, padding)
+    g = dilated_conv_geometry(tuple(x.shape[1:3]), tuple(w.shape[:2]), rate, paddings,
+                              conv_padding=False)
     if 0 in g.out_size:
         with _checks.on_device(x):
             return _checks.array_module(x=x).zeros((x.shape[0], *g.out_size, w.shape[3]), x.dtype)
     blocks = space_to_batch(x, rate, g.paddings)
     return batch_to_space(conv2d_valid(blocks, w), rate, g.crops)
+
+
+def check_atrous_conv2d(x, w, rate, padding):
+    """Checks atrous_conv2d's arguments (arrays or TensorFlow tensors); returns the rate pair
+    and the ((top, bottom), (left, right)) padding."""
+    _checks.nhwc("x", x)
+    if w.ndim != 4 or w.shape[2] != x.shape[3]:
+        raise ValueError(f"w must be [KH, KW, C, K] with C = {x.shape[3]} (x's channels), "
+                         f"got shape {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"w dtype {w.dtype.name} differs from x dtype {x.dtype.name}")
+    rate = _checks.int_pair("rate", rate, minimum=1)
+    if padding == "SAME":
+        return rate, same_padding(tuple(w.shape[:2]), rate)
+    if padding == "VALID":
+        return rate, ((0, 0), (0, 0))
+    raise ValueError(f"padding must be 'SAME' or 'VALID', got {padding!r}")
 
 
 def same_padding(kernel, rate):
