@@ -1,7 +1,8 @@
 // space_to_batch / batch_to_space: move the block_h x block_w sub-lattices of an image into the
 // batch dimension and back, as TensorFlow's ops do. With x the image side and y the batch side:
 //
-//     y[(i * block_w + j) * n + b, hq, wq] = x[b, hq * block_h + i - off_h, wq * block_w + j - off_w]
+//     y[(i * block_w + j) * n + b, hq, wq] =
+//         x[b, hq * block_h + i - off_h, wq * block_w + j - off_w]
 //
 // (zero where x's index falls outside it). off_h, off_w are the top and left paddings of
 // space_to_batch and the top and left crops of batch_to_space. Each kernel reads every element
@@ -33,9 +34,9 @@ struct nhwc_args {
     int block_h, off_h, off_w;
     divisor words, block_w;
 };
-static_assert(sizeof(nhwc_args) == 72, "nhwc_args layout: sbnet_cupy/space_to_batch.py, _NHWC_ARGS");
+static_assert(sizeof(nhwc_args) == 72, "nhwc_args: sbnet_cupy/space_to_batch.py, _NHWC_ARGS");
 
-// Grid: ceil(rows of y / blockDim.y); threadIdx.y picks the row (b', hq) of y, threadIdx.x the word.
+// Grid: ceil(rows of y / blockDim.y); threadIdx.y picks y's row (b', hq), threadIdx.x the word.
 template <typename Word>
 __global__ void space_to_batch_nhwc(const nhwc_args a) {
     const Word* __restrict__ x = static_cast<const Word*>(a.x);
@@ -58,7 +59,8 @@ __global__ void space_to_batch_nhwc(const nhwc_args a) {
             v[s] = Word{};
             if (inside && k < row_words) {
                 const int wq = a.words.div(k), w = wq * a.block_w.d + j - a.off_w;
-                if (w >= 0 && w < a.width) v[s] = x[(image_row + w) * a.words.d + k - wq * a.words.d];
+                if (w >= 0 && w < a.width)
+                    v[s] = x[(image_row + w) * a.words.d + k - wq * a.words.d];
             }
         }
 #pragma unroll
@@ -88,7 +90,8 @@ __global__ void batch_to_space_nhwc(const nhwc_args a) {
             if (k < row_words) {
                 const int w = a.words.div(k), wp = w + a.off_w;
                 const int wq = a.block_w.div(wp), j = wp - wq * a.block_w.d;
-                const i64 pixel = (((i64)(i * a.block_w.d + j) * a.n + b) * a.out_h + hq) * a.out_w + wq;
+                const i64 pixel =
+                    (((i64)(i * a.block_w.d + j) * a.n + b) * a.out_h + hq) * a.out_w + wq;
                 v[s] = y[pixel * a.words.d + k - w * a.words.d];
             }
         }
@@ -121,9 +124,10 @@ struct nchw_args {
     int off_h, off_w;
     int units, tile_units, pitch;  // pitch: elements of shared memory a unit takes
     int skew_log2, skew;
-    divisor channels, block_h, block_w, unit_rows, tile_vectors, row_vectors;  // row_vectors = tile_vectors * block_w
+    divisor channels, block_h, block_w, unit_rows;
+    divisor tile_vectors, row_vectors;  // row_vectors = tile_vectors * block_w
 };
-static_assert(sizeof(nchw_args) == 136, "nchw_args layout: sbnet_cupy/space_to_batch.py, _NCHW_ARGS");
+static_assert(sizeof(nchw_args) == 136, "nchw_args: sbnet_cupy/space_to_batch.py, _NCHW_ARGS");
 
 static __device__ __forceinline__ int skewed(const nchw_args& a, int k) {
     return k + (k >> a.skew_log2) * a.skew;
@@ -208,7 +212,8 @@ __global__ void __launch_bounds__(THREADS) batch_to_space_nchw(const nchw_args a
             const int t = t0 + s * THREADS;
             const int pair = a.tile_vectors.div(t), qv = t - pair * tv, q = q0 + qv * V;
             const int u = a.block_w.div(pair), j = pair - u * bw;
-            const int plane = a.unit_rows.div(u0 + u), hp = u0 + u - plane * a.unit_rows.d + a.off_h;
+            const int plane = a.unit_rows.div(u0 + u);
+            const int hp = u0 + u - plane * a.unit_rows.d + a.off_h;
             const int b = a.channels.div(plane), c = plane - b * a.channels.d;
             const int hq = a.block_h.div(hp), i = hp - hq * a.block_h.d;
             base[s] = u * a.pitch;
@@ -223,7 +228,8 @@ __global__ void __launch_bounds__(THREADS) batch_to_space_nchw(const nchw_args a
         for (int s = 0; s < UNROLL; ++s) {
             if (load[s]) {
 #pragma unroll
-                for (int e = 0; e < V; ++e) tile[base[s] + skewed(a, column[s] + e * bw)] = v[s].v[e];
+                for (int e = 0; e < V; ++e)
+                    tile[base[s] + skewed(a, column[s] + e * bw)] = v[s].v[e];
             }
         }
     }

@@ -314,7 +314,9 @@ def _inner(g):
     """Index of the image inside the padded image."""
     (_, _, h, w), ((top, _), (left, _)) = g.x_dims, g.margins
     rows, cols = slice(top, top + h), slice(left, left + w)
-    return (slice(None), rows, cols) if g.data_format == "NHWC" else (slice(None),) * 2 + (rows, cols)
+    if g.data_format == "NHWC":
+        return (slice(None), rows, cols)
+    return (slice(None), slice(None), rows, cols)
 
 
 def _padded_shape(g):
@@ -397,7 +399,10 @@ def _plan(op, g, itemsize, align):
 def _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, pixel_bytes, align):
     word = _kernels.widest_access(pixel_bytes, align)
     words = pixel_bytes // word
-    rows, row_words = (bh * bw * n * hq, wq * words) if op == "space_to_batch" else (n * h, w * words)
+    if op == "space_to_batch":
+        rows, row_words = bh * bw * n * hq, wq * words
+    else:
+        rows, row_words = n * h, w * words
     _check_int32(rows=rows, row_words=row_words, padded_width=bw * wq)
     threads_x = min(_THREADS, max(32, 32 * math.ceil(row_words / _UNROLL / 32)))
     threads_y = _THREADS // threads_x

@@ -170,7 +170,8 @@ def test_kernel_division_is_exact():
     for d in divisors:
         _, mul, shift = _divisor(d)
         assert mul < 2**32
-        n = numpy.concatenate([edges, rng.integers(0, 2**31, 2000), d * rng.integers(0, 2**31 // d, 200),
+        n = numpy.concatenate([edges, rng.integers(0, 2**31, 2000),
+                               d * rng.integers(0, 2**31 // d, 200),
                                d * rng.integers(1, 2**31 // d, 200) - 1]).astype(object)
         assert all((v * mul) >> shift == v // d for v in n)
 
@@ -203,7 +204,8 @@ def test_atrous_conv2d_low_precision(xp, rng, dtype):
     out = to_numpy(sbnet_cupy.atrous_conv2d(xp.asarray(x), xp.asarray(w), 2, "SAME"))
     assert out.dtype == dtype
     baseline = tf.nn.atrous_conv2d(x, w, 2, "SAME").numpy().astype(numpy.float64)
-    tolerance = max(numpy.abs(baseline - exact).max(), numpy.finfo(dtype).eps * numpy.abs(exact).max())
+    tolerance = max(numpy.abs(baseline - exact).max(),
+                    numpy.finfo(dtype).eps * numpy.abs(exact).max())
     assert numpy.abs(out - exact).max() <= 4 * tolerance
 
 

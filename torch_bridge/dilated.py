@@ -63,7 +63,8 @@ def _run(op, src, block, margins):
     out = torch.empty((n, c, hq, wq), dtype=src.dtype, device=src.device,
                       memory_format=memory_format)
     if not src.is_cuda:
-        function = sbnet_cupy.space_to_batch if op == "space_to_batch" else sbnet_cupy.batch_to_space
+        function = (sbnet_cupy.space_to_batch if op == "space_to_batch"
+                    else sbnet_cupy.batch_to_space)
         function(_numpy(view), tuple(block), _pairs(margins), data_format=data_format,
                  out=_numpy(_as_format(out, data_format)))
         return out
