@@ -181,7 +181,8 @@ def choose_method(x, weight, dilation):
     if not x.is_cuda or x.dtype != torch.float32:
         return "native"
     wide = min(weight.shape[0], weight.shape[1]) >= 512
-    return "reshape" if wide and min(dilation) >= 4 and weight.requires_grad else "native"
+    training = torch.is_grad_enabled() and weight.requires_grad
+    return "reshape" if wide and min(dilation) >= 4 and training else "native"
 
 
 def _conv_padding(padding, kernel, dilation):
