@@ -162,6 +162,9 @@ def main(argv=None):
             for name, call in torch_calls(*inputs).items():
                 if not name.startswith("torch"):
                     print(f"--- {name}, torch_bridge, no grad\n{profile(call)}")
+        for name, call in cupy_calls(*inputs).items():
+            if not name.startswith("cupy"):
+                print(f"--- {name}, sbnet_cupy on CuPy arrays\n{profile(call)}")
 
     device = torch.cuda.get_device_name()
     args.out.mkdir(parents=True, exist_ok=True)

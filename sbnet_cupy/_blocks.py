@@ -12,9 +12,10 @@ from . import _checks, _launch
 # ints), then words_per_pixel, tile_rows, log2_tile_c, pitch.
 STACK_ARGS = _launch.layout("6P14i", 104)
 
-# A gather or scatter kernel and its launch shape, except the grid's x (the stack's rows, which
-# change from call to call with capacity): what the ops cache per shape.
-StackPlan = namedtuple("StackPlan", ["kernel", "template_args", "grid_yz", "block", "shared_mem",
+# A gather or scatter kernel (its address, compiled for one device) and its launch shape, except
+# the grid's x (the stack's rows, which change from call to call with capacity): what the ops
+# cache per shape and device.
+StackPlan = namedtuple("StackPlan", ["function", "grid_yz", "block", "shared_mem",
                                      "words_per_pixel", "tile_rows", "log2_tile_c", "pitch"])
 
 THREADS = 256
@@ -38,24 +39,24 @@ def block_pixels(indices, n_valid, image_shape, geometry):
             numpy.broadcast_to(w, shape), inside)
 
 
-def row_plan(kernel, template_args, bh, bw, words_per_pixel):
-    """StackPlan of the row-copy kernels: threadIdx.x over a row's words (about _UNROLL each),
-    threadIdx.y over block rows."""
+def row_plan(device, op, kernel, template_args, bh, bw, words_per_pixel):
+    """StackPlan of the row-copy kernel `kernel<template_args>` of kernels/<op>.cu:
+    threadIdx.x over a row's words (about _UNROLL each), threadIdx.y over block rows."""
     row_words = bw * words_per_pixel
     threads_x = min(THREADS, max(32, 32 * math.ceil(row_words / _UNROLL / 32)))
     threads_y = max(1, min(THREADS // threads_x, bh))
     grid_y = _checks.grid_dim("bsize[0]", math.ceil(bh / threads_y))
-    return StackPlan(kernel, template_args, (grid_y, 1), (threads_x, threads_y, 1), 0,
-                     words_per_pixel, 0, 0, 0)
+    return StackPlan(_launch.function(device, op, kernel, *template_args), (grid_y, 1),
+                     (threads_x, threads_y, 1), 0, words_per_pixel, 0, 0, 0)
 
 
 def _round_up(value, multiple):
     return -(-value // multiple) * multiple
 
 
-def transpose_plan(kernel, element_types, bh, bw, channels, itemsize, alignment):
-    """StackPlan of the transposing kernels, whose template arguments are (element type, vector
-    width V, *element_types[1:]). V elements (at most 16 bytes) move as one access; V divides
+def transpose_plan(device, op, kernel, element_types, bh, bw, channels, itemsize, alignment):
+    """StackPlan of the transposing kernel `kernel` of kernels/<op>.cu, whose template
+    arguments are (element type, vector width V, *element_types[1:]). V elements (at most 16 bytes) move as one access; V divides
     the channels, bh * bw and every tile's pixels, and the pointers' alignment. The tile is
     [tile channels][pitch], pitch a multiple of 8 * V (kernels/common.cuh, tile_index)."""
     vector = next(v for v in (8, 4, 2, 1)
@@ -81,19 +82,21 @@ def transpose_plan(kernel, element_types, bh, bw, channels, itemsize, alignment)
     grid_yz = (_checks.grid_dim("channels", math.ceil(channels / tile_c)),
                _checks.grid_dim("bsize[0]", math.ceil(bh / tile_rows)))
     pitch = _round_up(tile_rows * bw, 8 * vector)
-    return StackPlan(kernel, (element_types[0], vector, *element_types[1:]), grid_yz,
-                     (THREADS, 1, 1), tile_c * pitch * itemsize, channels, tile_rows,
-                     tile_c.bit_length() - 1, pitch)
+    function = _launch.function(device, op, kernel, element_types[0], vector, *element_types[1:])
+    return StackPlan(function, grid_yz, (THREADS, 1, 1), tile_c * pitch * itemsize, channels,
+                     tile_rows, tile_c.bit_length() - 1, pitch)
 
 
-def launch(op, plan, device, stream, src, dst, indices, counts, rows, image_shape, geometry,
+def launch(plan, device, stream, src, dst, indices, counts, rows, image_shape, geometry,
            scale=0, shift=0):
-    """Launch a gather or scatter kernel of kernels/<op>.cu on raw addresses: `rows` stack rows
-    of blocks `geometry` in an image [n, height, width, ...]."""
+    """Launch a gather or scatter kernel on raw addresses: `rows` stack rows of blocks
+    `geometry` ((bh, bw), (oh, ow), (sh, sw)) in an image [n, height, width, ...]."""
     (bh, bw), (oh, ow), (sh, sw) = geometry
     n_batch, height, width = image_shape
-    kernel = _launch.function(device, op, plan.kernel, *plan.template_args)
-    _launch.launch(device, stream, kernel, (rows, *plan.grid_yz), plan.block, plan.shared_mem,
+    if rows >= 2**31:  # checked here, where the count is known under torch.compile too
+        raise ValueError(f"active_block_indices has too many rows: {rows}")
+    _launch.launch(device, stream, plan.function, (rows, *plan.grid_yz), plan.block,
+                   plan.shared_mem,
                    STACK_ARGS,
                    (src, dst, scale, shift, indices, counts, rows, n_batch, height, width, bh, bw,
                     oh, ow, sh, sw, plan.words_per_pixel, plan.tile_rows, plan.log2_tile_c,

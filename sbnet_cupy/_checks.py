@@ -12,6 +12,7 @@ except ImportError:  # the NumPy backend needs no GPU stack
     cupy = None
 
 BlockGeometry = namedtuple("BlockGeometry", ["bsize", "boffset", "bstride"])
+ARRAY_TYPES = (numpy.ndarray,) if cupy is None else (numpy.ndarray, cupy.ndarray)
 
 
 def int_pair(name, value, *, minimum=None):
@@ -62,6 +63,11 @@ def atomic_for_overlap(geometry, add, atomic):
 
 def array_module(**arrays):
     """numpy or cupy, whichever holds all the named arrays (on one device, for cupy)."""
+    if cupy is not None:  # the common case first: CuPy arrays on one device
+        devices = {a.data.device_id if type(a) is cupy.ndarray else None
+                   for a in arrays.values()}
+        if len(devices) == 1 and None not in devices:
+            return cupy
     kinds = {}
     for name, a in arrays.items():
         if cupy is not None and isinstance(a, cupy.ndarray):
@@ -106,6 +112,24 @@ def size(shape):
     return elements
 
 
+def memoized(cache, check, args, array_types):
+    """check(*args), remembered for arguments of the same shapes and dtypes (arrays of
+    `array_types`) and values (the rest): a check depends on nothing else, and checking costs
+    more host time than the launch. Unhashable arguments (lists) are checked every time."""
+    key = tuple((a.shape, a.dtype) if isinstance(a, array_types) else a for a in args)
+    try:
+        return cache[key]
+    except KeyError:
+        pass
+    except TypeError:
+        return check(*args)
+    result = check(*args)
+    if len(cache) >= 4096:  # a bound, for callers whose shapes never repeat
+        cache.clear()
+    cache[key] = result
+    return result
+
+
 def check_block_list(active_block_indices, bin_counts):
     """Checks an index list [M, 3] of integers and its count, an integer array of one element."""
     indices, counts = active_block_indices, bin_counts
@@ -116,8 +140,6 @@ def check_block_list(active_block_indices, bin_counts):
     if size(counts.shape) != 1 or not dtype_name(counts).startswith(("int", "uint")):
         raise ValueError(f"bin_counts must be one integer, as an array of shape [1], "
                          f"got shape {tuple(counts.shape)} dtype {dtype_name(counts)}")
-    if indices.shape[0] >= 2**31:
-        raise ValueError(f"active_block_indices has too many rows: {indices.shape[0]}")
 
 
 def block_list(xp, active_block_indices, bin_counts):

@@ -41,6 +41,7 @@ class _ThreadState(threading.local):
 
 
 _state = _ThreadState()
+_driver = _runtime = None  # cupy.cuda's, imported by function(): no launch comes before it
 _functions = {}  # (device, op, name expression) -> (CUfunction address, cupy Function)
 
 
@@ -50,10 +51,12 @@ def function(device, op, kernel, *template_args):
     key = (device, op, kernel, template_args)
     entry = _functions.get(key)
     if entry is None:
+        global _driver, _runtime
         import cupy
+        from cupy.cuda import driver as _driver, runtime as _runtime
 
         with cupy.cuda.Device(device):
-            compiled = _kernels.get_kernel(op, kernel, *template_args)
+            compiled = _kernels.get_kernel(op, kernel, *template_args).kernel
         entry = _functions[key] = (compiled.ptr, compiled)  # the Function keeps its module loaded
     return entry[0]
 
@@ -61,18 +64,18 @@ def function(device, op, kernel, *template_args):
 def launch(device, stream, kernel, grid, block, shared_mem, arguments, values):
     """Launch `kernel` (an address from function()) on `device` and `stream` (a cudaStream_t
     address), grid and block as 3-tuples, with `values` packed by the Struct `arguments`."""
-    from cupy.cuda import driver, runtime
-
     state = _state
     arguments.pack_into(state.arguments, 0, *values)
-    current = runtime.getDevice()
-    if current != device or device not in state.devices:
-        # Another device, or this thread's first launch on it: make its context current.
-        runtime.setDevice(device)
-        state.devices.add(device)
+    current = _runtime.getDevice()
+    if current == device and device in state.devices:
+        _driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                             shared_mem, stream, state.kernel_params, 0)
+        return
+    # Another device, or this thread's first launch on it: make its context current.
+    _runtime.setDevice(device)
+    state.devices.add(device)
     try:
-        driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                            shared_mem, stream, state.kernel_params, 0)
+        _driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                             shared_mem, stream, state.kernel_params, 0)
     finally:
-        if current != device:
-            runtime.setDevice(current)
+        _runtime.setDevice(current)

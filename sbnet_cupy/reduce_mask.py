@@ -1,5 +1,6 @@
 """reduce_mask: turn a dense mask into the list of active blocks."""
 
+import functools
 import math
 import numbers
 from collections import namedtuple
@@ -66,8 +67,9 @@ def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, a
          if pool(block(n, hi, wi)) > tol]
     """
     xp = _checks.array_module(mask=mask)
-    bcount, geometry, capacity = check_reduce_mask(mask, bcount, bsize, boffset, bstride, tol,
-                                                   capacity)
+    bcount, geometry, capacity = _checks.memoized(
+        _CHECKED, check_reduce_mask, (mask, bcount, bsize, boffset, bstride, tol, capacity),
+        _checks.ARRAY_TYPES)
     if mask.ndim == 4:
         mask = mask[..., 0]
     total = mask.shape[0] * bcount[0] * bcount[1]
@@ -90,6 +92,9 @@ def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, a
         return ReduceMask(*out)
     return _reduce_mask_cupy(mask, bcount, geometry, float(tol), bool(avgpool), capacity, out,
                              workspace)
+
+
+_CHECKED = {}
 
 
 def check_reduce_mask(mask, bcount, bsize, boffset, bstride, tol, capacity):
@@ -200,14 +205,18 @@ def launch_reduce_mask(device, stream, mask, mask_shape, mask_dtype, bcount, geo
     set to -1; `workspace` as shared_workspace gives it (ticket counter zero)."""
     (bh, bw), (oh, ow), (sh, sw) = geometry
     n, height, width = mask_shape
-    total = n * bcount[0] * bcount[1]
-    size = _kernels.specialised_size(bh) if bh == bw else 0
-    kernel = _launch.function(device, "reduce_mask", "reduce_mask",
-                              _kernels.MASK_CTYPES[mask_dtype], avgpool, size, size)
-    n_words = workspace_words(total) - 1
-    _launch.launch(device, stream, kernel, (n_words, 1, 1), (_THREADS, 1, 1), 0, _ARGS,
+    n_words = workspace_words(n * bcount[0] * bcount[1]) - 1
+    _launch.launch(device, stream, _function(device, mask_dtype, avgpool, bh, bw),
+                   (n_words, 1, 1), (_THREADS, 1, 1), 0, _ARGS,
                    (mask, workspace + 4, workspace, indices, count, tol, n, height, width, bh,
                     bw, oh, ow, sh, sw, bcount[0], bcount[1], rows, fill_rows))
+
+
+@functools.lru_cache(maxsize=256)
+def _function(device, mask_dtype, avgpool, bh, bw):
+    size = _kernels.specialised_size(bh) if bh == bw else 0
+    return _launch.function(device, "reduce_mask", "reduce_mask",
+                            _kernels.MASK_CTYPES[mask_dtype], avgpool, size, size)
 
 
 def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity, out, workspace):

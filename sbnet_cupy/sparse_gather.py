@@ -34,8 +34,9 @@ def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0),
     """
     xp = _checks.array_module(x=x, bin_counts=bin_counts,
                               active_block_indices=active_block_indices)
-    geometry = check_gather(x, bin_counts, active_block_indices, bsize, boffset, bstride,
-                            transpose, scale, shift, relu)
+    geometry = _checks.memoized(_CHECKED, check_gather,
+                                (x, bin_counts, active_block_indices, bsize, boffset, bstride,
+                                 transpose, scale, shift, relu), _checks.ARRAY_TYPES)
     transpose = bool(transpose)
     shape = stack_shape(active_block_indices.shape[0], geometry.bsize, x.shape[3], transpose)
     with _checks.on_device(x):
@@ -64,6 +65,9 @@ def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0),
                           x.shape, shape[0], x.dtype.name, x.itemsize, geometry, transpose,
                           bool(relu))
     return out
+
+
+_CHECKED = {}
 
 
 def check_gather(x, bin_counts, active_block_indices, bsize, boffset, bstride, transpose,
@@ -105,26 +109,28 @@ def launch_gather(device, stream, x, out, indices, counts, scale, shift, x_shape
     n, height, width, channels = x_shape
     if rows == 0 or channels == 0:
         return
-    plan = _gather_plan(*geometry.bsize, channels, itemsize, dtype_name, transpose,
+    plan = _gather_plan(device, geometry[0], channels, itemsize, dtype_name, transpose,
                         bool(scale), relu, _checks.alignment(x, out))
-    _blocks.launch("sparse_gather", plan, device, stream, x, out, indices, counts, rows,
-                   (n, height, width), geometry, scale, shift)
+    _blocks.launch(plan, device, stream, x, out, indices, counts, rows, (n, height, width),
+                   geometry, scale, shift)
 
 
 @functools.lru_cache(maxsize=1024)
-def _gather_plan(bh, bw, channels, itemsize, dtype_name, transpose, affine, relu, alignment):
+def _gather_plan(device, bsize, channels, itemsize, dtype_name, transpose, affine, relu,
+                 alignment):
+    (bh, bw), op = bsize, "sparse_gather"
     if transpose:
-        return _blocks.transpose_plan("sparse_gather_transposed",
+        return _blocks.transpose_plan(device, op, "sparse_gather_transposed",
                                       (_kernels.STORAGE_CTYPES[itemsize],), bh, bw, channels,
                                       itemsize, alignment)
     if affine:
         vector = _kernels.widest_access(channels * itemsize, alignment) // itemsize
-        return _blocks.row_plan("sparse_gather_affine",
+        return _blocks.row_plan(device, op, "sparse_gather_affine",
                                 (_kernels.ARITHMETIC_CTYPES[dtype_name], vector, relu), bh, bw,
                                 channels // vector)
     word = _kernels.widest_access(channels * itemsize, alignment)
-    return _blocks.row_plan("sparse_gather", (_kernels.STORAGE_CTYPES[word],), bh, bw,
-                            channels * itemsize // word)
+    return _blocks.row_plan(device, op, "sparse_gather", (_kernels.STORAGE_CTYPES[word],), bh,
+                            bw, channels * itemsize // word)
 
 
 def _gather_numpy(x, counts, indices, geometry, transpose, out, affine, relu):

@@ -49,8 +49,10 @@ def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bs
              atomic, transpose, in_place):
     xp = _checks.array_module(blocks=blocks, bin_counts=bin_counts,
                               active_block_indices=active_block_indices, ybase=ybase)
-    geometry = check_scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset,
-                             bstride, add, atomic, transpose, on_gpu=xp is not numpy)
+    geometry = _checks.memoized(_CHECKED, check_scatter,
+                                (blocks, bin_counts, active_block_indices, ybase, bsize, boffset,
+                                 bstride, add, atomic, transpose, xp is not numpy),
+                                _checks.ARRAY_TYPES)
     add, atomic, transpose = bool(add), bool(atomic), bool(transpose)
     if in_place and xp is numpy and not ybase.flags.writeable:
         raise ValueError("ybase must be writeable for sparse_scatter_var")
@@ -74,8 +76,11 @@ def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bs
     return y
 
 
+_CHECKED = {}
+
+
 def check_scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,
-                  atomic, transpose, *, on_gpu):
+                  atomic, transpose, on_gpu):
     """Checks sparse_scatter's arguments (arrays or tensors) and returns the block geometry."""
     _checks.nhwc("ybase", ybase)
     geometry = _checks.block_geometry(bsize, boffset, bstride)
@@ -107,27 +112,28 @@ def launch_scatter(device, stream, blocks, y, indices, counts, y_shape, rows, dt
     if rows == 0 or n * height * width * channels == 0:
         return
     op = ("AtomicAdd" if atomic else "Add") if add else "Assign"
-    plan = _scatter_plan(*geometry.bsize, channels, itemsize, dtype_name, op, transpose,
+    plan = _scatter_plan(device, geometry[0], channels, itemsize, dtype_name, op, transpose,
                          _checks.alignment(blocks, y))
-    _blocks.launch("sparse_scatter", plan, device, stream, blocks, y, indices, counts, rows,
-                   (n, height, width), geometry)
+    _blocks.launch(plan, device, stream, blocks, y, indices, counts, rows, (n, height, width),
+                   geometry)
 
 
 @functools.lru_cache(maxsize=1024)
-def _scatter_plan(bh, bw, channels, itemsize, dtype_name, op, transpose, alignment):
-    adds = op != "Assign"
+def _scatter_plan(device, bsize, channels, itemsize, dtype_name, op, transpose, alignment):
+    (bh, bw), adds = bsize, op != "Assign"
     if transpose:
         element = (_kernels.ARITHMETIC_CTYPES[dtype_name] if adds
                    else _kernels.STORAGE_CTYPES[itemsize])
-        return _blocks.transpose_plan("sparse_scatter_transposed", (element, op), bh, bw,
-                                      channels, itemsize, alignment)
+        return _blocks.transpose_plan(device, "sparse_scatter", "sparse_scatter_transposed",
+                                      (element, op), bh, bw, channels, itemsize, alignment)
     pixel_bytes = channels * itemsize
     width_bytes = _kernels.widest_access(pixel_bytes, alignment)
     if adds:
         word = f"vec_t<{_kernels.ARITHMETIC_CTYPES[dtype_name]}, {width_bytes // itemsize}>"
     else:
         word = _kernels.STORAGE_CTYPES[width_bytes]
-    return _blocks.row_plan("sparse_scatter", (word, op), bh, bw, pixel_bytes // width_bytes)
+    return _blocks.row_plan(device, "sparse_scatter", "sparse_scatter", (word, op), bh, bw,
+                            pixel_bytes // width_bytes)
 
 
 def _scatter_numpy(blocks, counts, indices, y, geometry, add, transpose):

@@ -184,13 +184,16 @@ def test_cuda_graph_matches_eager(rng, dtype):
         assert (static_out != x).any()
 
 
-@cuda_only
-def test_torch_compile_fullgraph(rng):
-    mask = torch.tensor(rng.random((2, 48, 64)) > 0.97, device="cuda")
-    x = torch.randn(2, 48, 64, 16, device="cuda")
-    weight = torch.randn(16, 16, 3, 3, device="cuda") / 12
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(rng, device):
+    """The ops in one graph, with a capacity and with a data-dependent block count."""
+    mask = torch.tensor(rng.random((2, 48, 64)) > 0.97, device=device)
+    x = torch.randn(2, 48, 64, 16, device=device)
+    weight = torch.randn(16, 16, 3, 3, device=device) / 12
     for capacity in (40, None):
-        compiled = torch.compile(_pipeline, fullgraph=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(_pipeline, fullgraph=True,
+                                 backend="inductor" if device == "cuda" else "aot_eager")
         torch.testing.assert_close(compiled(mask, x, weight, capacity),
                                    _pipeline(mask, x, weight, capacity))
 

@@ -66,7 +66,20 @@ def _call(op, function, impl, args, tensors, differentiable=()):
     return impl(*args)
 
 
-def _same_device(**tensors):
+def _checked(cache, check, args):
+    """check(*args), remembered per shapes, dtypes and values when eager (see
+    _checks.memoized); a traced call checks while it is traced."""
+    if torch.compiler.is_compiling():
+        return check(*args)
+    return _checks.memoized(cache, check, args, torch.Tensor)
+
+
+def _same_device(first, *others, **tensors):
+    """Checks that the tensors (first, *others, named again in `tensors` for the message) are
+    on one device."""
+    device = first.get_device()
+    if all(t.get_device() == device for t in others if t is not None):
+        return
     devices = {name: t.get_device() for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
         described = ", ".join(f"{n} is on {'cpu' if d < 0 else f'cuda:{d}'}"
@@ -157,13 +170,17 @@ _reduce_mask_op, _ = _register(
     _reduce_mask_impl, _reduce_mask_fake)
 
 
+_REDUCE_MASK_CHECKS = {}
+
+
 def reduce_mask(mask, bcount, *, bsize, boffset=(0, 0), bstride=None, tol=0.5, avgpool=False,
                 capacity=None):
     """sbnet_cupy.reduce_mask on a tensor: ReduceMask(active_block_indices, bin_counts) as int32
     tensors on the mask's device. Not differentiable. With `capacity`, no host sync."""
     symbolic = isinstance(capacity, torch.SymInt)  # a capacity torch.compile made dynamic
-    bcount, geometry, checked = check_reduce_mask(mask, bcount, bsize, boffset, bstride, tol,
-                                                  None if symbolic else capacity)
+    bcount, geometry, checked = _checked(
+        _REDUCE_MASK_CHECKS, check_reduce_mask,
+        (mask, bcount, bsize, boffset, bstride, tol, None if symbolic else capacity))
     args = (mask, bcount, *geometry, float(tol), bool(avgpool),
             capacity if symbolic else checked)
     indices, counts = _call(_reduce_mask_op, None, _reduce_mask_impl, args, (mask,))
@@ -237,14 +254,18 @@ def _gather(x, bin_counts, active_block_indices, bsize, boffset, bstride, transp
     return _call(_gather_op, _GatherFunction, _gather_impl, args, tensors, (x,))
 
 
+_GATHER_CHECKS = {}
+
+
 def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0), bstride=None,
                   transpose=False, scale=None, shift=None, relu=False):
     """sbnet_cupy.sparse_gather on tensors; differentiable in x. scale, shift and relu fuse an
     inference BatchNorm (and ReLU) into the gather, as in sbnet_cupy (no gradient for them)."""
-    geometry = check_gather(x, bin_counts, active_block_indices, bsize, boffset, bstride,
-                            transpose, scale, shift, relu)
-    _same_device(x=x, bin_counts=bin_counts, active_block_indices=active_block_indices,
-                 scale=scale, shift=shift)
+    geometry = _checked(_GATHER_CHECKS, check_gather,
+                        (x, bin_counts, active_block_indices, bsize, boffset, bstride, transpose,
+                         scale, shift, relu))
+    _same_device(x, bin_counts, active_block_indices, scale, shift, x=x, bin_counts=bin_counts,
+                 active_block_indices=active_block_indices, scale=scale, shift=shift)
     if scale is not None:
         if scale.requires_grad or shift.requires_grad:
             raise ValueError("scale and shift of sparse_gather get no gradient: fold BatchNorm "
@@ -347,12 +368,16 @@ _scatter_in_place_op, _ = _register(
     _scatter_in_place_impl, _scatter_in_place_fake)
 
 
+_SCATTER_CHECKS = {}
+
+
 def _checked_scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride,
                      add, atomic, transpose):
-    geometry = check_scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset,
-                             bstride, add, atomic, transpose, on_gpu=ybase.is_cuda)
-    _same_device(blocks=blocks, bin_counts=bin_counts,
-                 active_block_indices=active_block_indices, ybase=ybase)
+    geometry = _checked(_SCATTER_CHECKS, check_scatter,
+                        (blocks, bin_counts, active_block_indices, ybase, bsize, boffset,
+                         bstride, add, atomic, transpose, ybase.is_cuda))
+    _same_device(ybase, blocks, bin_counts, active_block_indices, blocks=blocks,
+                 bin_counts=bin_counts, active_block_indices=active_block_indices, ybase=ybase)
     return (blocks, bin_counts, active_block_indices, ybase, *geometry, bool(add), bool(atomic),
             bool(transpose))
 
