@@ -74,7 +74,8 @@ def space_to_batch(x, block, paddings=0, *, data_format="NHWC", out=None):
             out[(i*BW + j)*N + n] = padded[n, i::BH, j::BW]   # i < BH, j < BW, n < N
     """
     xp = _checks.array_module(x=x)
-    geometry = check_space_to_batch(x, block, paddings, data_format)
+    geometry = _checks.memoized(_CHECKED_S2B, check_space_to_batch,
+                                (x, block, paddings, data_format), _checks.ARRAY_TYPES)
     with _checks.on_device(x):
         out = _output(xp, x, out, geometry.y_shape)
         if xp is numpy:
@@ -105,7 +106,8 @@ def batch_to_space(y, block, crops=0, *, data_format="NHWC", out=None):
             out = full[:, top:top + H, left:left + W]
     """
     xp = _checks.array_module(y=y)
-    geometry = check_batch_to_space(y, block, crops, data_format)
+    geometry = _checks.memoized(_CHECKED_B2S, check_batch_to_space,
+                                (y, block, crops, data_format), _checks.ARRAY_TYPES)
     with _checks.on_device(y):
         out = _output(xp, y, out, geometry.x_shape)
         if xp is numpy:
@@ -205,6 +207,9 @@ def _dilated_dim(size, k, r, pad, conv_padding):
 
 
 # --- checks and geometry ------------------------------------------------------------------
+
+_CHECKED_S2B, _CHECKED_B2S = {}, {}  # _checks.memoized's, one an op
+
 
 def margins(name, value):
     """((top, bottom), (left, right)) non-negative ints from an int or a 2x2 nested sequence
@@ -362,12 +367,10 @@ def launch_batch_to_space(device, stream, y, x, geometry, itemsize):
 
 
 def _launch_reshape(device, stream, op, geometry, x, y, itemsize):
-    plan = _plan(op, geometry, itemsize, _checks.alignment(x, y))
+    plan = _plan(device, op, geometry, itemsize, _checks.alignment(x, y))
     if plan is not None:
-        kernel, template, grid, block, smem, arguments, values = plan
-        _launch.launch(device, stream,
-                       _launch.function(device, "space_to_batch", kernel, *template),
-                       grid, block, smem, arguments, (x, y) + values)
+        function, grid, block, smem, arguments, values = plan
+        _launch.launch(device, stream, function, grid, block, smem, arguments, (x, y) + values)
 
 
 def _divisor(d):
@@ -379,10 +382,19 @@ def _divisor(d):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(op, g, itemsize, align):
-    """(kernel, template arguments, grid, CTA, shared-memory bytes, argument struct, values after
-    the two pointers) of a launch, None if the output is empty; `align` is the largest power of
-    two (<= 16) dividing both pointers."""
+def _plan(device, op, g, itemsize, align):
+    """(kernel address on `device`, grid, CTA, shared-memory bytes, argument struct, values
+    after the two pointers) of a launch, None if the output is empty; `align` is the largest
+    power of two (<= 16) dividing both pointers."""
+    shape = _shape_plan(op, g, itemsize, align)
+    if shape is None:
+        return None
+    kernel, template, *launch = shape
+    return (_launch.function(device, "space_to_batch", kernel, *template), *launch)
+
+
+def _shape_plan(op, g, itemsize, align):
+    """_plan's kernel name and template arguments instead of its address (no GPU needed)."""
     (n, c, h, w), (hq, wq), (bh, bw) = g.x_dims, g.y_hw, g.block
     (top, _), (left, _) = g.margins
     if n * c * (hq * wq if op == "space_to_batch" else h * w) == 0:

@@ -17,7 +17,7 @@ from sbnet_cupy.space_to_batch import (batch_to_space_reshape, check_batch_to_sp
                                        launch_batch_to_space, launch_space_to_batch,
                                        same_padding, space_to_batch_reshape)
 
-from ._ops import _call, _numpy, _raw_stream, _register
+from ._ops import _call, _checked, _numpy, _raw_stream, _register
 
 METHODS = ("auto", "reshape", "native")
 
@@ -155,17 +155,28 @@ def _tensor(name, t):
     return t
 
 
+def _check_space_to_batch(x, block, paddings):
+    return check_space_to_batch(_tensor("x", x), block, paddings, "NCHW")
+
+
+def _check_batch_to_space(y, block, crops):
+    return check_batch_to_space(_tensor("y", y), block, crops, "NCHW")
+
+
+_SPACE_TO_BATCH_CHECKS, _BATCH_TO_SPACE_CHECKS, _CONV_CHECKS = {}, {}, {}
+
+
 def space_to_batch(x, block, paddings=0):
     """sbnet_cupy.space_to_batch on an NCHW tensor [N, C, H, W] -> [BH*BW*N, C, H', W'];
     differentiable. A channels_last x gives a channels_last result (NHWC kernels)."""
-    geometry = check_space_to_batch(_tensor("x", x), block, paddings, "NCHW")
+    geometry = _checked(_SPACE_TO_BATCH_CHECKS, _check_space_to_batch, (x, block, paddings))
     return _space_to_batch(x, list(geometry.block), _flat(geometry.margins))
 
 
 def batch_to_space(y, block, crops=0):
     """sbnet_cupy.batch_to_space on an NCHW tensor [BH*BW*N, C, H', W'] -> [N, C, H, W];
     differentiable. A channels_last y gives a channels_last result (NHWC kernels)."""
-    geometry = check_batch_to_space(_tensor("y", y), block, crops, "NCHW")
+    geometry = _checked(_BATCH_TO_SPACE_CHECKS, _check_batch_to_space, (y, block, crops))
     return _batch_to_space(y, list(geometry.block), _flat(geometry.margins))
 
 
@@ -242,7 +253,8 @@ def dilated_conv2d(x, weight, bias=None, *, dilation, padding=0, method="auto"):
     Returns:
         [N, K, OH, OW] with OH = H + top + bottom - DH*(KH - 1), as F.conv2d.
     """
-    dilation, paddings = _check_conv(x, weight, bias, dilation, padding, method)
+    dilation, paddings = _checked(_CONV_CHECKS, _check_conv,
+                                  (x, weight, bias, dilation, padding, method))
     if method == "auto":
         method = choose_method(x, weight, dilation)
     if method == "native":
