@@ -307,8 +307,8 @@ def _output(xp, like, out, shape):
 # --- NumPy ----------------------------------------------------------------------------------
 
 def _sub_lattice_view(g, a):
-    """The padded image side as a [BH, BW, N, H', W', C] (NCHW: [BH, BW, N, C, H', W']) view
-    of a [N, H'*BH, W'*BW, C] (NCHW: [N, C, H'*BH, W'*BW]) array, and the padded shape."""
+    """The padded image side, a [N, H'*BH, W'*BW, C] (NCHW: [N, C, H'*BH, W'*BW]) array, as a
+    [BH, BW, N, H', W', C] (NCHW: [BH, BW, N, C, H', W']) view: the layout of y."""
     (n, c, _, _), (hq, wq), (bh, bw) = g.x_dims, g.y_hw, g.block
     if g.data_format == "NHWC":
         return a.reshape(n, hq, bh, wq, bw, c).transpose(2, 4, 0, 1, 3, 5)
