@@ -22,10 +22,13 @@ from sbnet_cupy import _checks
 __all__ = [
     "BlockParams",
     "ReduceMask",
+    "atrous_conv2d",
+    "batch_to_space",
     "calc_block_params",
     "calc_block_params_res_block",
     "reduce_mask",
     "res_block_bottleneck",
+    "space_to_batch",
     "sparse_gather",
     "sparse_res_block_bottleneck",
     "sparse_scatter",
@@ -229,3 +232,7 @@ def sparse_res_block_bottleneck(x, indices, block_params, weights, *, use_var=Fa
     scatter = sparse_scatter_var if use_var else sparse_scatter
     return scatter(out, counts, active, x, bsize=block_params.bsize_out,
                    bstride=block_params.bsize_out, add=True)
+
+
+# Op families in modules of their own use the helpers above.
+from .dilated import atrous_conv2d, batch_to_space, space_to_batch  # noqa: E402
