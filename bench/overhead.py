@@ -13,6 +13,7 @@ functions by own time). Writes <out>/overhead_<device>.csv and .md.
 
 import argparse
 import cProfile
+import gc
 import io
 import pathlib
 import pstats
@@ -34,12 +35,17 @@ def _host_us(call, calls, rounds):
         call()
     torch.cuda.synchronize()
     means = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        means.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
+    gc.disable()  # no collection inside a round
+    try:
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            means.append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+            gc.collect()
+    finally:
+        gc.enable()
     return statistics.median(means)
 
 

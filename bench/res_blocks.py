@@ -1,7 +1,12 @@
 """Sparse residual units and 3x3 convolutions against the same units run densely (SBNet's
 T1/T2 benchmark) on the paper's stage sizes, and against submanifold sparse convolution.
 
-    python -m bench.res_blocks [--suite topleft blocksize batch fp32 road spconv] [--out DIR]
+    python -m bench.res_blocks [--suite topleft blocksize batch fp32 road spconv modes] [--out DIR]
+
+The `modes` suite runs one unit and a stage of 3 units sharing one reduce_mask
+(torch_bridge.SparseResStage) the ways a PyTorch user can: eagerly, torch.compile in the default
+mode and in mode="reduce-overhead", and CapacityGraphs; with the compile times. It writes
+<out>/res_blocks_modes_<device>.csv and .md.
 
 Dense baseline: the same module run densely with cuDNN, channels_last, cudnn.benchmark, BN
 folded into the convolutions, measured in the same run. Sparse: reduce_mask (inside the timed
@@ -205,6 +210,95 @@ def run_spconv(stage, precision, mask_kind, sparsity, repeats, rng):
     return dict(spconv_eager_ms=ms, active_sites=int(mask.sum()))
 
 
+# The best block size of each stage at 90% (the blocksize suite, H100): bsize_out by precision.
+BEST_BLOCK = {"tf32": {"conv-2": 16, "conv-3": 8, "conv-4": 8, "conv-5": 8},
+              "fp16": {"conv-2": 16, "conv-3": 16, "conv-4": 8, "conv-5": 8}}
+
+
+def _compiled(fn, mode, x):
+    """torch.compile(fn) and its compile time (the first call, with reduce-overhead's graph
+    recording on the calls after it)."""
+    torch._dynamo.reset()  # each row compiles afresh: no cache limit, no stale guards
+    compiled = torch.compile(fn, fullgraph=True, mode=mode)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    compiled(x)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    for _ in range(3):
+        compiled(x)
+    return compiled, seconds
+
+
+def run_modes(stage, precision, units, repeats, rng):
+    """T2 at 90% (top-left mask), batch 1, the stage's best block size: `units` units sharing
+    one reduce_mask, dense and sparse, eager / compiled / reduce-overhead / CapacityGraphs."""
+    height, width, channels, bottleneck = STAGES[stage]
+    dtype, tf32 = PRECISIONS[precision]
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    bsize = BEST_BLOCK[precision][stage]
+    model = tb.SparseResStage(channels, bottleneck, units, bsize_out=bsize)
+    _randomise(model, rng)
+    model = model.fold_batchnorm().cuda().to(dtype).eval()
+    mask = torch.tensor(masks.top_left(1, height, width, 0.9), device="cuda")
+    x = torch.randn(1, height, width, channels, device="cuda", dtype=dtype)
+    active = int(model.units[0].reduce_mask(mask).bin_counts[0])
+    capacity = tb.capacity_bucket(active)
+
+    def sparse(x):
+        return model(x, mask, capacity=capacity)
+
+    # x and mask are the same buffers at every call, as CapacityGraphs has them: tell
+    # reduce-overhead's CUDA graphs so, or they copy them in before every replay.
+    torch._dynamo.mark_static_address(x)
+    torch._dynamo.mark_static_address(mask)
+    row = dict(stage=stage, precision=precision, units=units, bsize=bsize, active_blocks=active,
+               capacity=capacity)
+    with torch.no_grad():
+        want = model.dense(x)
+        runs = {"dense_eager": lambda: model.dense(x), "sparse_eager": lambda: sparse(x)}
+        graphs = tb.CapacityGraphs(lambda capacity: model(x, mask, capacity=capacity))
+        runs["sparse_capacity_graphs"] = lambda: graphs(active)
+        for name, mode in (("sparse_compiled", None), ("sparse_reduce_overhead",
+                                                       "reduce-overhead")):
+            compiled, row[f"{name}_compile_s"] = _compiled(sparse, mode, x)
+            runs[name] = lambda compiled=compiled: compiled(x)
+        covered = _covered(model.units[0].reduce_mask(mask), (1, height, width), bsize)
+        for name, run in runs.items():  # correct first: every mode equals dense on the blocks
+            got = run()
+            error = ((got - want)[covered].float().norm() / want[covered].float().norm()).item()
+            if not error < TOLERANCE[precision] * units:
+                raise AssertionError(f"{name} differs from dense: relative error {error:.2e}")
+        dense_graph = _graph(lambda: model.dense(x))
+        runs["dense_graph"] = dense_graph.replay
+        for name, run in runs.items():
+            row[f"{name}_ms"] = _events_ms(run, repeats, lambda: None)
+    row["eager_speedup"] = row["dense_eager_ms"] / row["sparse_eager_ms"]
+    row["reduce_overhead_vs_capacity_graphs"] = (row["sparse_reduce_overhead_ms"]
+                                                 / row["sparse_capacity_graphs_ms"])
+    row["compiled_vs_eager"] = row["sparse_compiled_ms"] / row["sparse_eager_ms"]
+    return row
+
+
+def _modes_table(rows, device):
+    lines = [f"# T2 units at 90% (top-left mask), batch 1, by how they run: {device}, "
+             f"torch {torch.__version__}", "",
+             "ms per call (CUDA events), reduce_mask included; dense eager / graphed beside.", "",
+             "| stage | precision | units | block | dense eager | dense graphed | sparse eager "
+             "| compiled | reduce-overhead | CapacityGraphs | eager speed-up | reduce-overhead / "
+             "CapacityGraphs | compile s (default / reduce-overhead) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['stage']} | {r['precision']} | {r['units']} | {r['bsize']} | "
+            f"{r['dense_eager_ms']:.3f} | {r['dense_graph_ms']:.3f} | {r['sparse_eager_ms']:.3f}"
+            f" | {r['sparse_compiled_ms']:.3f} | {r['sparse_reduce_overhead_ms']:.3f} | "
+            f"{r['sparse_capacity_graphs_ms']:.3f} | {r['eager_speedup']:.2f}x | "
+            f"{r['reduce_overhead_vs_capacity_graphs']:.2f} | "
+            f"{r['sparse_compiled_compile_s']:.0f} / {r['sparse_reduce_overhead_compile_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows, path):
     """Speed-up over dense against sparsity: a row of panels per suite, one panel per stage,
     one line per series."""
@@ -288,6 +382,22 @@ def main(argv=None):
     device = torch.cuda.get_device_name()
     slug = device.replace(" ", "_")
     args.out.mkdir(parents=True, exist_ok=True)
+    if "modes" in args.suite:
+        rows, started = [], time.time()
+        for stage, precision, units in itertools.product(args.stages, ("tf32", "fp16"), (1, 3)):
+            rows.append(run_modes(stage, precision, units, args.repeats,
+                                  numpy.random.default_rng(len(rows))))
+            r = rows[-1]
+            print(f"[{time.time() - started:5.0f}s] modes {stage} {precision} x{units}: dense "
+                  f"{r['dense_eager_ms']:.3f} ms, sparse eager {r['sparse_eager_ms']:.3f} / "
+                  f"compiled {r['sparse_compiled_ms']:.3f} / reduce-overhead "
+                  f"{r['sparse_reduce_overhead_ms']:.3f} / CapacityGraphs "
+                  f"{r['sparse_capacity_graphs_ms']:.3f} ms", flush=True)
+            _write_csv(rows, args.out / f"res_blocks_modes_{slug}.csv")
+            (args.out / f"res_blocks_modes_{slug}.md").write_text(_modes_table(rows, device))
+        args.suite = [s for s in args.suite if s != "modes"]
+        if not args.suite:
+            return 0
     todo = [r for r in suites(args.suite) if r[2] in args.stages]
     rows, started = [], time.time()
     name = "res_blocks_" + "_".join(args.suite) + f"_{slug}"

@@ -6,6 +6,7 @@ run a vectorised NumPy implementation (the reference, and the path on machines w
 
 from .block_params import BlockParams, calc_block_params, calc_block_params_res_block
 from .reduce_mask import ReduceMask, reduce_mask
+from .space_to_batch import atrous_conv2d, batch_to_space, space_to_batch
 from .sparse_conv import (conv2d_same, conv2d_valid, fold_batchnorm, random_bottleneck_weights,
                           res_block_bottleneck, sparse_conv2d, sparse_res_block_bottleneck)
 from .sparse_gather import sparse_gather
@@ -18,6 +19,8 @@ __all__ = [
     "BlockParams",
     "ReduceMask",
     "SparseKernel",
+    "atrous_conv2d",
+    "batch_to_space",
     "calc_block_params",
     "calc_block_params_res_block",
     "conv2d_same",
@@ -26,6 +29,7 @@ __all__ = [
     "random_bottleneck_weights",
     "reduce_mask",
     "res_block_bottleneck",
+    "space_to_batch",
     "sparse_conv2d",
     "sparse_gather",
     "sparse_kernel_conv2d",

@@ -98,8 +98,12 @@ def nhwc(name, a):
 
 def dtype_name(a):
     """NumPy's name of an array's or a tensor's dtype ('float32', 'bfloat16', ...): the checks
-    are shared by NumPy and CuPy arrays and torch tensors ('torch.float32')."""
-    dtype = a.dtype
+    are shared by NumPy and CuPy arrays and torch tensors."""
+    return name_of(a.dtype)
+
+
+def name_of(dtype):
+    """NumPy's name of a NumPy or torch dtype (torch.float32 prints as 'torch.float32')."""
     return dtype.name if isinstance(dtype, numpy.dtype) else str(dtype)[6:]
 
 

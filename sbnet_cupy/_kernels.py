@@ -87,6 +87,7 @@ def all_instantiations():
     """Every name expression the ops can ask for, by op: what the compile check builds."""
     sizes = (0,) + SPECIALISED_BLOCK_SIZES
     adds = ("Add", "AtomicAdd")
+    reshapes = ("space_to_batch", "batch_to_space")
     storage = [(STORAGE_CTYPES[b], b) for b in (1, 2, 4, 8)]
     arithmetic = [(ctype, _ITEMSIZE[name]) for name, ctype in ARITHMETIC_CTYPES.items()]
 
@@ -104,6 +105,12 @@ def all_instantiations():
             + [name_expression("sparse_gather_affine", ctype, v, relu)
                for ctype, size in arithmetic for v in vectors(size, 16)
                for relu in (False, True)]),
+        "space_to_batch": (
+            [name_expression(f"{op}_nhwc", word)
+             for op in reshapes for word in STORAGE_CTYPES.values()]
+            + [name_expression(f"{op}_nchw", ctype, v) for op in reshapes
+               for size, ctype in STORAGE_CTYPES.items() for v in (1, 2, 4, 8, 16)
+               if v * size <= 16]),
         "sparse_scatter": (
             [name_expression("sparse_scatter", word, "Assign")
              for word in STORAGE_CTYPES.values()]

@@ -201,8 +201,9 @@ _ARGS = _launch.layout("5Pd13i", 104)
 def launch_reduce_mask(device, stream, mask, mask_shape, mask_dtype, bcount, geometry, tol,
                        avgpool, rows, fill_rows, indices, count, workspace):
     """The CUDA reduce_mask on raw addresses (checked arguments): a C-contiguous mask
-    [N, H, W]; int32 indices [rows, 3] and count [1]; the first fill_rows rows past the count
-    set to -1; `workspace` as shared_workspace gives it (ticket counter zero)."""
+    [N, H, W] of `mask_dtype` (NumPy's or torch's); int32 indices [rows, 3] and count [1];
+    the first fill_rows rows past the count set to -1; `workspace` as shared_workspace gives
+    it (ticket counter zero)."""
     (bh, bw), (oh, ow), (sh, sw) = geometry
     n, height, width = mask_shape
     n_words = workspace_words(n * bcount[0] * bcount[1]) - 1
@@ -216,7 +217,8 @@ def launch_reduce_mask(device, stream, mask, mask_shape, mask_dtype, bcount, geo
 def _function(device, mask_dtype, avgpool, bh, bw):
     size = _kernels.specialised_size(bh) if bh == bw else 0
     return _launch.function(device, "reduce_mask", "reduce_mask",
-                            _kernels.MASK_CTYPES[mask_dtype], avgpool, size, size)
+                            _kernels.MASK_CTYPES[_checks.name_of(mask_dtype)], avgpool, size,
+                            size)
 
 
 def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity, out, workspace):
@@ -242,7 +244,7 @@ def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity, out, works
             workspace_ptr = shared_workspace(device, stream, workspace_words(total))
         else:
             workspace_ptr = workspace.data.ptr
-        launch_reduce_mask(device, stream, mask.data.ptr, mask.shape, mask.dtype.name, bcount,
+        launch_reduce_mask(device, stream, mask.data.ptr, mask.shape, mask.dtype, bcount,
                            geometry, tol, avgpool, rows, 0 if capacity is None else rows,
                            indices.data.ptr, count.data.ptr, workspace_ptr)
         if capacity is None:

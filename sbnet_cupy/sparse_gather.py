@@ -62,7 +62,7 @@ def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0),
             scale_ptr, shift_ptr = (0, 0) if affine is None else (a.data.ptr for a in affine)
             launch_gather(x.data.device_id, cupy.cuda.get_current_stream().ptr, x.data.ptr,
                           out.data.ptr, indices.data.ptr, counts.data.ptr, scale_ptr, shift_ptr,
-                          x.shape, shape[0], x.dtype.name, x.itemsize, geometry, transpose,
+                          x.shape, shape[0], x.dtype, x.itemsize, geometry, transpose,
                           bool(relu))
     return out
 
@@ -102,22 +102,22 @@ def affine_dtype(dtype_name):
     return "float64" if dtype_name == "float64" else "float32"
 
 
-def launch_gather(device, stream, x, out, indices, counts, scale, shift, x_shape, rows,
-                  dtype_name, itemsize, geometry, transpose, relu):
-    """The CUDA gather on raw addresses (checked arguments): C-contiguous x [N, H, W, C] into
-    out, int32 indices [rows, 3] and count [1]; scale and shift 0 or [C] in affine_dtype."""
+def launch_gather(device, stream, x, out, indices, counts, scale, shift, x_shape, rows, dtype,
+                  itemsize, geometry, transpose, relu):
+    """The CUDA gather on raw addresses (checked arguments): C-contiguous x [N, H, W, C] of
+    `dtype` (NumPy's or torch's) into out, int32 indices [rows, 3] and count [1]; scale and
+    shift 0 or [C] in affine_dtype."""
     n, height, width, channels = x_shape
     if rows == 0 or channels == 0:
         return
-    plan = _gather_plan(device, geometry[0], channels, itemsize, dtype_name, transpose,
+    plan = _gather_plan(device, geometry[0], channels, itemsize, dtype, transpose,
                         bool(scale), relu, _checks.alignment(x, out))
     _blocks.launch(plan, device, stream, x, out, indices, counts, rows, (n, height, width),
                    geometry, scale, shift)
 
 
 @functools.lru_cache(maxsize=1024)
-def _gather_plan(device, bsize, channels, itemsize, dtype_name, transpose, affine, relu,
-                 alignment):
+def _gather_plan(device, bsize, channels, itemsize, dtype, transpose, affine, relu, alignment):
     (bh, bw), op = bsize, "sparse_gather"
     if transpose:
         return _blocks.transpose_plan(device, op, "sparse_gather_transposed",
@@ -126,7 +126,8 @@ def _gather_plan(device, bsize, channels, itemsize, dtype_name, transpose, affin
     if affine:
         vector = _kernels.widest_access(channels * itemsize, alignment) // itemsize
         return _blocks.row_plan(device, op, "sparse_gather_affine",
-                                (_kernels.ARITHMETIC_CTYPES[dtype_name], vector, relu), bh, bw,
+                                (_kernels.ARITHMETIC_CTYPES[_checks.name_of(dtype)], vector,
+                                 relu), bh, bw,
                                 channels // vector)
     word = _kernels.widest_access(channels * itemsize, alignment)
     return _blocks.row_plan(device, op, "sparse_gather", (_kernels.STORAGE_CTYPES[word],), bh,

@@ -95,3 +95,56 @@ def covered(indices, count, shape, bsize_out):
     for n, hi, wi in indices[:count]:
         mask[n, hi * bsize_out:(hi + 1) * bsize_out, wi * bsize_out:(wi + 1) * bsize_out] = True
     return mask
+
+
+def space_to_batch(x, block, paddings, nchw=False):
+    """tf.space_to_batch's definition, one output pixel at a time (NHWC; NCHW by transposing)."""
+    x = x.transpose(0, 2, 3, 1) if nchw else x
+    (bh, bw), ((top, bottom), (left, right)) = block, paddings
+    n_batch, height, width, channels = x.shape
+    hq, wq = (height + top + bottom) // bh, (width + left + right) // bw
+    out = numpy.zeros((bh * bw * n_batch, hq, wq, channels), x.dtype)
+    for i in range(bh):
+        for j in range(bw):
+            for n in range(n_batch):
+                for a in range(hq):
+                    for b in range(wq):
+                        h, w = a * bh + i - top, b * bw + j - left
+                        if 0 <= h < height and 0 <= w < width:
+                            out[(i * bw + j) * n_batch + n, a, b, :] = x[n, h, w, :]
+    return out.transpose(0, 3, 1, 2) if nchw else out
+
+
+def batch_to_space(y, block, crops, nchw=False):
+    """tf.batch_to_space's definition, one output pixel at a time (NHWC; NCHW by transposing)."""
+    y = y.transpose(0, 2, 3, 1) if nchw else y
+    (bh, bw), ((top, bottom), (left, right)) = block, crops
+    batch, hq, wq, channels = y.shape
+    n_batch = batch // (bh * bw)
+    height, width = bh * hq - top - bottom, bw * wq - left - right
+    out = numpy.zeros((n_batch, height, width, channels), y.dtype)
+    for n in range(n_batch):
+        for h in range(height):
+            for w in range(width):
+                hp, wp = h + top, w + left
+                out[n, h, w, :] = y[((hp % bh) * bw + wp % bw) * n_batch + n, hp // bh, wp // bw, :]
+    return out.transpose(0, 3, 1, 2) if nchw else out
+
+
+def dilated_conv2d(x, w, rate, paddings):
+    """Stride-1 dilated convolution, NHWC by HWIO, zero padding ((top, bottom), (left, right)),
+    summed in float64 one output pixel and tap at a time."""
+    (rh, rw), ((top, bottom), (left, right)) = rate, paddings
+    n_batch, height, width, _ = x.shape
+    kh, kw, _, k = w.shape
+    oh, ow = height + top + bottom - rh * (kh - 1), width + left + right - rw * (kw - 1)
+    x, w = x.astype(numpy.float64), w.astype(numpy.float64)
+    out = numpy.zeros((n_batch, oh, ow, k))
+    for h in range(oh):
+        for v in range(ow):
+            for a in range(kh):
+                for b in range(kw):
+                    hi, wi = h - top + rh * a, v - left + rw * b
+                    if 0 <= hi < height and 0 <= wi < width:
+                        out[:, h, v, :] += x[:, hi, wi, :] @ w[a, b]
+    return out

@@ -39,5 +39,6 @@ def test_installed_wheel_ships_the_kernels():
     names = {line.split(",")[0] for line in records[0].splitlines()}
     if not any(n.startswith("sbnet_cupy/") for n in names):
         pytest.skip("installed in editable mode: the sources are the checkout's")
-    for source in ("common.cuh", "reduce_mask.cu", "sparse_gather.cu", "sparse_scatter.cu"):
+    for source in ("common.cuh", "reduce_mask.cu", "space_to_batch.cu", "sparse_gather.cu",
+                   "sparse_scatter.cu"):
         assert f"sbnet_cupy/kernels/{source}" in names

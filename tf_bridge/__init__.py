@@ -23,10 +23,13 @@ __all__ = [
     "BlockParams",
     "ReduceMask",
     "SparseKernel",
+    "atrous_conv2d",
+    "batch_to_space",
     "calc_block_params",
     "calc_block_params_res_block",
     "reduce_mask",
     "res_block_bottleneck",
+    "space_to_batch",
     "sparse_gather",
     "sparse_kernel_conv2d",
     "sparse_res_block_bottleneck",
@@ -233,4 +236,6 @@ def sparse_res_block_bottleneck(x, indices, block_params, weights, *, use_var=Fa
                    bstride=block_params.bsize_out, add=True)
 
 
-from .sparse_kernel_conv import SparseKernel, sparse_kernel_conv2d  # noqa: E402 (uses _call)
+# Op families in modules of their own use the helpers above.
+from .dilated import atrous_conv2d, batch_to_space, space_to_batch  # noqa: E402
+from .sparse_kernel_conv import SparseKernel, sparse_kernel_conv2d  # noqa: E402

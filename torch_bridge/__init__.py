@@ -11,21 +11,26 @@ from sbnet_cupy import BlockParams, ReduceMask, calc_block_params, calc_block_pa
 
 from ._ops import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_var
 from .capacity_graphs import CapacityGraphs, capacity_bucket
+from .dilated import DilatedConv2d, batch_to_space, dilated_conv2d, space_to_batch
 from .sparse_kernel_conv import SparseKernelConv2d, sparse_kernel_conv2d
 from .sparse_res_block import SparseConv2d, SparseResBlockBottleneck, SparseResStage
 
 __all__ = [
     "BlockParams",
     "CapacityGraphs",
+    "DilatedConv2d",
     "ReduceMask",
     "SparseConv2d",
     "SparseKernelConv2d",
     "SparseResBlockBottleneck",
     "SparseResStage",
+    "batch_to_space",
     "calc_block_params",
     "calc_block_params_res_block",
     "capacity_bucket",
+    "dilated_conv2d",
     "reduce_mask",
+    "space_to_batch",
     "sparse_gather",
     "sparse_kernel_conv2d",
     "sparse_scatter",

@@ -150,7 +150,7 @@ def _reduce_mask_impl(mask, bcount, bsize, boffset, bstride, tol, avgpool, capac
         else:
             workspace_ptr = shared_workspace(device, stream, workspace_words(total))
         launch_reduce_mask(device, stream, mask.data_ptr(), (n, height, width),
-                           _checks.dtype_name(mask), bcount, geometry, tol, avgpool, rows,
+                           mask.dtype, bcount, geometry, tol, avgpool, rows,
                            0 if capacity is None else rows, indices.data_ptr(),
                            counts.data_ptr(), workspace_ptr)
     if capacity is None:
@@ -209,7 +209,7 @@ def _gather_impl(x, bin_counts, active_block_indices, bsize, boffset, bstride, t
     launch_gather(device, _raw_stream(device), x.data_ptr(), out.data_ptr(), indices.data_ptr(),
                   counts.data_ptr(), 0 if scale is None else scale.data_ptr(),
                   0 if shift is None else shift.data_ptr(), x.shape, out.shape[0],
-                  _checks.dtype_name(x), x.element_size(), geometry, transpose, relu)
+                  x.dtype, x.element_size(), geometry, transpose, relu)
     return out
 
 
@@ -293,7 +293,7 @@ def _scatter_into(blocks, bin_counts, active_block_indices, y, bsize, boffset, b
     device = y.get_device()
     launch_scatter(device, _raw_stream(device), blocks.data_ptr(), y.data_ptr(),
                    indices.data_ptr(), counts.data_ptr(), y.shape, blocks.shape[0],
-                   _checks.dtype_name(y), y.element_size(), geometry, add, atomic, transpose)
+                   y.dtype, y.element_size(), geometry, add, atomic, transpose)
 
 
 def _scatter_impl(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,

@@ -151,9 +151,11 @@ class SparseResBlockBottleneck(nn.Module):
                                   self.bn1.shift.to(x.device, acc))}
         return self._affine[key]
 
-    def _inside_image(self, x, params, found):
+    def inside_image(self, x, found):
         """[M, 1, bh, bw] mask of the block pixels that lie inside the image: a gather of ones,
-        kept from call to call when eager (a compiled graph makes its own)."""
+        kept from call to call when eager (a compiled graph makes its own). The units of a
+        stage share it (forward's `inside`)."""
+        params = self.block_params(*x.shape[1:3])
         key = (x.shape[:3], x.dtype, x.device)
         if torch.compiler.is_compiling():
             ones = x.new_ones(x.shape[:3] + (1,))
@@ -165,8 +167,9 @@ class SparseResBlockBottleneck(nn.Module):
                                         found.active_block_indices, bsize=params.bsize,
                                         boffset=params.boffset, bstride=params.bstrides))
 
-    def forward(self, x, found, *, inplace=False):
-        """x: [N, H, W, C]. With inplace=True the result is added into x itself (inference)."""
+    def forward(self, x, found, *, inplace=False, inside=None):
+        """x: [N, H, W, C]. With inplace=True the result is added into x itself (inference).
+        inside: inside_image(x, found), when the caller has it already."""
         params = self.block_params(*x.shape[1:3])
         fused = isinstance(self.bn1, _BatchNormAffine) and x.dtype != torch.bfloat16
         affine = {}
@@ -176,8 +179,9 @@ class SparseResBlockBottleneck(nn.Module):
         blocks = _ops.sparse_gather(x, found.bin_counts, found.active_block_indices,
                                     bsize=params.bsize, boffset=params.boffset,
                                     bstride=params.bstrides, **affine)
-        out = _nhwc(self._residual(_nchw(blocks), 0, self._inside_image(x, params, found),
-                                   activated=fused))
+        if inside is None:
+            inside = self.inside_image(x, found)
+        out = _nhwc(self._residual(_nchw(blocks), 0, inside, activated=fused))
         scatter = _ops.sparse_scatter_var if inplace else _ops.sparse_scatter
         return scatter(out, found.bin_counts, found.active_block_indices, x,
                        bsize=params.bsize_out, bstride=params.bsize_out, add=True)
@@ -208,10 +212,15 @@ class SparseResStage(nn.Module):
         return self
 
     def forward(self, x, mask, *, capacity=None, tol=0.5, inplace=False):
-        """x: [N, H, W, C]; mask: [N, H, W]. With inplace=True the units add into x itself."""
-        found = self.units[0].reduce_mask(mask, tol=tol, capacity=capacity)
-        for unit in self.units:
-            x = unit(x, found, inplace=inplace)
+        """x: [N, H, W, C]; mask: [N, H, W]. With inplace=True the units add into x itself;
+        without, the first unit makes a new tensor and, when no gradient is recorded, the
+        others add into it."""
+        first = self.units[0]
+        found = first.reduce_mask(mask, tol=tol, capacity=capacity)
+        inside = first.inside_image(x, found)
+        into_new = not torch.is_grad_enabled()
+        for i, unit in enumerate(self.units):
+            x = unit(x, found, inplace=inplace or (into_new and i > 0), inside=inside)
         return x
 
     def dense(self, x):

@@ -1,0 +1,423 @@
+"""Dilated 3x3 convolution through space-to-batch reshapes against the native dilation (the
+seed's benchmark, on a modern GPU), and the reshape kernels against the copy bandwidth.
+
+    python -m bench.dilated [--quick] [--out DIR] [--modes eager graph] [--repeats N]
+
+Three routes per configuration, in the same run: "ours" = torch_bridge.dilated_conv2d
+(method="reshape": space_to_batch -> cuDNN convolution -> batch_to_space on this library's
+kernels); "torch" = the same route built from torch's own ops (F.pad, pixel_unshuffle and a
+permute before, a permute and pixel_shuffle after: the route of the issue's anchors); "native" =
+F.conv2d(dilation=r). Three passes: forward (no grad), backward wrt the input alone, backward wrt
+the weights alone (each from a forward recorded once). TF32 (float32, TF32 allowed) and fp16,
+NCHW, cudnn.benchmark on. Every route is checked against the native one before it is timed.
+Timing: CUDA events around each call (mode "eager", what a Python caller sees, host time
+included) or around the replay of a CUDA graph of the call ("graph": GPU time), median of
+--repeats after warm-up. "auto" is what method="auto" picks (torch_bridge.dilated.choose_method),
+scored with the times measured here.
+
+The reshape kernels alone run in CUDA graphs, a launch on its own buffers each (so the L2
+cache does not hold the data between launches), against a 1 GiB device-to-device copy measured
+in the same run (read + write bytes), beside torch's ops for the same reshape.
+
+Writes <out>/dilated_<device>.csv (routes), dilated_reshapes_<device>.csv (kernels),
+dilated_<device>.md and dilated_<device>.png.
+"""
+
+import argparse
+import csv
+import datetime
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import torch_bridge as tb
+from sbnet_cupy.space_to_batch import dilated_conv_geometry
+from torch_bridge import dilated
+
+# (N, C_in, K, H = W, rate): the seed's runs (batch 128, 3 -> 128, scale 2), wider layers at
+# scales 2, 4, 8, and a DeepLab ASPP branch (2048 -> 256 channels at rate 12, 64 not a multiple).
+CONFIGS = ([(128, 3, 128, size, 2) for size in (64, 32, 16)]
+           + [(n, c, c, 64, r) for n, c in ((64, 64), (16, 256), (8, 512)) for r in (2, 4, 8)]
+           + [(1, 2048, 256, 64, 12)])
+QUICK_CONFIGS = [(128, 3, 128, 64, 2), (16, 256, 256, 64, 4)]
+PRECISIONS = {"tf32": torch.float32, "fp16": torch.float16}
+PASSES = ("forward", "backward_input", "backward_weight")
+ROUTES = ("ours", "torch", "native")
+TOLERANCE = {"tf32": 1e-2, "fp16": 2e-2}  # largest error / largest value, against native
+# (N, C, H = W, rate) of the reshape kernels alone, each in both precisions and layouts.
+RESHAPES = [(n, c, 64, r) for n, c, r in ((128, 3, 2), (128, 128, 2), (64, 64, 2), (64, 64, 8),
+                                          (16, 256, 4), (8, 512, 8), (1, 2048, 12))]
+QUICK_RESHAPES = [(128, 128, 64, 2), (8, 512, 64, 8)]
+
+
+# --- the routes -----------------------------------------------------------------------------
+
+def _torch_route(x, w, r, g):
+    """space_to_batch -> conv -> batch_to_space from torch's ops (square rate r)."""
+    (top, bottom), (left, right) = g.paddings
+    if top or bottom or left or right:
+        x = F.pad(x, (left, right, top, bottom))
+    y = _unshuffle(x, r)
+    z = F.conv2d(y, w, padding=g.conv_padding)
+    out = _shuffle(z, r)
+    (_, crop_h), (_, crop_w) = g.crops
+    return out[:, :, :out.shape[2] - crop_h, :out.shape[3] - crop_w]
+
+
+def _unshuffle(x, r):
+    n, c, h, w = x.shape
+    y = F.pixel_unshuffle(x, r).view(n, c, r, r, h // r, w // r)
+    return y.permute(2, 3, 0, 1, 4, 5).reshape(r * r * n, c, h // r, w // r)
+
+
+def _shuffle(z, r):
+    batch, k, h, w = z.shape
+    n = batch // (r * r)
+    z = z.view(r, r, n, k, h, w).permute(2, 3, 0, 1, 4, 5).reshape(n, k * r * r, h, w)
+    return F.pixel_shuffle(z, r)
+
+
+def _route(name, r):
+    if name == "native":
+        return lambda x, w: F.conv2d(x, w, padding=r, dilation=r)
+    if name == "ours":
+        return lambda x, w: tb.dilated_conv2d(x, w, dilation=r, padding=r, method="reshape")
+
+    def torch_ops(x, w):
+        g = dilated_conv_geometry(tuple(x.shape[2:]), tuple(w.shape[2:]), (r, r),
+                                  ((r, r), (r, r)), conv_padding=True)
+        return _torch_route(x, w, r, g)
+
+    return torch_ops
+
+
+# --- timing ---------------------------------------------------------------------------------
+
+def _events_ms(run, repeats, warmup=3):
+    times = []
+    for i in range(warmup + repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _graph(run):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # cudnn.benchmark tunes outside the capture
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
+def _time(make_call, mode, repeats):
+    """Median ms of the call that make_call() returns (after recording what it needs)."""
+    if mode == "eager":
+        return _events_ms(make_call(), repeats)
+    # Graph mode: the forward is recorded on the capture stream, where autograd then runs the
+    # backward (it follows the forward's stream), so the capture holds the backward alone.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call = make_call()
+        for _ in range(3):  # cudnn.benchmark tunes outside the capture
+            call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    ms = _events_ms(graph.replay, repeats)
+    del graph
+    return ms
+
+
+def _pass_call(route, pass_name, x, w, gy):
+    """make_call for one pass of `route`: the backward passes record the forward first, with
+    only the input or only the weights requiring grad."""
+    def make_call():
+        if pass_name == "forward":
+            def forward():
+                with torch.no_grad():
+                    route(x, w)
+            return forward
+        xg = x.detach().requires_grad_(pass_name == "backward_input")
+        wg = w.detach().requires_grad_(pass_name == "backward_weight")
+        out = route(xg, wg)
+        wrt = xg if pass_name == "backward_input" else wg
+        return lambda: torch.autograd.grad(out, wrt, gy, retain_graph=True)
+
+    return make_call
+
+
+def _check(routes, x, w, gy, precision):
+    """Forward and both gradients of every route against the native one."""
+    results = {}
+    for name, route in routes.items():
+        xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        out = route(xg, wg)
+        results[name] = (out.detach(), *torch.autograd.grad(out, (xg, wg), gy))
+    for name, values in results.items():
+        for what, got, want in zip(("output", "grad x", "grad w"), values, results["native"]):
+            error = (got.float() - want.float()).abs().max() / want.float().abs().max()
+            if not error <= TOLERANCE[precision]:
+                raise AssertionError(f"{name} route, {what}: error {float(error):.2e} of the "
+                                     f"largest value")
+
+
+def run_config(config, precision, modes, repeats):
+    n, c, k, size, r = config
+    dtype = PRECISIONS[precision]
+    x = torch.randn(n, c, size, size, device="cuda", dtype=dtype)
+    w = (torch.randn(k, c, 3, 3, device="cuda") / math.sqrt(9 * c)).to(dtype)
+    gy = torch.randn(n, k, size, size, device="cuda", dtype=dtype)
+    routes = {name: _route(name, r) for name in ROUTES}
+    _check(routes, x, w, gy, precision)
+    rows = []
+    for pass_name in PASSES:
+        row = dict(N=n, C=c, K=k, size=size, rate=r, precision=precision, pass_=pass_name)
+        for mode in modes:
+            for name, route in routes.items():
+                row[f"{name}_{mode}_ms"] = _time(_pass_call(route, pass_name, x, w, gy), mode,
+                                                 repeats)
+            training = pass_name != "forward"
+            row[f"auto_{mode}"] = dilated.choose_method(
+                x, w.detach().requires_grad_(training), (r, r))
+            fastest = min(row[f"ours_{mode}_ms"], row[f"native_{mode}_ms"])
+            picked = row[f"{'ours' if row[f'auto_{mode}'] == 'reshape' else 'native'}_{mode}_ms"]
+            row[f"auto_{mode}_vs_best"] = picked / fastest
+            row[f"ours_vs_torch_{mode}"] = row[f"torch_{mode}_ms"] / row[f"ours_{mode}_ms"]
+            row[f"ours_vs_native_{mode}"] = row[f"native_{mode}_ms"] / row[f"ours_{mode}_ms"]
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+# --- the reshape kernels alone --------------------------------------------------------------
+
+def copy_bandwidth(repeats):
+    """GB/s of a 1 GiB device-to-device copy with CuPy (as bench.ops measures it)."""
+    import cupy
+
+    from bench.ops import copy_bandwidth as cupy_copy_bandwidth
+
+    return cupy_copy_bandwidth(cupy, repeats)
+
+
+def _graph_per_launch_ms(launches, repeats):
+    def run():
+        for launch in launches:
+            launch()
+
+    graph = _graph(run)
+    ms = _events_ms(graph.replay, repeats) / len(launches)
+    del graph
+    return ms
+
+
+def run_reshape(case, dtype_name, channels_last, copy_gbs, repeats):
+    n, c, size, r = case
+    dtype = PRECISIONS[dtype_name]
+    g = dilated_conv_geometry((size, size), (3, 3), (r, r), ((r, r), (r, r)), conv_padding=True)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(n, c, size, size, device="cuda", dtype=dtype).to(memory_format=memory_format)
+    y = tb.space_to_batch(x, r, g.paddings)
+    if not (torch.equal(y, _torch_space_to_batch(x, r, g)) and torch.equal(
+            tb.batch_to_space(y, r, g.paddings), x)):
+        raise AssertionError(f"reshape of {tuple(x.shape)} at rate {r} differs from torch's")
+    moved = x.nbytes + y.nbytes
+    sets = max(1, min(16, math.ceil(200e6 / moved)))  # > 200 MB a graph: more than L2 holds
+    xs = [x.clone(memory_format=memory_format) for _ in range(sets)]
+    ys = [y.clone(memory_format=memory_format) for _ in range(sets)]
+    cases = {
+        ("space_to_batch", "ours"): [lambda x=x: tb.space_to_batch(x, r, g.paddings) for x in xs],
+        ("space_to_batch", "torch"): [lambda x=x: _torch_space_to_batch(x, r, g) for x in xs],
+        ("batch_to_space", "ours"): [lambda y=y: tb.batch_to_space(y, r, g.paddings) for y in ys],
+        ("batch_to_space", "torch"): [lambda y=y: _torch_batch_to_space(y, r, g) for y in ys],
+    }
+    rows = []
+    with torch.no_grad():
+        for (op, impl), launches in cases.items():
+            ms = _graph_per_launch_ms(launches, repeats)
+            gbs = moved / ms / 1e6
+            rows.append(dict(op=op, impl=impl, N=n, C=c, size=size, rate=r, dtype=dtype_name,
+                             layout="NHWC" if channels_last else "NCHW", MB=moved / 1e6,
+                             us=ms * 1e3, GBs=gbs, of_copy=gbs / copy_gbs))
+    del xs, ys
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _torch_space_to_batch(x, r, g):
+    (top, bottom), (left, right) = g.paddings
+    return _unshuffle(F.pad(x, (left, right, top, bottom)) if top + bottom + left + right else x, r)
+
+
+def _torch_batch_to_space(y, r, g):
+    (top, bottom), (left, right) = g.paddings
+    out = _shuffle(y, r)
+    return out[:, :, top:out.shape[2] - bottom, left:out.shape[3] - right]
+
+
+# --- results --------------------------------------------------------------------------------
+
+def _label(row):
+    return f"{row['N']}x{row['C']}->{row['K']} {row['size']}px r{row['rate']}"
+
+
+def write_csv(rows, path):
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+
+
+def write_markdown(path, device, command, copy_gbs, rows, reshape_rows, modes):
+    lines = [f"# Dilated 3x3 convolution through reshapes on {device}", "",
+             f"{datetime.date.today()}, `{command}`, torch {torch.__version__}, cuDNN "
+             f"{torch.backends.cudnn.version()}. Median ms; speed-up = other route's time / "
+             f"ours. Copy bandwidth (1 GiB, read + write): **{copy_gbs:.0f} GB/s**.", ""]
+    for mode in modes:
+        lines += [f"## Routes, {mode}", "",
+                  "| config | precision | pass | native | ours | torch ops | ours vs torch | "
+                  "ours vs native | auto (vs best) |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(
+                f"| {_label(r)} | {r['precision']} | {r['pass_']} | {r[f'native_{mode}_ms']:.3f} | "
+                f"{r[f'ours_{mode}_ms']:.3f} | {r[f'torch_{mode}_ms']:.3f} | "
+                f"{r[f'ours_vs_torch_{mode}']:.2f}x | {r[f'ours_vs_native_{mode}']:.2f}x | "
+                f"{r[f'auto_{mode}']} ({r[f'auto_{mode}_vs_best']:.2f}) |")
+        worst_torch = min(r[f"ours_vs_torch_{mode}"] for r in rows)
+        worst_auto = max(r[f"auto_{mode}_vs_best"] for r in rows)
+        wins = [r for r in rows if r[f"ours_vs_native_{mode}"] > 1]
+        lines += ["", f"Targets ({mode}): ours vs torch ops >= 1.5x everywhere: lowest "
+                  f"**{worst_torch:.2f}x**; auto within 5% of the faster route: worst "
+                  f"**{worst_auto:.2f}**. The reshape route beats the native dilation in "
+                  f"{len(wins)} of {len(rows)} cases"
+                  + (": " + "; ".join(f"{_label(r)} {r['precision']} {r['pass_']} "
+                                      f"{r[f'ours_vs_native_{mode}']:.2f}x" for r in wins)
+                     if wins else "") + ".", ""]
+    lines += ["## The reshape kernels alone (CUDA graphs)", "",
+              "| op | impl | shape | rate | dtype | layout | MB moved | us | GB/s | of copy |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in reshape_rows:
+        lines.append(f"| {r['op']} | {r['impl']} | {r['N']}x{r['C']}x{r['size']}x{r['size']} | "
+                     f"{r['rate']} | {r['dtype']} | {r['layout']} | {r['MB']:.1f} | "
+                     f"{r['us']:.1f} | {r['GBs']:.0f} | {r['of_copy']:.0%} |")
+    ours = [r for r in reshape_rows if r["impl"] == "ours" and r["MB"] >= 16]
+    if ours:
+        lines += ["", f"Target: >= 85% of the copy at >= 16 MB moved: "
+                  f"{sum(r['of_copy'] >= 0.85 for r in ours)} of {len(ours)} cases; lowest "
+                  f"**{min(r['of_copy'] for r in ours):.0%}**, median "
+                  f"{statistics.median(r['of_copy'] for r in ours):.0%}."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rows, reshape_rows, modes, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(modes) + 1, figsize=(7 * (len(modes) + 1), 6))
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    markers = {"forward": "o", "backward_input": "s", "backward_weight": "^"}
+    colors = {"tf32": "tab:blue", "fp16": "tab:orange"}
+    for ax, mode in zip(axes, modes):
+        for r in rows:
+            at = labels.index(_label(r)) + (0.15 if r["precision"] == "fp16" else -0.15)
+            ax.plot(at, r[f"ours_vs_native_{mode}"], markers[r["pass_"]],
+                    color=colors[r["precision"]])
+            ax.plot(at, r[f"native_{mode}_ms"] / r[f"torch_{mode}_ms"], markers[r["pass_"]],
+                    color=colors[r["precision"]], fillstyle="none")
+        ax.axhline(1, color="black", lw=0.5)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("speed-up over the native dilation (same run)")
+        ax.set_title(f"{mode}: filled = reshape route on our kernels, open = on torch's ops\n"
+                     "o forward, s backward wrt input, ^ backward wrt weights; "
+                     "blue TF32, orange fp16", fontsize=8)
+    ax = axes[-1]
+    for (impl, layout), style in {("ours", "NCHW"): "o", ("ours", "NHWC"): "s",
+                                  ("torch", "NCHW"): "x", ("torch", "NHWC"): "+"}.items():
+        pts = [(r["MB"], r["of_copy"]) for r in reshape_rows
+               if r["impl"] == impl and r["layout"] == layout]
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"{impl} {layout}")
+    ax.axhline(0.85, color="gray", ls=":", label="target 85%")
+    ax.set_xscale("log")
+    ax.set_xlabel("MB moved (read + write)")
+    ax.set_ylabel("fraction of the copy bandwidth")
+    ax.set_title("space_to_batch and batch_to_space alone", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--quick", action="store_true", help="two configurations, few repeats")
+    parser.add_argument("--modes", nargs="+", default=["eager", "graph"],
+                        choices=["eager", "graph"])
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    configs, reshapes = (QUICK_CONFIGS, QUICK_RESHAPES) if args.quick else (CONFIGS, RESHAPES)
+    repeats = min(args.repeats, 5) if args.quick else args.repeats
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    device = torch.cuda.get_device_name()
+    slug = device.replace(" ", "_")
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    copy_gbs = copy_bandwidth(repeats)
+    print(f"{device}: copy {copy_gbs:.0f} GB/s", flush=True)
+
+    reshape_rows = []
+    for case in reshapes:
+        for dtype_name in PRECISIONS:
+            for channels_last in (False, True):
+                reshape_rows += run_reshape(case, dtype_name, channels_last, copy_gbs, repeats)
+                for r in reshape_rows[-4:]:
+                    print(f"[{time.time() - started:4.0f}s] {r['op']:>14} {r['impl']:5} "
+                          f"{r['N']}x{r['C']}x{r['size']}^2 r{r['rate']} {r['dtype']} "
+                          f"{r['layout']}: {r['MB']:7.1f} MB {r['us']:8.1f} us "
+                          f"{r['GBs']:6.0f} GB/s {r['of_copy']:5.0%}", flush=True)
+        write_csv(reshape_rows, args.out / f"dilated_reshapes_{slug}.csv")
+
+    rows = []
+    for config in configs:
+        for precision in PRECISIONS:
+            rows += run_config(config, precision, args.modes, repeats)
+            for r in rows[-len(PASSES):]:
+                times = "  ".join(f"{m}: native {r[f'native_{m}_ms']:.3f} ours "
+                                  f"{r[f'ours_{m}_ms']:.3f} torch {r[f'torch_{m}_ms']:.3f}"
+                                  for m in args.modes)
+                print(f"[{time.time() - started:4.0f}s] {_label(r)} {precision} "
+                      f"{r['pass_']:>15}: {times} ms", flush=True)
+            write_csv(rows, args.out / f"dilated_{slug}.csv")  # after every config
+    command = "python -m bench.dilated " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_markdown(args.out / f"dilated_{slug}.md", device, command, copy_gbs, rows,
+                   reshape_rows, args.modes)
+    plot(rows, reshape_rows, args.modes, args.out / f"dilated_{slug}.png")
+    print(f"done in {time.time() - started:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+import numpy
+import pytest
+
+import sbnet_cupy
+from sbnet_cupy.space_to_batch import _divisor, dilated_conv_geometry, same_padding
+from axes import MOVE_DTYPES, random_array
+from conftest import cupy, require, requires_gpu, to_numpy
+import reference
+
+# name: (N, C, H, W), block, paddings
+RESHAPES = {
+    "block-1-padded": ((2, 3, 5, 7), 1, ((1, 0), (0, 2))),
+    "block-2-exact": ((2, 4, 8, 6), 2, ((0, 0), (0, 0))),
+    "non-square-padded": ((3, 3, 7, 5), (2, 3), ((1, 0), (2, 2))),
+    "rate-5-odd-sizes": ((1, 5, 9, 11), 5, ((3, 3), (2, 2))),
+    "block-larger-than-image": ((2, 2, 3, 2), 4, ((1, 0), (0, 2))),
+    "wide-rows-odd-channels": ((1, 3, 4, 67), 3, ((1, 1), (2, 3))),
+}
+DTYPES = MOVE_DTYPES + (numpy.uint16, numpy.complex128)
+FORMATS = ("NHWC", "NCHW")
+
+
+def _shape(dims, data_format):
+    n, c, h, w = dims
+    return (n, h, w, c) if data_format == "NHWC" else (n, c, h, w)
+
+
+def _pair(block):
+    return (block, block) if isinstance(block, int) else block
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("name", RESHAPES)
+def test_space_to_batch_matches_reference(xp, rng, name, data_format, dtype):
+    dims, block, paddings = RESHAPES[name]
+    x = random_array(rng, _shape(dims, data_format), dtype)
+    out = sbnet_cupy.space_to_batch(xp.asarray(x), block, paddings, data_format=data_format)
+    expected = reference.space_to_batch(x, _pair(block), paddings, data_format == "NCHW")
+    assert out.dtype == x.dtype and out.shape == expected.shape
+    numpy.testing.assert_array_equal(to_numpy(out), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("name", RESHAPES)
+def test_batch_to_space_matches_reference(xp, rng, name, data_format, dtype):
+    dims, block, crops = RESHAPES[name]
+    (bh, bw), ((top, bottom), (left, right)) = _pair(block), crops
+    n, c, h, w = dims
+    y_dims = (bh * bw * n, c, (h + top + bottom) // bh, (w + left + right) // bw)
+    y = random_array(rng, _shape(y_dims, data_format), dtype)
+    out = sbnet_cupy.batch_to_space(xp.asarray(y), block, crops, data_format=data_format)
+    expected = reference.batch_to_space(y, (bh, bw), crops, data_format == "NCHW")
+    assert out.dtype == y.dtype and out.shape == _shape(dims, data_format)
+    numpy.testing.assert_array_equal(to_numpy(out), expected)
+
+
+@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("name", RESHAPES)
+def test_round_trip_is_identity(xp, rng, name, data_format):
+    dims, block, paddings = RESHAPES[name]
+    x = xp.asarray(random_array(rng, _shape(dims, data_format), numpy.float32))
+    y = sbnet_cupy.space_to_batch(x, block, paddings, data_format=data_format)
+    back = sbnet_cupy.batch_to_space(y, block, paddings, data_format=data_format)
+    numpy.testing.assert_array_equal(to_numpy(back), to_numpy(x))
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 4, 5, (2, 5)])
+@pytest.mark.parametrize("size", [(6, 10), (7, 9)])
+def test_matches_tensorflow(xp, rng, size, block):
+    """tf.space_to_batch / tf.batch_to_space on CPU, NHWC, sizes padded up to the block; the NCHW
+    form is the same op on transposed tensors."""
+    tf = require("tensorflow")
+    (bh, bw), (h, w) = _pair(block), size
+    paddings = ((1, (-h - 1) % bh), (2, (-w - 2) % bw))
+    x = random_array(rng, (3, h, w, 5), numpy.float32)
+    expected = tf.space_to_batch(x, [bh, bw], paddings).numpy()
+    y = sbnet_cupy.space_to_batch(xp.asarray(x), block, paddings)
+    numpy.testing.assert_array_equal(to_numpy(y), expected)
+    y_nchw = sbnet_cupy.space_to_batch(xp.asarray(x.transpose(0, 3, 1, 2)), block, paddings,
+                                       data_format="NCHW")
+    numpy.testing.assert_array_equal(to_numpy(y_nchw), expected.transpose(0, 3, 1, 2))
+
+    crops = ((0, 1), (1, 0)) if bh * bw > 1 else ((0, 0), (0, 0))
+    expected = tf.batch_to_space(expected, [bh, bw], crops).numpy()
+    numpy.testing.assert_array_equal(to_numpy(sbnet_cupy.batch_to_space(y, block, crops)),
+                                     expected)
+    out = sbnet_cupy.batch_to_space(y_nchw, block, crops, data_format="NCHW")
+    numpy.testing.assert_array_equal(to_numpy(out), expected.transpose(0, 3, 1, 2))
+
+
+@pytest.mark.parametrize("data_format", FORMATS)
+def test_out_and_non_contiguous_input(xp, rng, data_format):
+    base = random_array(rng, (2, 9, 12, 6), numpy.float32)
+    x = xp.asarray(base)[:, :, ::2, 1:4]  # strided in both inner axes
+    paddings = ((1, 2), (0, 0)) if data_format == "NHWC" else ((1, 1), (0, 1))
+    expected = reference.space_to_batch(numpy.ascontiguousarray(base[:, :, ::2, 1:4]), (2, 2),
+                                        paddings, data_format == "NCHW")
+    out = xp.empty(expected.shape, xp.float32)
+    y = sbnet_cupy.space_to_batch(x, 2, paddings, data_format=data_format, out=out)
+    assert y is out
+    numpy.testing.assert_array_equal(to_numpy(out), expected)
+    back = xp.empty_like(x)
+    assert sbnet_cupy.batch_to_space(y[:, :], 2, paddings, data_format=data_format,
+                                     out=back) is back
+    numpy.testing.assert_array_equal(to_numpy(back), to_numpy(x))
+
+
+@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("dims, block, paddings, y_dims", [
+    ((0, 3, 4, 4), 2, 0, (0, 3, 2, 2)),
+    ((2, 0, 4, 4), 2, 0, (8, 0, 2, 2)),
+    ((2, 3, 0, 4), 2, ((1, 1), (0, 0)), (8, 3, 1, 2)),  # only padding
+    ((2, 3, 4, 4), 2, ((0, 0), (0, 0)), (8, 3, 2, 2)),
+])
+def test_empty_inputs(xp, data_format, dims, block, paddings, y_dims):
+    x = xp.ones(_shape(dims, data_format), xp.float32)
+    y = sbnet_cupy.space_to_batch(x, block, paddings, data_format=data_format)
+    assert y.shape == _shape(y_dims, data_format)
+    assert float(y.sum()) == x.size  # every element written, the padding as zeros
+    back = sbnet_cupy.batch_to_space(y, block, paddings, data_format=data_format)
+    assert back.shape == x.shape
+    everything = ((block * y_dims[2], 0), (0, 0))
+    nothing = sbnet_cupy.batch_to_space(y, block, everything, data_format=data_format)
+    assert nothing.shape == _shape((dims[0], dims[1], 0, dims[3]), data_format)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x: sbnet_cupy.space_to_batch(x, 0), ValueError,
+     r"block must be two positive ints, got \(0, 0\)"),
+    (lambda x: sbnet_cupy.space_to_batch(x, (1, 2, 3)), TypeError, "block must be an int or"),
+    (lambda x: sbnet_cupy.space_to_batch(x, 3), ValueError,
+     r"paddings \(\(0, 0\), \(0, 0\)\) make the padded image 8x6, not a multiple of block"),
+    (lambda x: sbnet_cupy.space_to_batch(x, 2, -1), ValueError, "paddings must be >= 0"),
+    (lambda x: sbnet_cupy.space_to_batch(x, 2, ((1, 1), 2)), TypeError,
+     r"paddings must be an int or \[\[top, bottom\], \[left, right\]\] ints"),
+    (lambda x: sbnet_cupy.space_to_batch(x, 2, data_format="CHWN"), ValueError,
+     "data_format must be 'NHWC' or 'NCHW', got 'CHWN'"),
+    (lambda x: sbnet_cupy.space_to_batch(x[0], 2), ValueError,
+     r"x must be 4-D \[N, H, W, C\], got shape \(8, 6, 3\)"),
+    (lambda x: sbnet_cupy.space_to_batch(x, 2, out=x), ValueError,
+     r"out must be a C-contiguous float32 array of shape \(8, 4, 3, 3\)"),
+    (lambda x: sbnet_cupy.space_to_batch([1, 2], 2), TypeError, "x must be a numpy.ndarray"),
+    (lambda x: sbnet_cupy.batch_to_space(x, 2), ValueError,
+     "y's batch 2 is not a multiple of block 2x2 = 4"),
+    (lambda x: sbnet_cupy.batch_to_space(x, (1, 2), ((5, 4), (0, 0))), ValueError,
+     r"crops \(\(5, 4\), \(0, 0\)\) remove more than the 8x12 image"),
+    (lambda x: sbnet_cupy.batch_to_space(x, (1, 2), "a"), TypeError, "crops must be an int or"),
+])
+def test_bad_arguments(xp, call, error, match):
+    x = xp.ones((2, 8, 6, 3), xp.float32)
+    with pytest.raises(error, match=match):
+        call(x)
+
+
+def test_paddings_as_arrays():
+    """TensorFlow code passes paddings as arrays."""
+    x = numpy.arange(2 * 5 * 3, dtype=numpy.float32).reshape(1, 5, 3, 2)
+    paddings = numpy.array([[1, 0], [0, 1]], numpy.int64)
+    numpy.testing.assert_array_equal(sbnet_cupy.space_to_batch(x, 2, paddings),
+                                     sbnet_cupy.space_to_batch(x, 2, ((1, 0), (0, 1))))
+
+
+def test_kernel_division_is_exact():
+    """The kernels divide by (n * mul) >> shift with the host's _divisor: exact on [0, 2**31)."""
+    rng = numpy.random.default_rng(0)
+    divisors = list(range(1, 300)) + [2**k + e for k in range(9, 30) for e in (-1, 0, 1)]
+    edges = numpy.array([0, 1, 2**31 - 1, 2**31 - 2, 2**30, 2**30 - 1], numpy.int64)
+    for d in divisors:
+        _, mul, shift = _divisor(d)
+        assert mul < 2**32
+        n = numpy.concatenate([edges, rng.integers(0, 2**31, 2000),
+                               d * rng.integers(0, 2**31 // d, 200),
+                               d * rng.integers(1, 2**31 // d, 200) - 1]).astype(object)
+        assert all((v * mul) >> shift == v // d for v in n)
+
+
+# --- atrous_conv2d --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+@pytest.mark.parametrize("rate", [1, 2, 3, 4, 5])
+def test_atrous_conv2d_matches_reference_and_tensorflow(xp, rng, rate, padding):
+    tf = require("tensorflow")
+    x = random_array(rng, (2, 13, 11, 3), numpy.float64)  # sizes no rate divides but 1
+    w = random_array(rng, (3, 2, 3, 5), numpy.float64)
+    out = sbnet_cupy.atrous_conv2d(xp.asarray(x), xp.asarray(w), rate, padding)
+    paddings = (same_padding((3, 2), (rate, rate)) if padding == "SAME"
+                else ((0, 0), (0, 0)))
+    expected = reference.dilated_conv2d(x, w, (rate, rate), paddings)
+    assert out.shape == expected.shape
+    numpy.testing.assert_allclose(to_numpy(out), expected, rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(to_numpy(out), tf.nn.atrous_conv2d(x, w, rate, padding).numpy(),
+                                  rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
+def test_atrous_conv2d_low_precision(xp, rng, dtype):
+    """Within what TensorFlow's own convolution in that precision achieves."""
+    tf = require("tensorflow")
+    x = random_array(rng, (1, 10, 9, 7), dtype)
+    w = random_array(rng, (3, 3, 7, 4), dtype)
+    exact = reference.dilated_conv2d(x, w, (2, 2), ((2, 2), (2, 2)))
+    out = to_numpy(sbnet_cupy.atrous_conv2d(xp.asarray(x), xp.asarray(w), 2, "SAME"))
+    assert out.dtype == dtype
+    baseline = tf.nn.atrous_conv2d(x, w, 2, "SAME").numpy().astype(numpy.float64)
+    tolerance = max(numpy.abs(baseline - exact).max(),
+                    numpy.finfo(dtype).eps * numpy.abs(exact).max())
+    assert numpy.abs(out - exact).max() <= 4 * tolerance
+
+
+@pytest.mark.parametrize("size, kernel, rate, padding", [
+    ((16, 16), (3, 3), (2, 2), ((2, 2), (2, 2))),  # the seed's case: no padding in the reshape
+    ((13, 11), (3, 3), (4, 4), ((4, 4), (4, 4))),
+    ((9, 7), (2, 4), (3, 2), ((1, 2), (3, 0))),
+    ((5, 5), (3, 3), (5, 5), ((0, 0), (0, 0))),  # the image is smaller than the kernel
+    ((64, 64), (3, 3), (12, 12), ((12, 12), (12, 12))),
+])
+@pytest.mark.parametrize("conv_padding", [False, True])
+def test_dilated_conv_geometry(rng, size, kernel, rate, padding, conv_padding):
+    """space_to_batch -> convolution padded by conv_padding -> batch_to_space equals the dilated
+    convolution, with or without the ordinary convolution's own padding."""
+    if size[0] + sum(padding[0]) < rate[0] * (kernel[0] - 1):
+        with pytest.raises(ValueError, match="smaller than the dilated kernel"):
+            dilated_conv_geometry(size, kernel, rate, padding,
+                                             conv_padding=conv_padding)
+        return
+    x = random_array(rng, (2, *size, 3), numpy.float64)
+    w = random_array(rng, (*kernel, 3, 2), numpy.float64)
+    g = dilated_conv_geometry(size, kernel, rate, padding, conv_padding=conv_padding)
+    assert conv_padding or g.conv_padding == (0, 0)
+    assert g.crops[0][0] == g.crops[1][0] == 0
+    y = sbnet_cupy.space_to_batch(x, rate, g.paddings)
+    (ph, pw) = g.conv_padding
+    z = sbnet_cupy.conv2d_valid(numpy.pad(y, ((0, 0), (ph, ph), (pw, pw), (0, 0))), w)
+    out = sbnet_cupy.batch_to_space(z, rate, g.crops)
+    expected = reference.dilated_conv2d(x, w, rate, padding)
+    assert out.shape == expected.shape and g.out_size == expected.shape[1:3]
+    numpy.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_dilated_conv_geometry_moves_padding_into_the_convolution():
+    g = dilated_conv_geometry((64, 64), (3, 3), (2, 2), ((2, 2), (2, 2)),
+                                         conv_padding=True)
+    assert g == ((((0, 0), (0, 0))), (1, 1), ((0, 0), (0, 0)), (64, 64))
+
+
+def test_atrous_conv2d_empty_output_and_bad_arguments(xp):
+    x = xp.ones((2, 6, 9, 3), xp.float32)
+    w = xp.ones((3, 3, 3, 4), xp.float32)
+    assert sbnet_cupy.atrous_conv2d(x, w, (2, 3), "VALID").shape == (2, 2, 3, 4)
+    # A dilated kernel one pixel larger than the image: an empty output, as TensorFlow gives.
+    assert sbnet_cupy.atrous_conv2d(x, w, 3, "VALID").shape == (2, 0, 3, 4)
+    for args, error, match in [
+        ((w, 5, "VALID"), ValueError, "smaller than the dilated kernel"),
+        ((w, 2, "same"), ValueError, "padding must be 'SAME' or 'VALID', got 'same'"),
+        ((w, 0, "SAME"), ValueError, "rate must be two positive ints"),
+        ((w[:, :, :2], 2, "SAME"), ValueError, r"w must be \[KH, KW, C, K\] with C = 3"),
+        ((w.astype(xp.float64), 2, "SAME"), TypeError, "w dtype float64 differs from x dtype"),
+    ]:
+        with pytest.raises(error, match=match):
+            sbnet_cupy.atrous_conv2d(x, *args)
+
+
+# --- GPU only: launch shapes the small cases above do not reach ------------------------------
+
+@requires_gpu
+@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("dims, block, paddings", [
+    ((2, 3, 20, 4100), 2, ((0, 0), (0, 0))),  # several column tiles a row
+    ((1, 2, 6, 30), 600, ((0, 594), (0, 570))),
+    ((1, 2, 6, 30), (1, 9000), ((0, 0), (0, 8970))),  # a block too wide for the NCHW tile
+    ((64, 9, 33, 35), 3, ((0, 0), (1, 0))),  # many tiles of units
+    ((3, 5, 12, 12), 12, ((12, 12), (0, 12))),
+])
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32, numpy.float64, numpy.int8])
+def test_large_shapes_match_numpy(rng, data_format, dims, block, paddings, dtype):
+    x = random_array(rng, _shape(dims, data_format), dtype)
+    y = sbnet_cupy.space_to_batch(cupy.asarray(x), block, paddings, data_format=data_format)
+    expected = sbnet_cupy.space_to_batch(x, block, paddings, data_format=data_format)
+    numpy.testing.assert_array_equal(cupy.asnumpy(y), expected)
+    back = sbnet_cupy.batch_to_space(y, block, paddings, data_format=data_format)
+    numpy.testing.assert_array_equal(cupy.asnumpy(back), x)
+
+
+@requires_gpu
+@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_misaligned_pointers(rng, data_format, offset):
+    """Views that start past an element boundary of 16 bytes take narrower accesses."""
+    x = random_array(rng, (3, 2, 8, 8), numpy.float32)
+    x_gpu = cupy.asarray(x.reshape(-1))
+    view = cupy.concatenate([x_gpu[:offset], x_gpu])[offset:].reshape(x.shape)
+    assert view.data.ptr % 16 == (offset * 4) % 16
+    y = sbnet_cupy.space_to_batch(view, 2, ((2, 0), (0, 2)), data_format=data_format)
+    numpy.testing.assert_array_equal(
+        cupy.asnumpy(y), sbnet_cupy.space_to_batch(x, 2, ((2, 0), (0, 2)), data_format=data_format))
+    out = cupy.empty(y.size + offset, x.dtype)[offset:].reshape(y.shape)
+    sbnet_cupy.space_to_batch(view, 2, ((2, 0), (0, 2)), data_format=data_format, out=out)
+    numpy.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(y))

@@ -1,0 +1,294 @@
+"""Dilated convolution through space-to-batch reshapes, on NCHW tensors.
+
+``sbnet::space_to_batch`` and ``sbnet::batch_to_space`` are sbnet_cupy's reshapes as torch ops
+(each the other's gradient), registered and called as the ops of ``_ops`` are. NCHW tensors run
+the NCHW kernels; channels_last tensors stay channels_last and run the NHWC kernels.
+``dilated_conv2d`` is ``F.conv2d(..., dilation=...)`` computed either natively or as
+space_to_batch -> ordinary convolution (cuDNN) -> batch_to_space.
+"""
+
+import torch
+import torch.nn.functional as F
+
+import sbnet_cupy
+from sbnet_cupy import _checks
+from sbnet_cupy.space_to_batch import (batch_to_space_reshape, check_batch_to_space,
+                                       check_space_to_batch, dilated_conv_geometry,
+                                       launch_batch_to_space, launch_space_to_batch,
+                                       same_padding, space_to_batch_reshape)
+
+from ._ops import _call, _checked, _numpy, _raw_stream, _register
+
+METHODS = ("auto", "reshape", "native")
+
+
+def _channels_last(t):
+    """Whether t is stored NHWC (and not also NCHW-contiguous, as with C = 1 or H = W = 1)."""
+    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _layout(t):
+    """(tensor to hand to the kernels, its data format, memory format of the result)."""
+    if _channels_last(t):
+        return t, "NHWC", torch.channels_last
+    return (t if t.is_contiguous() else t.contiguous()), "NCHW", torch.contiguous_format
+
+
+def _as_format(t, data_format):
+    """The NCHW tensor t as the array layout the kernels see: NHWC is a permuted view."""
+    return t.permute(0, 2, 3, 1) if data_format == "NHWC" else t
+
+
+def _pairs(flat):
+    return ((flat[0], flat[1]), (flat[2], flat[3]))
+
+
+def _flat(margins):
+    return [margins[0][0], margins[0][1], margins[1][0], margins[1][1]]
+
+
+def _run(op, src, block, margins):
+    """space_to_batch (op="space_to_batch": src is x) or batch_to_space (src is y) of an NCHW
+    tensor, channels_last kept."""
+    src, data_format, memory_format = _layout(src)
+    view = _as_format(src, data_format)
+    if op == "space_to_batch":
+        geometry = space_to_batch_reshape(tuple(view.shape), tuple(block), _pairs(margins),
+                                          data_format)
+        n, c, hq, wq = geometry.y_shape if data_format == "NCHW" else _nchw(geometry.y_shape)
+    else:
+        geometry = batch_to_space_reshape(tuple(view.shape), tuple(block), _pairs(margins),
+                                          data_format)
+        n, c, hq, wq = geometry.x_shape if data_format == "NCHW" else _nchw(geometry.x_shape)
+    out = torch.empty((n, c, hq, wq), dtype=src.dtype, device=src.device,
+                      memory_format=memory_format)
+    if not src.is_cuda:
+        function = (sbnet_cupy.space_to_batch if op == "space_to_batch"
+                    else sbnet_cupy.batch_to_space)
+        function(_numpy(view), tuple(block), _pairs(margins), data_format=data_format,
+                 out=_numpy(_as_format(out, data_format)))
+        return out
+    device = src.get_device()
+    launch = launch_space_to_batch if op == "space_to_batch" else launch_batch_to_space
+    launch(device, _raw_stream(device), src.data_ptr(), out.data_ptr(), geometry,
+           src.element_size())
+    return out
+
+
+def _nchw(nhwc_shape):
+    n, h, w, c = nhwc_shape
+    return n, c, h, w
+
+
+def _fake(t, shape):
+    memory_format = torch.channels_last if _channels_last(t) else torch.contiguous_format
+    return torch.empty(shape, dtype=t.dtype, device=t.device, memory_format=memory_format)
+
+
+# --- space_to_batch -------------------------------------------------------------------------
+
+def _space_to_batch_impl(x, block, paddings):
+    return _run("space_to_batch", x, block, paddings)
+
+
+def _space_to_batch_fake(x, block, paddings):
+    (bh, bw), (top, bottom, left, right) = block, paddings
+    n, c, h, w = x.shape
+    return _fake(x, (bh * bw * n, c, (h + top + bottom) // bh, (w + left + right) // bw))
+
+
+def _space_to_batch_setup(ctx, inputs, output):
+    _, ctx.block, ctx.margins = inputs
+
+
+def _space_to_batch_backward(ctx, grad):
+    # Each element of x went to one element of y; the padding came from nowhere.
+    return _batch_to_space(grad, ctx.block, ctx.margins), None, None
+
+
+_space_to_batch_op, _SpaceToBatchFunction = _register(
+    "space_to_batch(Tensor x, int[] block, int[] paddings) -> Tensor",
+    _space_to_batch_impl, _space_to_batch_fake, _space_to_batch_setup, _space_to_batch_backward)
+
+
+def _space_to_batch(x, block, paddings):
+    args = (x, block, paddings)
+    return _call(_space_to_batch_op, _SpaceToBatchFunction, _space_to_batch_impl, args, (x,),
+                 (x,))
+
+
+# --- batch_to_space -------------------------------------------------------------------------
+
+def _batch_to_space_impl(y, block, crops):
+    return _run("batch_to_space", y, block, crops)
+
+
+def _batch_to_space_fake(y, block, crops):
+    (bh, bw), (top, bottom, left, right) = block, crops
+    batch, c, hq, wq = y.shape
+    return _fake(y, (batch // (bh * bw), c, bh * hq - top - bottom, bw * wq - left - right))
+
+
+def _batch_to_space_setup(ctx, inputs, output):
+    _, ctx.block, ctx.margins = inputs
+
+
+def _batch_to_space_backward(ctx, grad):
+    # Each element of x came from one element of y; the cropped ones went nowhere.
+    return _space_to_batch(grad, ctx.block, ctx.margins), None, None
+
+
+_batch_to_space_op, _BatchToSpaceFunction = _register(
+    "batch_to_space(Tensor y, int[] block, int[] crops) -> Tensor",
+    _batch_to_space_impl, _batch_to_space_fake, _batch_to_space_setup, _batch_to_space_backward)
+
+
+def _batch_to_space(y, block, crops):
+    args = (y, block, crops)
+    return _call(_batch_to_space_op, _BatchToSpaceFunction, _batch_to_space_impl, args, (y,),
+                 (y,))
+
+
+def _tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_space_to_batch(x, block, paddings):
+    return check_space_to_batch(_tensor("x", x), block, paddings, "NCHW")
+
+
+def _check_batch_to_space(y, block, crops):
+    return check_batch_to_space(_tensor("y", y), block, crops, "NCHW")
+
+
+_SPACE_TO_BATCH_CHECKS, _BATCH_TO_SPACE_CHECKS, _CONV_CHECKS = {}, {}, {}
+
+
+def space_to_batch(x, block, paddings=0):
+    """sbnet_cupy.space_to_batch on an NCHW tensor [N, C, H, W] -> [BH*BW*N, C, H', W'];
+    differentiable. A channels_last x gives a channels_last result (NHWC kernels)."""
+    geometry = _checked(_SPACE_TO_BATCH_CHECKS, _check_space_to_batch, (x, block, paddings))
+    return _space_to_batch(x, list(geometry.block), _flat(geometry.margins))
+
+
+def batch_to_space(y, block, crops=0):
+    """sbnet_cupy.batch_to_space on an NCHW tensor [BH*BW*N, C, H', W'] -> [N, C, H, W];
+    differentiable. A channels_last y gives a channels_last result (NHWC kernels)."""
+    geometry = _checked(_BATCH_TO_SPACE_CHECKS, _check_batch_to_space, (y, block, crops))
+    return _batch_to_space(y, list(geometry.block), _flat(geometry.margins))
+
+
+# --- dilated convolution --------------------------------------------------------------------
+
+def choose_method(x, weight, dilation):
+    """The route that "auto" takes: "reshape" or "native".
+
+    A first guess from the anchors measured with a reshape route built of torch's own ops
+    (the issue's H100 numbers): the native dilation won everywhere except the gradient wrt the
+    weights with 512 channels at rate 4 in float32. To be replaced by the rule that
+    bench/dilated.py measures with these kernels (bench/README.md)."""
+    if not x.is_cuda or x.dtype != torch.float32:
+        return "native"
+    wide = min(weight.shape[0], weight.shape[1]) >= 512
+    training = torch.is_grad_enabled() and weight.requires_grad
+    return "reshape" if wide and min(dilation) >= 4 and training else "native"
+
+
+def _conv_padding(padding, kernel, dilation):
+    """((top, bottom), (left, right)) of F.conv2d's padding: an int, a pair, "valid" or "same"
+    (an odd total padding puts the extra zero at the bottom and right, as torch does)."""
+    if padding == "valid":
+        return ((0, 0), (0, 0))
+    if padding == "same":
+        return same_padding(kernel, dilation)
+    if isinstance(padding, str):
+        raise ValueError(f"padding must be an int, a pair of ints, 'valid' or 'same', "
+                         f"got {padding!r}")
+    ph, pw = _checks.int_pair("padding", padding, minimum=0)
+    return ((ph, ph), (pw, pw))
+
+
+def _check_conv(x, weight, bias, dilation, padding, method):
+    """(dilation pair, ((top, bottom), (left, right)) padding) of checked arguments."""
+    for name, t in (("x", x), ("weight", weight)):
+        if _tensor(name, t).ndim != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight must be [K, C, KH, KW] with C = {x.shape[1]} (x's channels), "
+                         f"got shape {tuple(weight.shape)}")
+    if bias is not None and tuple(_tensor("bias", bias).shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    dilation = _checks.int_pair("dilation", dilation, minimum=1)
+    kernel = tuple(weight.shape[2:])
+    paddings = _conv_padding(padding, kernel, dilation)
+    for size, k, d, (before, after) in zip(x.shape[2:], kernel, dilation, paddings):
+        if size + before + after - d * (k - 1) < 1:
+            raise ValueError(f"x ({tuple(x.shape[2:])}) padded by {paddings} is smaller than "
+                             f"the dilated kernel {kernel} x dilation {dilation}")
+    return dilation, paddings
+
+
+def dilated_conv2d(x, weight, bias=None, *, dilation, padding=0, method="auto"):
+    """F.conv2d(x, weight, bias, padding=padding, dilation=dilation) (stride 1, one group),
+    differentiable in x, weight and bias.
+
+    Args:
+        x: [N, C, H, W] tensor (channels_last kept). weight: [K, C, KH, KW]. bias: None or [K].
+        dilation: int or (DH, DW) >= 1.
+        padding: int or (PH, PW) zeros on each side, or "valid" or "same".
+        method: "native" calls F.conv2d with dilation=; "reshape" computes::
+
+                y = space_to_batch(x, dilation, paddings)   # the sub-lattices as a batch
+                z = F.conv2d(y, weight, bias, padding=q)    # no dilation: cuDNN's fast paths
+                out = batch_to_space(z, dilation, crops)
+
+            where paddings make H and W multiples of the dilation and the convolution's own
+            padding q takes whole multiples of it (DilatedConvGeometry); "auto" picks one of
+            the two by choose_method.
+
+    Returns:
+        [N, K, OH, OW] with OH = H + top + bottom - DH*(KH - 1), as F.conv2d.
+    """
+    dilation, paddings = _checked(_CONV_CHECKS, _check_conv,
+                                  (x, weight, bias, dilation, padding, method))
+    if method == "auto":
+        method = choose_method(x, weight, dilation)
+    if method == "native":
+        conv_padding = padding if isinstance(padding, str) else tuple(p for p, _ in paddings)
+        return F.conv2d(x, weight, bias, padding=conv_padding, dilation=dilation)
+    # Under torch.compile the geometry is worked out while tracing, without the cache.
+    geometry = (dilated_conv_geometry.__wrapped__ if torch.compiler.is_compiling()
+                else dilated_conv_geometry)
+    g = geometry(tuple(x.shape[2:]), tuple(weight.shape[2:]), dilation, paddings,
+                 conv_padding=True)
+    block = list(dilation)
+    y = _space_to_batch(x, block, _flat(g.paddings))
+    z = F.conv2d(y, weight, bias, padding=g.conv_padding)
+    return _batch_to_space(z, block, _flat(g.crops))
+
+
+class DilatedConv2d(torch.nn.Conv2d):
+    """torch.nn.Conv2d with stride 1 and one group whose forward is dilated_conv2d (same
+    parameters and state dict, so a model swaps one for the other).
+
+    Args: in_channels, out_channels, kernel_size, dilation, padding (int, pair, "valid" or
+    "same"), bias, method ("auto", "reshape" or "native"), device, dtype."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, dilation, padding=0, bias=True,
+                 method="auto", device=None, dtype=None):
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        super().__init__(in_channels, out_channels, kernel_size, padding=padding,
+                         dilation=dilation, bias=bias, device=device, dtype=dtype)
+        self.method = method
+
+    def forward(self, x):
+        return dilated_conv2d(x, self.weight, self.bias, dilation=self.dilation,
+                              padding=self.padding, method=self.method)
+
+    def extra_repr(self):
+        return super().extra_repr() + f", method={self.method!r}"
