@@ -574,3 +574,26 @@ def test_kernels_transliterated_on_large_dilation(rng):
         assert dict(zip(CONV_FIELDS, plan.ints))["chunk"] < 70
         out = emulate_conv(plan, x, expected.shape, kernel._launch_arrays(False, plan.layout, 5))
         numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
+
+
+@pytest.mark.parametrize("density", ["zero", "one", 1.0])
+def test_kernels_transliterated_on_edge_densities(rng, density):
+    """No taps (the layouts hold only the end marker), one tap, every tap: forward and input
+    gradient."""
+    x = random_array(rng, (2, 17, 40, 6), numpy.float32)
+    w = pruned_weight(rng, (5, 3, 6, 9), density)
+    kernel = SparseKernel.from_dense(w)
+    expected = reference(x, w, (1, 1), "SAME", (1, 1))
+    dy = random_array(rng, expected.shape, numpy.float32)
+    expected_dx, _ = reference_gradients(x, w, dy, (1, 1), "SAME", (1, 1))
+    out_hw, pads = _geometry(x.shape[1:3], w.shape[:2], (1, 1), "SAME", (1, 1))
+    strides_t, pads_t, input_dilation = skc.transposed_geometry(w.shape, (1, 1), (1, 1), pads)
+    for strategy in _emulated_strategies(True, "float32"):
+        plan = skc.conv_plan(strategy, "float32", 2, x.shape[1:3], 6, out_hw, 9, w.shape[:2],
+                             (1, 1), (1, 1), pads, (1, 1))
+        out = emulate_conv(plan, x, expected.shape, kernel._launch_arrays(False, plan.layout, 1))
+        numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
+        plan = skc.conv_plan(strategy, "float32", 2, out_hw, 9, x.shape[1:3], 6, w.shape[:2],
+                             strides_t, (1, 1), pads_t, input_dilation)
+        dx = emulate_conv(plan, dy, x.shape, kernel._launch_arrays(True, plan.layout, 1))
+        numpy.testing.assert_allclose(dx, expected_dx, rtol=1e-9, atol=1e-9, err_msg=strategy)
