@@ -16,6 +16,11 @@ import numpy
 
 from . import _kernels
 
+try:
+    from cupy.cuda import driver, runtime
+except ImportError:  # the NumPy backend launches nothing
+    driver = runtime = None
+
 # The largest argument struct any kernel takes (kernels/common.cuh static_asserts each size).
 _ARG_BYTES = 256
 
@@ -41,7 +46,6 @@ class _ThreadState(threading.local):
 
 
 _state = _ThreadState()
-_driver = _runtime = None  # cupy.cuda's, imported by function(): no launch comes before it
 _functions = {}  # (device, op, name expression) -> (CUfunction address, cupy Function)
 
 
@@ -51,9 +55,7 @@ def function(device, op, kernel, *template_args):
     key = (device, op, kernel, template_args)
     entry = _functions.get(key)
     if entry is None:
-        global _driver, _runtime
         import cupy
-        from cupy.cuda import driver as _driver, runtime as _runtime
 
         with cupy.cuda.Device(device):
             compiled = _kernels.get_kernel(op, kernel, *template_args).kernel
@@ -66,16 +68,16 @@ def launch(device, stream, kernel, grid, block, shared_mem, arguments, values):
     address), grid and block as 3-tuples, with `values` packed by the Struct `arguments`."""
     state = _state
     arguments.pack_into(state.arguments, 0, *values)
-    current = _runtime.getDevice()
+    current = runtime.getDevice()
     if current == device and device in state.devices:
-        _driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                             shared_mem, stream, state.kernel_params, 0)
+        driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                            shared_mem, stream, state.kernel_params, 0)
         return
     # Another device, or this thread's first launch on it: make its context current.
-    _runtime.setDevice(device)
+    runtime.setDevice(device)
     state.devices.add(device)
     try:
-        _driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                             shared_mem, stream, state.kernel_params, 0)
+        driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                            shared_mem, stream, state.kernel_params, 0)
     finally:
-        _runtime.setDevice(current)
+        runtime.setDevice(current)
