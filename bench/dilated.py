@@ -24,7 +24,6 @@ dilated_<device>.md and dilated_<device>.png.
 """
 
 import argparse
-import csv
 import datetime
 import math
 import pathlib
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 
 import torch_bridge as tb
 from sbnet_cupy.space_to_batch import dilated_conv_geometry
+from bench._common import events_ms, graph, write_csv
 from torch_bridge import dilated
 
 # (N, C_in, K, H = W, rate): the seed's runs (batch 128, 3 -> 128, scale 2), wider layers at
@@ -98,36 +98,10 @@ def _route(name, r):
 
 # --- timing ---------------------------------------------------------------------------------
 
-def _events_ms(run, repeats, warmup=3):
-    times = []
-    for i in range(warmup + repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def _graph(run):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # cudnn.benchmark tunes outside the capture
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph
-
-
 def _time(make_call, mode, repeats):
     """Median ms of the call that make_call() returns (after recording what it needs)."""
     if mode == "eager":
-        return _events_ms(make_call(), repeats)
+        return events_ms(make_call(), repeats)
     # Graph mode: the forward is recorded on the capture stream, where autograd then runs the
     # backward (it follows the forward's stream), so the capture holds the backward alone.
     stream = torch.cuda.Stream()
@@ -140,7 +114,7 @@ def _time(make_call, mode, repeats):
     with torch.cuda.graph(graph, stream=stream):
         call()
     torch.cuda.current_stream().wait_stream(stream)
-    ms = _events_ms(graph.replay, repeats)
+    ms = events_ms(graph.replay, repeats)
     del graph
     return ms
 
@@ -222,10 +196,7 @@ def _graph_per_launch_ms(launches, repeats):
         for launch in launches:
             launch()
 
-    graph = _graph(run)
-    ms = _events_ms(graph.replay, repeats) / len(launches)
-    del graph
-    return ms
+    return events_ms(graph(run).replay, repeats) / len(launches)
 
 
 def run_reshape(case, dtype_name, channels_last, copy_gbs, repeats):
@@ -276,15 +247,6 @@ def _torch_batch_to_space(y, r, g):
 
 def _label(row):
     return f"{row['N']}x{row['C']}->{row['K']} {row['size']}px r{row['rate']}"
-
-
-def write_csv(rows, path):
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
 
 
 def write_markdown(path, device, command, copy_gbs, rows, reshape_rows, modes):

@@ -16,10 +16,8 @@ call, median of --repeats after warm-up. Writes <out>/res_blocks_<device>.csv an
 """
 
 import argparse
-import csv
 import itertools
 import pathlib
-import statistics
 import sys
 import time
 
@@ -28,6 +26,7 @@ import torch
 
 import torch_bridge as tb
 from bench import masks
+from bench._common import events_ms, graph, read_csv, write_csv
 
 # stage: (H, W, C, bottleneck K). T1 convolves K channels at H x W, T2 is the C/K unit.
 STAGES = {"conv-2": (400, 704, 96, 24), "conv-3": (200, 352, 192, 48),
@@ -61,33 +60,6 @@ def suites(names):
         rows += [("spconv", "T2", s, 1, "tf32", m, 0.9, 16)
                  for s, m in itertools.product(STAGES, ("topleft", "road"))]
     return rows
-
-
-def _events_ms(run, repeats, reset):
-    times = []
-    for i in range(repeats + 3):
-        reset()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        if i >= 3:  # warm-up
-            times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def _graph(run):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph
 
 
 def _randomise(module, rng):
@@ -157,11 +129,11 @@ def run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize, repeat
                    pixel_density=round(float(mask_np.mean()), 4), bsize=bsize,
                    active_blocks=active, blocks=blocks_total, capacity=capacity,
                    rel_error=f"{error:.1e}")
-        row["dense_eager_ms"] = _events_ms(dense, repeats, reset)
-        row["sparse_eager_ms"] = _events_ms(sparse, repeats, reset)
-        dense_graph, sparse_graph = _graph(dense), _graph(sparse)
-        row["dense_graph_ms"] = _events_ms(dense_graph.replay, repeats, reset)
-        row["sparse_graph_ms"] = _events_ms(sparse_graph.replay, repeats, reset)
+        row["dense_eager_ms"] = events_ms(dense, repeats, reset)
+        row["sparse_eager_ms"] = events_ms(sparse, repeats, reset)
+        dense_graph, sparse_graph = graph(dense), graph(sparse)
+        row["dense_graph_ms"] = events_ms(dense_graph.replay, repeats, reset)
+        row["sparse_graph_ms"] = events_ms(sparse_graph.replay, repeats, reset)
         del dense_graph, sparse_graph
     row["speedup_eager"] = row["dense_eager_ms"] / row["sparse_eager_ms"]
     row["speedup_graph"] = row["dense_graph_ms"] / row["sparse_graph_ms"]
@@ -206,7 +178,7 @@ def run_spconv(stage, precision, mask_kind, sparsity, repeats, rng):
         x[indices[:, 0], indices[:, 1], indices[:, 2]] = out
 
     with torch.no_grad():
-        ms = _events_ms(submanifold, repeats, lambda: None)
+        ms = events_ms(submanifold, repeats, lambda: None)
     return dict(spconv_eager_ms=ms, active_sites=int(mask.sum()))
 
 
@@ -269,10 +241,10 @@ def run_modes(stage, precision, units, repeats, rng):
             error = ((got - want)[covered].float().norm() / want[covered].float().norm()).item()
             if not error < TOLERANCE[precision] * units:
                 raise AssertionError(f"{name} differs from dense: relative error {error:.2e}")
-        dense_graph = _graph(lambda: model.dense(x))
+        dense_graph = graph(lambda: model.dense(x))
         runs["dense_graph"] = dense_graph.replay
         for name, run in runs.items():
-            row[f"{name}_ms"] = _events_ms(run, repeats, lambda: None)
+            row[f"{name}_ms"] = events_ms(run, repeats, lambda: None)
     row["eager_speedup"] = row["dense_eager_ms"] / row["sparse_eager_ms"]
     row["reduce_overhead_vs_capacity_graphs"] = (row["sparse_reduce_overhead_ms"]
                                                  / row["sparse_capacity_graphs_ms"])
@@ -345,27 +317,6 @@ def _plot_suite(axes, rows, suite):
     axes[0].set_ylabel("speed-up over dense (same run)")
 
 
-def _read_csv(path):
-    def value(v):
-        try:
-            return float(v) if "." in v or "e" in v else int(v)
-        except ValueError:
-            return v
-
-    with open(path) as f:
-        return [{k: value(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
-
-
-def _write_csv(rows, path):
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: round(v, 4) if isinstance(v, float) else v
-                             for k, v in r.items()})
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", nargs="+", default=["topleft", "blocksize", "batch", "fp32",
@@ -376,7 +327,7 @@ def main(argv=None):
     parser.add_argument("--replot", type=pathlib.Path, help="only redraw the plot of this CSV")
     args = parser.parse_args(argv)
     if args.replot:
-        plot(_read_csv(args.replot), args.replot.with_suffix(".png"))
+        plot(read_csv(args.replot), args.replot.with_suffix(".png"))
         return 0
     torch.backends.cudnn.benchmark = True
     device = torch.cuda.get_device_name()
@@ -393,7 +344,7 @@ def main(argv=None):
                   f"compiled {r['sparse_compiled_ms']:.3f} / reduce-overhead "
                   f"{r['sparse_reduce_overhead_ms']:.3f} / CapacityGraphs "
                   f"{r['sparse_capacity_graphs_ms']:.3f} ms", flush=True)
-            _write_csv(rows, args.out / f"res_blocks_modes_{slug}.csv")
+            write_csv(rows, args.out / f"res_blocks_modes_{slug}.csv")
             (args.out / f"res_blocks_modes_{slug}.md").write_text(_modes_table(rows, device))
         args.suite = [s for s in args.suite if s != "modes"]
         if not args.suite:
@@ -419,7 +370,7 @@ def main(argv=None):
               f"theory x{row['theoretical']:.1f}"
               + (f", spconv {row['spconv_eager_ms']:.3f} ms" if suite == "spconv" else ""),
               flush=True)
-        _write_csv(rows, args.out / f"{name}.csv")  # after every row: a cut-off run keeps them
+        write_csv(rows, args.out / f"{name}.csv")  # after every row: a cut-off run keeps them
         torch.cuda.empty_cache()
     plot(rows, args.out / f"{name}.png")
     return 0

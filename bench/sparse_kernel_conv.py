@@ -22,7 +22,6 @@ it).
 """
 
 import argparse
-import csv
 import datetime
 import math
 import pathlib
@@ -33,6 +32,7 @@ import time
 import numpy
 
 import sbnet_cupy
+from bench._common import read_csv, write_csv
 from bench.ops import _graph_ms
 
 SIZE = (256, 512)
@@ -237,28 +237,6 @@ def plot(rows, path):
     fig.savefig(path, dpi=90)
 
 
-def _write_csv(rows, path):
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()})
-
-
-def _read_csv(path):
-    def value(v):
-        for kind in (int, float):
-            try:
-                return kind(v)
-            except ValueError:
-                pass
-        return v
-
-    with open(path) as f:
-        return [{k: value(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
@@ -269,7 +247,7 @@ def main(argv=None):
     parser.add_argument("--replot", type=pathlib.Path, help="only redraw the plot of this CSV")
     args = parser.parse_args(argv)
     if args.replot:
-        plot(_read_csv(args.replot), args.replot.with_suffix(".png"))
+        plot(read_csv(args.replot), args.replot.with_suffix(".png"))
         return 0
     import cupy
     import torch
@@ -290,7 +268,7 @@ def main(argv=None):
         cupy.get_default_memory_pool().free_all_blocks()  # the case's tensors are gone
         torch.cuda.empty_cache()
         print(_row_text(rows[-1]), f"[{time.time() - started:.0f} s]", flush=True)
-        _write_csv(rows, args.out / f"{name}.csv")  # after every row: a timeout keeps the rest
+        write_csv(rows, args.out / f"{name}.csv", digits=5)  # after every row: a timeout keeps the rest
     write_markdown(rows, args.out / f"{name}.md", device, command)
     plot(rows, args.out / f"{name}.png")
     return 0
