@@ -33,16 +33,21 @@ struct BlockConvArgs {
     BlockSide in, out;
     int relu_out, zero_outside;
     int paired;             // cout even and dst aligned: two channels written as one access
-    int unused;
+    int k_groups;           // warp groups of the CTA that split the reduction (blockDim.x / 128)
 };
 static_assert(sizeof(BlockConvArgs) == 168, "BlockConvArgs must match sbnet_cupy/block_conv.py");
 
 namespace block_conv_tile {
-constexpr int THREADS = 128;  // 4 warps as 2 x 2, each 32 pixels x BN / 2 channels
+constexpr int THREADS = 128;  // a warp group: 4 warps as 2 x 2, each 32 pixels x BN / 2 channels
 constexpr int BM = 64;        // output pixels of one block per tile
 constexpr int WORDS = 32;     // 32-bit words of the reduction per pipeline stage
 constexpr int PITCH = WORDS + 4;  // padded rows: fragment loads hit 32 different banks
 }  // namespace block_conv_tile
+
+// Each warp group waits only for its own warps (barrier 0 is __syncthreads).
+static __device__ __forceinline__ void group_sync(int group) {
+    asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(block_conv_tile::THREADS) : "memory");
+}
 
 static __device__ __forceinline__ unsigned to_tf32(float v) {
     unsigned bits;
@@ -117,11 +122,15 @@ static __device__ __forceinline__ side_origin side_of(const BlockSide& s, int m,
 }
 
 // Grid: a few CTAs an SM, each looping over the tiles (block, BM output pixels, BN output
-// channels) of the first *count listed blocks, so rows past the count cost nothing. T is
-// float (TF32), half_t or bfloat16_t; V elements (dividing cin, pointers aligned to them) are
-// read as one access; Op (common.cuh) writes or adds the output.
+// channels) of the first *count listed blocks, so rows past the count cost nothing. A CTA is
+// k_groups warp groups of THREADS threads: group g reduces stages g, g + k_groups, ... of the
+// tile into its own accumulators, which group 0 sums before the epilogue, so that few tiles with
+// a long reduction (deep layers, few blocks) still keep many loads in flight. Dynamic shared
+// memory: k_groups * 2 * (BM + BN) * PITCH words. T is float (TF32), half_t or bfloat16_t; V
+// elements (dividing cin, pointers aligned to them) are read as one access; Op (common.cuh)
+// writes or adds the output.
 template <typename T, int BN, int V, typename Op>
-__global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv(const BlockConvArgs a) {
+__global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const BlockConvArgs a) {
     using namespace block_conv_tile;
     constexpr int PER_WORD = 4 / sizeof(T);
     constexpr int BK = WORDS * PER_WORD;  // reduction elements a stage
@@ -132,9 +141,11 @@ __global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv(const Blo
     static_assert(THREADS % SLOTS == 0 && BM % ROWS_PER_PASS == 0 && BN % ROWS_PER_PASS == 0,
                   "tile shape");
     static_assert(A_PASSES <= 32, "the load mask is one word");
+    constexpr int GROUP_WORDS = 2 * (BM + BN) * PITCH;
+    constexpr int ACC = 2 * NT * 4;       // accumulators a thread
+    static_assert(ACC * THREADS <= GROUP_WORDS, "a group's partial sums fit in its tiles");
     typedef vec_t<T, V> Vec;
-    __shared__ __align__(16) unsigned tile_a[2][BM * PITCH];
-    __shared__ __align__(16) unsigned tile_b[2][BN * PITCH];
+    extern __shared__ __align__(16) unsigned block_conv_smem[];
 
     const T* __restrict__ src = static_cast<const T*>(a.src);
     const T* __restrict__ weight = static_cast<const T*>(a.weight);
@@ -145,9 +156,13 @@ __global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv(const Blo
     const int ktotal = a.kh * a.kw * a.cin;
     const int stages = (ktotal + BK - 1) / BK;
     const i64 tiles = (i64)min(max(*a.count, 0), a.rows) * per_block;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int group = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
+    const int lane = tid & 31, warp = tid >> 5;
     const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
     const int slot = tid % SLOTS, row0 = tid / SLOTS;
+    unsigned* tile_a[2] = {block_conv_smem + group * GROUP_WORDS,
+                           block_conv_smem + group * GROUP_WORDS + BM * PITCH};
+    unsigned* tile_b[2] = {tile_a[1] + BM * PITCH, tile_a[1] + BM * PITCH + BN * PITCH};
 
     for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const int m = (int)(tile / per_block), rest = (int)(tile % per_block);
@@ -222,12 +237,12 @@ __global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv(const Blo
         };
 
         float acc[2][NT][4] = {};
-        load(0);
-        for (int stage = 0; stage < stages; ++stage) {
-            const int buffer = stage & 1;
+        if (group < stages) load(group);
+        int buffer = 0;
+        for (int stage = group; stage < stages; stage += a.k_groups, buffer ^= 1) {
             store(buffer);
-            __syncthreads();
-            if (stage + 1 < stages) load(stage + 1);  // in flight during the MMAs
+            group_sync(group);
+            if (stage + a.k_groups < stages) load(stage + a.k_groups);  // in flight during the MMAs
             const unsigned* ta = tile_a[buffer];
             const unsigned* tb = tile_b[buffer];
 #pragma unroll
@@ -253,44 +268,63 @@ __global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv(const Blo
                     for (int nt = 0; nt < NT; ++nt) block_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
             }
         }
-        __syncthreads();  // the next tile's first store reuses buffer 0
-
-        // Epilogue: accumulator (mt, nt, 2 * half + e) is pixel p0 + wm * 32 + mt * 16 + g +
-        // 8 * half, channel n0 + wn * BN / 2 + nt * 8 + 2 * t + e.
+        __syncthreads();  // every group is done with its tiles: they hold the partial sums now
+        if (a.k_groups > 1) {
+            float* partial = reinterpret_cast<float*>(block_conv_smem);
+            float* flat = &acc[0][0][0];
+            if (group > 0) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+                for (int i = 0; i < ACC; ++i)
+                    partial[(group - 1) * GROUP_WORDS + i * THREADS + tid] = flat[i];
+            }
+            __syncthreads();
+            if (group == 0) {
+                for (int other = 1; other < a.k_groups; ++other) {
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int p = p0 + wm * 32 + mt * 16 + g + 8 * half;
-                if (p >= pixels) continue;
-                const int ph = p / a.out_w, pw = p - ph * a.out_w;
-                const int dh = out.h + ph, dw = out.w + pw;
-                if (dh < 0 || dh >= a.out.height || dw < 0 || dw >= a.out.width) continue;
-                const int sh = in.h + ph, sw = in.w + pw;
-                const bool zero = a.zero_outside &&
-                                  (sh < 0 || sh >= a.in.height || sw < 0 || sw >= a.in.width);
-                T* pixel = dst + ((out.n * a.out.height + dh) * a.out.width + dw) * a.cout;
+                    for (int i = 0; i < ACC; ++i)
+                        flat[i] += partial[(other - 1) * GROUP_WORDS + i * THREADS + tid];
+                }
+            }
+        }
+        if (group == 0) {
+            // Epilogue: accumulator (mt, nt, 2 * half + e) is pixel p0 + wm * 32 + mt * 16 + g +
+            // 8 * half, channel n0 + wn * BN / 2 + nt * 8 + 2 * t + e.
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
-                    if (co >= a.cout) continue;
-                    float v[2];
+            for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        v[e] = acc[mt][nt][2 * half + e];
-                        if (a.bias != nullptr && co + e < a.cout) v[e] += a.bias[co + e];
-                        if (a.relu_out) v[e] = fmaxf(v[e], 0.f);
-                        if (zero) v[e] = 0.f;
-                    }
-                    if (a.paired) {
-                        vec_t<T, 2> pair = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
-                        Op::apply(reinterpret_cast<vec_t<T, 2>*>(pixel + co), pair);
-                    } else {
-                        Op::apply(pixel + co, from_acc<T>(v[0]));
-                        if (co + 1 < a.cout) Op::apply(pixel + co + 1, from_acc<T>(v[1]));
+                for (int half = 0; half < 2; ++half) {
+                    const int p = p0 + wm * 32 + mt * 16 + g + 8 * half;
+                    if (p >= pixels) continue;
+                    const int ph = p / a.out_w, pw = p - ph * a.out_w;
+                    const int dh = out.h + ph, dw = out.w + pw;
+                    if (dh < 0 || dh >= a.out.height || dw < 0 || dw >= a.out.width) continue;
+                    const int sh = in.h + ph, sw = in.w + pw;
+                    const bool zero = a.zero_outside &&
+                                      (sh < 0 || sh >= a.in.height || sw < 0 || sw >= a.in.width);
+                    T* pixel = dst + ((out.n * a.out.height + dh) * a.out.width + dw) * a.cout;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+                        if (co >= a.cout) continue;
+                        float v[2];
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            v[e] = acc[mt][nt][2 * half + e];
+                            if (a.bias != nullptr && co + e < a.cout) v[e] += a.bias[co + e];
+                            if (a.relu_out) v[e] = fmaxf(v[e], 0.f);
+                            if (zero) v[e] = 0.f;
+                        }
+                        if (a.paired) {
+                            vec_t<T, 2> pair = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
+                            Op::apply(reinterpret_cast<vec_t<T, 2>*>(pixel + co), pair);
+                        } else {
+                            Op::apply(pixel + co, from_acc<T>(v[0]));
+                            if (co + 1 < a.cout) Op::apply(pixel + co + 1, from_acc<T>(v[1]));
+                        }
                     }
                 }
             }
         }
+        __syncthreads();  // the next tile's loads reuse the shared memory
     }
 }

@@ -19,17 +19,18 @@ from . import _kernels, _launch
 
 # kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 4 ints.
 BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i4i", 168)
-THREADS, TILE_PIXELS, TILE_WORDS = 128, 64, 32  # as block_conv_tile in the kernel
+THREADS, TILE_PIXELS, TILE_WORDS, PITCH = 128, 64, 32, 36  # as block_conv_tile in the kernel
 TILE_CHANNELS = (32, 64)  # output channels a tile: the kernel's BN choices
+MAX_K_GROUPS = 4  # warp groups that may split a tile's reduction (the kernel's launch bounds)
 DTYPES = ("float32", "float16", "bfloat16")  # float32 runs as TF32
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-_CTAS_PER_SM = 4  # when the occupancy query is not available
 
-# The output side of a launch: "Assign" writes, "Add" adds (blocks must not overlap),
-# "AtomicAdd" adds with atomics.
-OPS = ("Assign", "Add", "AtomicAdd")
+# The output side of a launch: "Assign" writes, "Add" adds without atomics (the output blocks
+# of a list must not overlap, which reduce_mask's lists of stride-1 geometry never do).
+OPS = ("Assign", "Add")
 
-BlockConvPlan = namedtuple("BlockConvPlan", ["function", "tile_channels", "ctas"])
+# ctas[g - 1]: CTAs of g warp groups that the GPU holds at once.
+BlockConvPlan = namedtuple("BlockConvPlan", ["function", "tile_channels", "group_bytes", "ctas"])
 
 
 def image_side(height, width, boffset, bstride):
@@ -77,13 +78,25 @@ def _plan(device, dtype_name, cin, cout, alignment, op):
     tile_channels = min(reversed(TILE_CHANNELS), key=lambda bn: math.ceil(cout / bn) * bn)
     function = _launch.function(device, "block_conv", "block_conv",
                                 _kernels.ARITHMETIC_CTYPES[dtype_name], tile_channels, vector, op)
-    ctas = _CTAS_PER_SM
-    if _launch.driver is not None:
-        ctas = max(1, _launch.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            function, THREADS, 0))
-    sms = _launch.runtime.deviceGetAttribute(
-        _launch.runtime.cudaDevAttrMultiProcessorCount, device)
-    return BlockConvPlan(function, tile_channels, ctas * sms)
+    driver, runtime = _launch.driver, _launch.runtime
+    group_bytes = 2 * (TILE_PIXELS + tile_channels) * PITCH * 4
+    driver.funcSetAttribute(function,
+                            driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            MAX_K_GROUPS * group_bytes)
+    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
+    ctas = tuple(sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        function, THREADS * groups, groups * group_bytes))
+        for groups in range(1, MAX_K_GROUPS + 1))
+    return BlockConvPlan(function, tile_channels, group_bytes, ctas)
+
+
+def k_groups(tiles, stages, ctas):
+    """Warp groups to split each tile's reduction over: enough that `tiles` tiles fill the GPU
+    (ctas: the plan's CTAs by group count), no more than the reduction has stages."""
+    groups = 1
+    while groups < min(MAX_K_GROUPS, stages) and tiles * groups < ctas[0] // 2:
+        groups += 1
+    return groups
 
 
 def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, counts, rows,
@@ -105,19 +118,21 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
         alignment = min(alignment, address & -address or 16)
     plan = _plan(device, dtype_name, cin, cout, alignment, op)
     per_block = math.ceil(oh * ow / TILE_PIXELS) * math.ceil(cout / plan.tile_channels)
-    if rows * per_block >= 2**62:
-        raise ValueError(f"too many blocks: {rows}")
+    if rows >= 2**31:
+        raise ValueError(f"active_block_indices has too many rows: {rows}")
     itemsize = _ITEMSIZE[dtype_name]
     paired = cout % 2 == 0 and (dst & -dst or 16) % (2 * itemsize) == 0
-    _launch.launch(device, stream, plan.function, (min(rows * per_block, plan.ctas), 1, 1),
-                   (THREADS, 1, 1), 0, BLOCK_CONV_ARGS,
+    tiles = rows * per_block
+    groups = k_groups(tiles, math.ceil(kh * kw * cin / (TILE_WORDS * 4 // itemsize)), plan.ctas)
+    _launch.launch(device, stream, plan.function, (min(tiles, plan.ctas[groups - 1]), 1, 1),
+                   (THREADS * groups, 1, 1), groups * plan.group_bytes, BLOCK_CONV_ARGS,
                    (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
                     cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
-                    bool(zero_outside), paired, 0))
+                    bool(zero_outside), paired, groups))
 
 
 def launch_conv(device, stream, dtype_name, x, y, weight, bias, indices, counts, rows, x_shape,
-                y_shape, kernel_size, block_params, op="Assign"):
+                y_shape, kernel_size, block_params):
     """A stride-1 convolution of x [N, H, W, cin] on the listed blocks into y [N, H', W', cout]
     (block_params from calc_block_params, stride_one; weight OHWI, bias float32 or 0)."""
     n, height, width, cin = x_shape
@@ -125,11 +140,11 @@ def launch_conv(device, stream, dtype_name, x, y, weight, bias, indices, counts,
                       y_shape[3], kernel_size, block_params.bsize_out,
                       image_side(height, width, block_params.boffset, block_params.bstrides),
                       image_side(y_shape[1], y_shape[2], (0, 0), block_params.bsize_out),
-                      bias=bias, op=op)
+                      bias=bias)
 
 
 def launch_res_unit(device, stream, dtype_name, x, y, weights, indices, counts, rows, x_shape,
-                    bottleneck, block_params, stacks, op="Add"):
+                    bottleneck, block_params, stacks):
     """SBNet's bottleneck unit on the listed blocks, added into y (x itself, or a copy of it):
     1x1 (bn1 and ReLU on load, bias and ReLU, zero outside the image) into stacks[0]
     [rows, bh, bw, K], 3x3 (bias, ReLU) into stacks[1] [rows, bh - 2, bw - 2, K], 1x1 added
@@ -149,4 +164,4 @@ def launch_res_unit(device, stream, dtype_name, x, y, weights, indices, counts, 
                       bias=b2, relu_out=True)
     launch_block_conv(*common, middle, y, w3, indices, counts, rows, n, bottleneck, channels,
                       (1, 1), (oh, ow), stack_side(oh, ow),
-                      image_side(height, width, (0, 0), block_params.bsize_out), op=op)
+                      image_side(height, width, (0, 0), block_params.bsize_out), op="Add")

@@ -6,6 +6,7 @@ import numpy
 import pytest
 
 import sbnet_cupy
+import sbnet_cupy.block_conv
 from axes import distinct_block_list, random_array
 from conftest import HAS_GPU, cupy, requires_gpu, to_numpy, _poison_pool
 import reference
@@ -125,6 +126,35 @@ def test_sparse_res_block_fused_equals_dense(rng, dtype, channels, bottleneck, b
     _assert_close(y[written].astype(numpy.float64), dense[written],
                   3e-3 if dtype == numpy.float32 else 1e-2)
     numpy.testing.assert_array_equal(y[~written], x[~written])
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
+def test_sparse_res_block_fused_every_block(rng, dtype):
+    """Every block active: enough tiles that each runs on one warp group (no split reduction),
+    and the whole image equals the dense unit."""
+    shape, channels, bottleneck = (1, 150, 203), 16, 8
+    x = (random_array(rng, shape + (channels,), numpy.float32) / 8).astype(dtype)
+    folded, ours = _folded(cupy, rng, channels, bottleneck, dtype)
+    params = sbnet_cupy.calc_block_params_res_block(shape[1:], (10, 10),
+                                                    [(1, 1), (3, 3), (1, 1)])
+    found = sbnet_cupy.reduce_mask(cupy.ones(shape, cupy.float32), params.bcount,
+                                   bsize=params.bsize, boffset=params.boffset,
+                                   bstride=params.bstrides)
+    assert int(found.bin_counts[0]) == params.bcount[0] * params.bcount[1] > 500
+    y = to_numpy(sbnet_cupy.sparse_res_block_bottleneck(
+        cupy.asarray(x), found.bin_counts, found.active_block_indices, params, ours,
+        method="fused"))
+    dense = sbnet_cupy.res_block_bottleneck(x.astype(numpy.float64), folded)
+    _assert_close(y.astype(numpy.float64), dense, 3e-3 if dtype == numpy.float32 else 1e-2)
+
+
+def test_k_groups_fill_the_gpu():
+    ctas = (528, 264, 132, 132)
+    assert sbnet_cupy.block_conv.k_groups(1000, 20, ctas) == 1
+    assert sbnet_cupy.block_conv.k_groups(40, 20, ctas) == 4
+    assert sbnet_cupy.block_conv.k_groups(40, 2, ctas) == 2
+    assert sbnet_cupy.block_conv.k_groups(100, 20, ctas) == 3
 
 
 def test_method_is_checked(rng):
