@@ -42,7 +42,24 @@ constexpr int THREADS = 128;  // a warp group: 4 warps as 2 x 2, each 32 pixels 
 constexpr int BM = 64;        // output pixels of one block per tile
 constexpr int WORDS = 32;     // 32-bit words of the reduction per pipeline stage
 constexpr int PITCH = WORDS + 4;  // padded rows: fragment loads hit 32 different banks
+constexpr int SLOTS = 3;      // shared-memory stages of a warp group: loads in flight
 }  // namespace block_conv_tile
+
+// 16 bytes from global to shared memory without passing through registers; zeros (and no read)
+// when !valid.
+static __device__ __forceinline__ void copy_async16(unsigned* dst, const void* src, bool valid) {
+    unsigned long long shared;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(shared) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)shared), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+static __device__ __forceinline__ void copy_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int PENDING> static __device__ __forceinline__ void copy_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
 
 // Each warp group waits only for its own warps (barrier 0 is __syncthreads).
 static __device__ __forceinline__ void group_sync(int group) {
@@ -125,10 +142,14 @@ static __device__ __forceinline__ side_origin side_of(const BlockSide& s, int m,
 // channels) of the first *count listed blocks, so rows past the count cost nothing. A CTA is
 // k_groups warp groups of THREADS threads: group g reduces stages g, g + k_groups, ... of the
 // tile into its own accumulators, which group 0 sums before the epilogue, so that few tiles with
-// a long reduction (deep layers, few blocks) still keep many loads in flight. Dynamic shared
-// memory: k_groups * 2 * (BM + BN) * PITCH words. T is float (TF32), half_t or bfloat16_t; V
-// elements (dividing cin, pointers aligned to them) are read as one access; Op (common.cuh)
-// writes or adds the output.
+// a long reduction (deep layers, few blocks) still keep many loads in flight. A group's stages
+// stream through SLOTS shared-memory slots with cp.async (16-byte vectors, no prologue: SLOTS - 1
+// stages in flight), or through registers into two slots (the prologue's affine and ReLU, or
+// narrower vectors: one stage in flight). TF32 MMAs read the float32 bits as they are (the
+// tensor cores ignore the low mantissa bits) on the cp.async path and rounded ones on the other.
+// Dynamic shared memory: k_groups * SLOTS * (BM + BN) * PITCH words. T is float (TF32), half_t or
+// bfloat16_t; V elements (dividing cin, pointers aligned to them) are read as one access; Op
+// (common.cuh) writes or adds the output.
 template <typename T, int BN, int V, typename Op>
 __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const BlockConvArgs a) {
     using namespace block_conv_tile;
@@ -141,7 +162,9 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     static_assert(THREADS % SLOTS == 0 && BM % ROWS_PER_PASS == 0 && BN % ROWS_PER_PASS == 0,
                   "tile shape");
     static_assert(A_PASSES <= 32, "the load mask is one word");
-    constexpr int GROUP_WORDS = 2 * (BM + BN) * PITCH;
+    constexpr int SLOT_WORDS = (BM + BN) * PITCH;
+    constexpr int GROUP_WORDS = block_conv_tile::SLOTS * SLOT_WORDS;
+    constexpr bool ASYNC = V * sizeof(T) == 16;  // cp.async moves 16 bytes
     constexpr int ACC = 2 * NT * 4;       // accumulators a thread
     static_assert(ACC * THREADS <= GROUP_WORDS, "a group's partial sums fit in its tiles");
     typedef vec_t<T, V> Vec;
@@ -160,9 +183,8 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     const int lane = tid & 31, warp = tid >> 5;
     const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
     const int slot = tid % SLOTS, row0 = tid / SLOTS;
-    unsigned* tile_a[2] = {block_conv_smem + group * GROUP_WORDS,
-                           block_conv_smem + group * GROUP_WORDS + BM * PITCH};
-    unsigned* tile_b[2] = {tile_a[1] + BM * PITCH, tile_a[1] + BM * PITCH + BN * PITCH};
+    // Slot i of this group: the A tile [BM][PITCH], then the B tile [BN][PITCH].
+    unsigned* const slots = block_conv_smem + group * GROUP_WORDS;
 
     for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const int m = (int)(tile / per_block), rest = (int)(tile % per_block);
@@ -230,21 +252,42 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
             }
 #pragma unroll
             for (int i = 0; i < A_PASSES; ++i)
-                store_tile(tile_a[buffer] + (row0 + i * ROWS_PER_PASS) * PITCH, slot * V, va[i]);
+                store_tile(slots + buffer * SLOT_WORDS + (row0 + i * ROWS_PER_PASS) * PITCH,
+                           slot * V, va[i]);
 #pragma unroll
             for (int j = 0; j < B_PASSES; ++j)
-                store_tile(tile_b[buffer] + (row0 + j * ROWS_PER_PASS) * PITCH, slot * V, vb[j]);
+                store_tile(slots + buffer * SLOT_WORDS + (BM + row0 + j * ROWS_PER_PASS) * PITCH,
+                           slot * V, vb[j]);
         };
-
+        // The cp.async path's load and store in one: stage -> slot `buffer`.
+        auto copy = [&](int stage, int buffer) {
+            const int r = stage * BK + slot * V;
+            const int tap = r / a.cin, dy = tap / a.kw;
+            const int c = r - tap * a.cin, dx = tap - dy * a.kw;
+            unsigned* tile = slots + buffer * SLOT_WORDS;
+#pragma unroll
+            for (int i = 0; i < A_PASSES; ++i) {
+                const int h = a_h[i] + dy, w = a_w[i] + dx;
+                const bool valid = r < ktotal && (a_rows >> i & 1) && h >= 0 &&
+                                   h < a.in.height && w >= 0 && w < a.in.width;
+                copy_async16(tile + (row0 + i * ROWS_PER_PASS) * PITCH + slot * V / PER_WORD,
+                             valid ? src + ((in.n * a.in.height + h) * a.in.width + w) * a.cin + c
+                                   : src,
+                             valid);
+            }
+#pragma unroll
+            for (int j = 0; j < B_PASSES; ++j) {
+                const int co = n0 + row0 + j * ROWS_PER_PASS;
+                const bool valid = r < ktotal && co < a.cout;
+                copy_async16(tile + (BM + row0 + j * ROWS_PER_PASS) * PITCH + slot * V / PER_WORD,
+                             valid ? weight + (i64)co * ktotal + r : weight, valid);
+            }
+        };
         float acc[2][NT][4] = {};
-        if (group < stages) load(group);
-        int buffer = 0;
-        for (int stage = group; stage < stages; stage += a.k_groups, buffer ^= 1) {
-            store(buffer);
-            group_sync(group);
-            if (stage + a.k_groups < stages) load(stage + a.k_groups);  // in flight during the MMAs
-            const unsigned* ta = tile_a[buffer];
-            const unsigned* tb = tile_b[buffer];
+        // The MMAs of one stage, from slot `buffer`.
+        auto multiply = [&](int buffer) {
+            const unsigned* ta = slots + buffer * SLOT_WORDS;
+            const unsigned* tb = ta + BM * PITCH;
 #pragma unroll
             for (int ks = 0; ks < WORDS / 8; ++ks) {
                 unsigned af[2][4], bf[NT][2];
@@ -266,6 +309,34 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
                 for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) block_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
+            }
+        };
+
+        // This group's stages: group, group + k_groups, ...
+        const int mine = stages > group ? (stages - group + a.k_groups - 1) / a.k_groups : 0;
+        if (ASYNC && a.scale == nullptr) {
+            constexpr int AHEAD = block_conv_tile::SLOTS - 1;
+#pragma unroll
+            for (int i = 0; i < AHEAD; ++i) {
+                if (i < mine) copy(group + i * a.k_groups, i);
+                copy_async_commit();  // empty groups too: the wait below counts groups
+            }
+            for (int i = 0; i < mine; ++i) {
+                copy_async_wait<AHEAD - 1>();  // this thread's copies of stage i have landed
+                group_sync(group);             // everyone's, and slot (i - 1) is free again
+                if (i + AHEAD < mine)
+                    copy(group + (i + AHEAD) * a.k_groups, (i + AHEAD) % block_conv_tile::SLOTS);
+                copy_async_commit();
+                multiply(i % block_conv_tile::SLOTS);
+            }
+            copy_async_wait<0>();
+        } else {
+            if (mine > 0) load(group);
+            for (int i = 0; i < mine; ++i) {
+                store(i & 1);
+                group_sync(group);
+                if (i + 1 < mine) load(group + (i + 1) * a.k_groups);  // in flight during the MMAs
+                multiply(i & 1);
             }
         }
         __syncthreads();  // every group is done with its tiles: they hold the partial sums now
