@@ -124,7 +124,7 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
         alignment = min(alignment, address & -address or 16)
     plan = _plan(device, dtype_name, cin, cout, alignment, op)
     per_block = math.ceil(oh * ow / TILE_PIXELS) * math.ceil(cout / plan.tile_channels)
-    if rows >= 2**31:
+    if rows * per_block >= 2**31:  # the kernels count tiles in int
         raise ValueError(f"active_block_indices has too many rows: {rows}")
     itemsize = _ITEMSIZE[dtype_name]
     paired = cout % 2 == 0 and (dst & -dst or 16) % (2 * itemsize) == 0
