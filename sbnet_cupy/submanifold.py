@@ -548,8 +548,8 @@ def rulebook_conv(features, rulebook, weight, bias=None):
         [N_out, Cout] features of rulebook.out_coords, features' dtype (float32 arithmetic for
         float16; the CUDA path multiplies with cuBLAS, deterministic).
     """
-    xp = _checks.array_module(features=features, neighbors=rulebook.neighbors, weight=weight)
     check_conv(features, rulebook, weight, bias)
+    xp = _checks.array_module(features=features, neighbors=rulebook.neighbors, weight=weight)
     if _checks.dtype_name(features) not in _DTYPES:
         raise TypeError("bfloat16 runs through torch_bridge.submanifold (CUDA tensors)")
     with _checks.on_device(features):
