@@ -553,18 +553,23 @@ def rulebook_conv(features, rulebook, weight, bias=None):
     if _checks.dtype_name(features) not in _DTYPES:
         raise TypeError("bfloat16 runs through torch_bridge.submanifold (CUDA tensors)")
     with _checks.on_device(features):
-        g = gather(features, rulebook.neighbors)
-        cout = weight.shape[0]
-        if xp is numpy:
-            acc = _acc_dtype(features.dtype)
-            y = g.astype(acc) @ weight.reshape(cout, -1).astype(acc).T
-            if bias is not None:
-                y += bias.astype(acc)
-            return y.astype(features.dtype)
-        y = g @ xp.ascontiguousarray(weight).reshape(cout, -1).T
+        return conv_arrays(xp, features, rulebook.neighbors, weight, bias)
+
+
+def conv_arrays(xp, features, neighbors, weight, bias):
+    """rulebook_conv on checked arrays of module xp, through the map `neighbors` alone."""
+    g = gather(features, neighbors)
+    cout = weight.shape[0]
+    if xp is numpy:
+        acc = _acc_dtype(features.dtype)
+        y = g.astype(acc) @ weight.reshape(cout, -1).astype(acc).T
         if bias is not None:
-            y += bias
-        return y
+            y += bias.astype(acc)
+        return y.astype(features.dtype)
+    y = g @ xp.ascontiguousarray(weight).reshape(cout, -1).T
+    if bias is not None:
+        y += bias
+    return y
 
 
 def rulebook_conv_grad_features(dy, rulebook, weight):
@@ -586,11 +591,16 @@ def rulebook_conv_grad_weight(features, dy, rulebook):
                          f"{features.shape}")
     shape = (dy.shape[1], *rulebook.kernel_size, features.shape[1])
     with _checks.on_device(features):
-        g = gather(features, rulebook.neighbors)
-        if xp is numpy:
-            acc = _acc_dtype(features.dtype)
-            return (dy.astype(acc).T @ g.astype(acc)).astype(features.dtype).reshape(shape)
-        return (dy.T @ g).reshape(shape)
+        return grad_weight_arrays(xp, features, dy, rulebook.neighbors, shape)
+
+
+def grad_weight_arrays(xp, features, dy, neighbors, shape):
+    """rulebook_conv_grad_weight on checked arrays of module xp: the weight's `shape`."""
+    g = gather(features, neighbors)
+    if xp is numpy:
+        acc = _acc_dtype(features.dtype)
+        return (dy.astype(acc).T @ g.astype(acc)).astype(features.dtype).reshape(shape)
+    return (dy.T @ g).reshape(shape)
 
 
 def transposed_weight(weight):

@@ -1,0 +1,184 @@
+"""torch_bridge.submanifold (spconv's modules) against torch's dense convolutions of the
+zero-filled input, gradcheck in float64, rulebook caching by indice_key; CUDA in every dtype."""
+
+import numpy
+import pytest
+from conftest import HAS_GPU, require
+from axes import random_array
+from test_submanifold import random_sites
+
+torch = require("torch")
+spconv = pytest.importorskip("torch_bridge.submanifold")
+
+requires_cuda = pytest.mark.skipif(not (HAS_GPU and torch.cuda.is_available()),
+                                   reason="needs CUDA tensors")
+DENSE = {2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}
+
+
+def sparse_input(rng, batch, shape, n, channels, dtype=torch.float64, device="cpu"):
+    indices = torch.from_numpy(random_sites(rng, batch, shape, n)).to(device)
+    features = torch.from_numpy(random_array(rng, (indices.shape[0], channels),
+                                             numpy.float64)).to(device, dtype)
+    return spconv.SparseConvTensor(features, indices, shape, batch)
+
+
+def dense_reference(x, layer, stride, padding):
+    """The layer's dense convolution of x.dense() (float64, CPU), channels first."""
+    weight = layer.weight.detach().double().cpu()
+    weight = weight.permute(0, weight.ndim - 1, *range(1, weight.ndim - 1))
+    bias = None if layer.bias is None else layer.bias.detach().double().cpu()
+    dense = x.dense().double().cpu()
+    return DENSE[len(x.spatial_shape)](dense, weight, bias, stride=stride, padding=padding,
+                                       dilation=layer.dilation)
+
+
+def at_sites(dense, indices):
+    """Rows of a channels-first dense tensor at int32 indices [N, 1 + D]: [N, C]."""
+    moved = dense.permute(0, *range(2, dense.ndim), 1)
+    return moved[tuple(indices.long().cpu().t())]
+
+
+@pytest.mark.parametrize("ndim, kernel, stride, padding, dilation", [
+    (2, 3, 1, 1, 1), (2, 5, 2, 2, 1), (3, 3, 2, 1, 1), (3, (1, 3, 3), (1, 2, 2), (0, 1, 1), 1),
+    (3, (3, 1, 1), (2, 1, 1), 0, 1), (2, 3, 1, 2, 2)])
+def test_modules_match_dense_convolution(rng, ndim, kernel, stride, padding, dilation):
+    shape = (9, 10) if ndim == 2 else (7, 6, 8)
+    x = sparse_input(rng, 2, shape, 60, 3)
+    modules = {2: (spconv.SubMConv2d, spconv.SparseConv2d),
+               3: (spconv.SubMConv3d, spconv.SparseConv3d)}[ndim]
+    subm = modules[0](3, 5, kernel, dilation=dilation).double()
+    y = subm(x)
+    assert torch.equal(y.indices, x.indices) and y.spatial_shape == list(shape)
+    same = [k // 2 * d for k, d in zip(subm.kernel_size, subm.dilation)]
+    ref = dense_reference(x, subm, 1, same)
+    torch.testing.assert_close(y.features, at_sites(ref, x.indices))
+    strided = modules[1](3, 4, kernel, stride, padding, dilation, indice_key="down").double()
+    z = strided(x)
+    ref = dense_reference(x, strided, strided.stride, strided.padding)
+    assert z.spatial_shape == list(ref.shape[2:])
+    torch.testing.assert_close(z.features, at_sites(ref, z.indices))
+    # Exactly the sites the dense convolution of the active mask reaches.
+    reached = dense_reference(spconv.SparseConvTensor(torch.ones_like(x.features[:, :1]),
+                                                      x.indices, shape, 2),
+                              _ones_like(strided), strided.stride, strided.padding)
+    assert torch.equal(z.indices.long(), torch.nonzero(reached[:, 0] > 0))
+
+
+def _ones_like(layer):
+    ones = torch.nn.Module()
+    ones.weight = torch.ones(1, *layer.kernel_size, 1, dtype=torch.float64)
+    ones.bias, ones.dilation = None, layer.dilation
+    return ones
+
+
+@pytest.mark.parametrize("subm", [True, False])
+def test_gradcheck(rng, subm):
+    x = sparse_input(rng, 2, (5, 4, 6), 25, 3)
+    rulebook = spconv.build_rulebook(x.indices, x.spatial_shape, 2, (3, 2, 3), 2, 1, 1, subm)
+    weight = torch.from_numpy(random_array(rng, (4, 3, 2, 3, 3), numpy.float64))
+    bias = torch.from_numpy(random_array(rng, (4,), numpy.float64))
+    inputs = [t.clone().requires_grad_() for t in (x.features, weight, bias)]
+    assert torch.autograd.gradcheck(
+        lambda f, w, b: spconv.rulebook_conv(f, rulebook, w, b), inputs)
+    inverse = rulebook.inverse()
+    w_inv = torch.from_numpy(random_array(rng, (2, 3, 2, 3, 4), numpy.float64)).requires_grad_()
+    f_inv = torch.from_numpy(random_array(rng, (rulebook.out_indices.shape[0], 4),
+                                          numpy.float64)).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda f, w: spconv.rulebook_conv(f, inverse, w), [f_inv, w_inv])
+    assert torch.autograd.gradgradcheck(
+        lambda f, w: spconv.rulebook_conv(f, rulebook, w), inputs[:2])
+
+
+def test_network_shares_rulebooks_and_inverts(rng, monkeypatch):
+    x = sparse_input(rng, 2, (12, 11, 10), 80, 4)
+    net = spconv.SparseSequential(
+        spconv.SubMConv3d(4, 8, 3, indice_key="subm1"), torch.nn.BatchNorm1d(8),
+        torch.nn.ReLU(), spconv.SubMConv3d(8, 8, 3, indice_key="subm1"),
+        spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
+        spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
+        spconv.SparseInverseConv3d(16, 8, 3, indice_key="down1"),
+    ).double()
+    built = []
+    build = spconv.build_rulebook
+    monkeypatch.setattr(spconv, "build_rulebook", lambda *a: built.append(a) or build(*a))
+    y = net(x)
+    assert len(built) == 3  # subm1 once for two layers, down1, subm2; the inverse reuses down1
+    assert set(y.indice_dict) == {"subm1", "down1", "subm2"}
+    assert torch.equal(y.indices, x.indices) and y.spatial_shape == [12, 11, 10]
+    y.features.square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
+    assert tuple(net[0].weight.shape) == (8, 3, 3, 3, 4)  # spconv's KRSC layout
+    state = net.state_dict()
+    clone = spconv.SparseSequential(
+        spconv.SubMConv3d(4, 8, 3, indice_key="subm1"), torch.nn.BatchNorm1d(8),
+        torch.nn.ReLU(), spconv.SubMConv3d(8, 8, 3, indice_key="subm1"),
+        spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
+        spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
+        spconv.SparseInverseConv3d(16, 8, 3, indice_key="down1"),
+    ).double()
+    clone.load_state_dict(state)
+    net.eval(), clone.eval()
+    torch.testing.assert_close(clone(x).features, net(x).features)
+
+
+def test_dense_and_replace_feature(rng):
+    x = sparse_input(rng, 3, (4, 5), 12, 2)
+    dense = x.dense()
+    assert dense.shape == (3, 2, 4, 5)
+    torch.testing.assert_close(at_sites(dense, x.indices), x.features)
+    assert x.dense(channels_first=False).shape == (3, 4, 5, 2)
+    back = spconv.SparseConvTensor.from_dense(x.dense(channels_first=False))
+    torch.testing.assert_close(back.dense(), dense)
+    y = x.replace_feature(x.features * 2)
+    assert y.indices is x.indices and y.indice_dict is x.indice_dict
+
+
+def test_errors(rng):
+    x = sparse_input(rng, 1, (6, 6), 10, 3)
+    with pytest.raises(ValueError, match="needs the indice_key"):
+        spconv.SparseInverseConv2d(3, 3, 3)
+    with pytest.raises(ValueError, match="indice_key 'nope' must name the rulebook"):
+        spconv.SparseInverseConv2d(3, 3, 3, indice_key="nope").double()(x)
+    with pytest.raises(ValueError, match="input has 3 channels, this layer takes 4"):
+        spconv.SubMConv2d(4, 3, 3).double()(x)
+    with pytest.raises(TypeError, match="indices must be int32"):
+        spconv.SparseConvTensor(x.features, x.indices.long(), [6, 6], 1)
+    with pytest.raises(ValueError, match="groups must be 1"):
+        spconv.SubMConv2d(4, 4, 3, groups=2)
+    bad = x.indices.clone()
+    bad[0, 1] = 6
+    with pytest.raises(ValueError, match="coords row 0 = .* is outside"):
+        spconv.SubMConv2d(3, 3, 3).double()(spconv.SparseConvTensor(x.features, bad, [6, 6], 1))
+    rulebook = spconv.build_rulebook(x.indices, [6, 6], 1, 3, subm=True)
+    with pytest.raises(TypeError, match="weight must have features' dtype"):
+        spconv.rulebook_conv(x.features, rulebook, torch.zeros(2, 3, 3, 3))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_cuda_matches_cpu(rng, dtype):
+    x = sparse_input(rng, 2, (20, 30, 25), 400, 16)
+    net = spconv.SparseSequential(
+        spconv.SubMConv3d(16, 32, 3, indice_key="s"), torch.nn.ReLU(),
+        spconv.SparseConv3d(32, 32, 3, 2, 1, indice_key="d"),
+        spconv.SubMConv3d(32, 32, (1, 3, 3)),
+        spconv.SparseInverseConv3d(32, 16, 3, indice_key="d")).double()
+    expected = net(x)
+    gpu = net.to("cuda", dtype)
+    x_gpu = spconv.SparseConvTensor(x.features.to("cuda", dtype).requires_grad_(),
+                                    x.indices.cuda(), x.spatial_shape, 2)
+    y = gpu(x_gpu)
+    assert torch.equal(y.indices.cpu(), expected.indices)
+    tolerance = {torch.float64: 1e-10, torch.float32: 1e-2, torch.float16: 5e-2,
+                 torch.bfloat16: 2e-1}[dtype]
+    torch.testing.assert_close(y.features.double().cpu(), expected.features.detach(),
+                               atol=tolerance * expected.features.abs().max().item(),
+                               rtol=tolerance)
+    y.features.float().sum().backward()
+    assert torch.isfinite(x_gpu.features.grad).all()
+    # Deterministic backward: the same gradients twice, bit for bit.
+    first = [p.grad.clone() for p in gpu.parameters()]
+    gpu.zero_grad()
+    gpu(x_gpu).features.float().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(first, gpu.parameters()))
