@@ -95,7 +95,8 @@ def test_network_shares_rulebooks_and_inverts(rng, monkeypatch):
     net = spconv.SparseSequential(
         spconv.SubMConv3d(4, 8, 3, indice_key="subm1"), torch.nn.BatchNorm1d(8),
         torch.nn.ReLU(), spconv.SubMConv3d(8, 8, 3, indice_key="subm1"),
-        spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
+        spconv.SparseSequential(spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
+                                torch.nn.ReLU()),
         spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
         spconv.SparseInverseConv3d(16, 8, 3, indice_key="down1"),
     ).double()
@@ -113,7 +114,8 @@ def test_network_shares_rulebooks_and_inverts(rng, monkeypatch):
     clone = spconv.SparseSequential(
         spconv.SubMConv3d(4, 8, 3, indice_key="subm1"), torch.nn.BatchNorm1d(8),
         torch.nn.ReLU(), spconv.SubMConv3d(8, 8, 3, indice_key="subm1"),
-        spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
+        spconv.SparseSequential(spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
+                                torch.nn.ReLU()),
         spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
         spconv.SparseInverseConv3d(16, 8, 3, indice_key="down1"),
     ).double()

@@ -441,9 +441,10 @@ SparseInverseConv3d = _module("SparseInverseConv3d", 3, inverse=True)
 SparseInverseConv4d = _module("SparseInverseConv4d", 4, inverse=True)
 
 
-class SparseSequential(torch.nn.Sequential):
-    """spconv's SparseSequential: SparseModules take the SparseConvTensor; other modules
-    (BatchNorm1d, ReLU, ...) take its features, and the tensor keeps its sites."""
+class SparseSequential(SparseModule, torch.nn.Sequential):
+    """spconv's SparseSequential: SparseModules (SparseSequential included) take the
+    SparseConvTensor; other modules (BatchNorm1d, ReLU, ...) take its features, and the tensor
+    keeps its sites."""
 
     def forward(self, x):
         for module in self:
