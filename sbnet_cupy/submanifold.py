@@ -42,7 +42,6 @@ NumPy arrays run a vectorised NumPy backend (sorted keys and searchsorted): the 
 the CPU path.
 """
 
-import functools
 import math
 from collections import namedtuple
 
@@ -464,7 +463,9 @@ def _launch_rule(kernel, device, items, *, coords=None, keys=None, table=None, f
         return
     dims = len(coords_shape) or len(query_shape) or 1
     function = _launch.function(device, "submanifold", kernel, dims)
-    pointer = (lambda a: 0 if a is None else a.data.ptr)  # noqa: E731
+    def pointer(a):
+        return 0 if a is None else a.data.ptr
+
     ints = _rule_ints(items if n is None else n, table.capacity, batch, taps, transposed,
                       coords_shape, query_shape, geometry)
     _launch.launch(device, cupy.cuda.get_current_stream().ptr, function, _grid(items),
