@@ -176,3 +176,154 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
         dst[t] = v;
     }
 }
+
+// --- the fused convolution: gather and tensor-core matrix product in one kernel -------------
+//
+// out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
+// weight[:, k, ci], for a tile of FUSED_BM output sites x FUSED_BN output channels a CTA (4
+// warps of 32 x 32). Per tap, the rows' neighbours are read once; a tap no row of the tile has
+// is skipped. Per chunk of 32 bytes of input channels, the rows (zeros for absent neighbours)
+// and the weight's slice [FUSED_BN, chunk] are staged in shared memory and multiplied with
+// mma.sync: m16n8k16 for half and bfloat16, m16n8k8 TF32 for float; float32 accumulation.
+
+#define FUSED_BM 64
+#define FUSED_BN 64
+#define FUSED_THREADS 128
+#define FUSED_PITCH 12  // 32-bit words a staged row: 8 of data, 4 of padding (no bank conflicts)
+
+struct FusedArgs {
+    const void* features;  // [N_in, cin]
+    const void* weight;    // [cout, taps, cin]
+    const void* bias;      // [cout], or null
+    const int* map;        // [taps, n_out]: the input row tap k of output o reads, or -1
+    void* out;             // [n_out, cout]
+    i64 n_out;
+    int cin, cout, taps;
+};
+static_assert(sizeof(FusedArgs) == 64, "FusedArgs must match sbnet_cupy/submanifold.py");
+
+static __device__ __forceinline__ void fused_mma(float (&c)[4], const unsigned (&a)[4],
+                                                 const unsigned (&b)[2], half_t) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+static __device__ __forceinline__ void fused_mma(float (&c)[4], const unsigned (&a)[4],
+                                                 const unsigned (&b)[2], bfloat16_t) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+static __device__ __forceinline__ void fused_mma(float (&c)[4], const unsigned (&a)[4],
+                                                 const unsigned (&b)[2], float) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// A staged word as the MMA takes it: 16-bit pairs as they are, float rounded to TF32.
+template <typename T> static __device__ __forceinline__ unsigned fused_operand(unsigned w) {
+    return w;
+}
+template <> __device__ __forceinline__ unsigned fused_operand<float>(unsigned w) {
+    unsigned t;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(t) : "f"(__uint_as_float(w)));
+    return t;
+}
+
+// Stage rows [FUSED_BM or FUSED_BN][32 bytes] of a matrix of `cols` columns: row r is row
+// src(r) of `base` (absent: -1, zeros), columns col0.. (zeros past cols). VEC: cols is a whole
+// number of 32-byte chunks and rows are 16-byte aligned, so a thread moves one 16-byte half-row.
+template <typename T, bool VEC, typename Src>
+static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base, i64 stride,
+                                                   int cols, int col0, Src src) {
+    constexpr int BK = 32 / sizeof(T);
+    if (VEC) {
+        const int r = threadIdx.x >> 1, part = threadIdx.x & 1;
+        const i64 row = src(r);
+        uint4 v = {0, 0, 0, 0};
+        if (row >= 0) v = *(const uint4*)(base + row * stride + col0 + part * (BK / 2));
+        *(uint4*)(tile + r * FUSED_PITCH + part * 4) = v;
+    } else {
+        T* t = (T*)tile;
+        for (int e = threadIdx.x; e < FUSED_BM * BK; e += FUSED_THREADS) {
+            const int r = e / BK, c = e % BK;
+            const i64 row = src(r);
+            T v = T();
+            if (row >= 0 && col0 + c < cols) v = base[row * stride + col0 + c];
+            t[r * (FUSED_PITCH * 4 / (int)sizeof(T)) + c] = v;
+        }
+    }
+}
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedArgs a) {
+    constexpr int BK = 32 / sizeof(T);
+    static_assert(FUSED_BM == FUSED_BN && FUSED_THREADS == 2 * FUSED_BM, "one half-row a thread");
+    __shared__ __align__(16) unsigned as[FUSED_BM * FUSED_PITCH];
+    __shared__ __align__(16) unsigned bs[FUSED_BN * FUSED_PITCH];
+    __shared__ int rows[FUSED_BM];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const i64 m0 = (i64)blockIdx.x * FUSED_BM;
+    const int n0 = blockIdx.y * FUSED_BN;
+    const T* features = (const T*)a.features;
+    const T* weight = (const T*)a.weight;
+    float acc[2][4][4] = {};
+    for (int k = 0; k < a.taps; ++k) {
+        int src = -1;
+        if (threadIdx.x < FUSED_BM) {
+            if (m0 + threadIdx.x < a.n_out) src = a.map[(i64)k * a.n_out + m0 + threadIdx.x];
+            rows[threadIdx.x] = src;
+        }
+        if (!__syncthreads_or(src >= 0)) continue;  // no row of the tile has this neighbour
+        for (int c0 = 0; c0 < a.cin; c0 += BK) {
+            fused_stage<T, VEC>(as, features, a.cin, a.cin, c0,
+                                [&](int r) { return (i64)rows[r]; });
+            fused_stage<T, VEC>(bs, weight + (i64)k * a.cin, (i64)a.taps * a.cin, a.cin, c0,
+                                [&](int r) { return n0 + r < a.cout ? (i64)(n0 + r) : (i64)-1; });
+            __syncthreads();
+            unsigned b[4][2];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const unsigned* col = bs + (wn + nt * 8 + gid) * FUSED_PITCH + tig;
+                b[nt][0] = fused_operand<T>(col[0]);
+                b[nt][1] = fused_operand<T>(col[4]);
+            }
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const unsigned* row = as + (wm + mt * 16 + gid) * FUSED_PITCH + tig;
+                const unsigned frag[4] = {
+                    fused_operand<T>(row[0]), fused_operand<T>(row[8 * FUSED_PITCH]),
+                    fused_operand<T>(row[4]), fused_operand<T>(row[8 * FUSED_PITCH + 4])};
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) fused_mma(acc[mt][nt], frag, b[nt], T());
+            }
+            __syncthreads();
+        }
+    }
+    T* out = (T*)a.out;
+    const T* bias = (const T*)a.bias;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const i64 o = m0 + wm + mt * 16 + gid + (i >> 1) * 8;
+                const int co = n0 + wn + nt * 8 + tig * 2 + (i & 1);
+                if (o < a.n_out && co < a.cout) {
+                    const float b = bias ? to_acc(bias[co]) : 0.0f;
+                    out[o * a.cout + co] = from_acc<T>(acc[mt][nt][i] + b);
+                }
+            }
+        }
+    }
+}

@@ -42,6 +42,7 @@ NumPy arrays run a vectorised NumPy backend (sorted keys and searchsorted): the 
 the CPU path.
 """
 
+import functools
 import math
 from collections import namedtuple
 
@@ -58,6 +59,9 @@ _THREADS = 256
 _MAX_BLOCKS = 65535 * 16  # grid-stride loops beyond this
 _RULE_ARGS = _launch.layout("8P2q27i", 192)
 _GATHER_ARGS = _launch.layout("3Pq2i", 40)
+_FUSED_ARGS = _launch.layout("5Pq3i", 64)
+_FUSED_TILE, _FUSED_THREADS = 64, 128  # output sites and channels a CTA; its threads
+ALGOS = ("gemm", "fused")
 
 
 SparseTensorData = namedtuple("SparseTensorData",
@@ -536,7 +540,7 @@ def _query_cupy(table, sites, sites_shape, query_shape, geometry, transposed):
 
 # --- the convolution ----------------------------------------------------------------------
 
-def rulebook_conv(features, rulebook, weight, bias=None):
+def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
     """Sparse convolution through a rulebook (see the module's docstring for the formula).
 
     Args:
@@ -544,21 +548,46 @@ def rulebook_conv(features, rulebook, weight, bias=None):
         rulebook: a Rulebook (submanifold_rulebook, strided_rulebook, or .inverse() of one).
         weight: [Cout, *kernel_size, Cin] of features' dtype (spconv's KRSC layout).
         bias: None or [Cout].
+        algo: the CUDA path's algorithm (None: choose_algo's): "gemm", the gather into
+            [N_out, K * Cin] and one cuBLAS product; "fused", one kernel that gathers rows into
+            shared memory and multiplies on tensor cores (float16, bfloat16, and float32 as
+            TF32), skipping the taps that no site of a 64-site tile has. NumPy ignores it.
 
     Returns:
         [N_out, Cout] features of rulebook.out_coords, features' dtype (float32 arithmetic for
-        float16; the CUDA path multiplies with cuBLAS, deterministic).
+        float16). Deterministic: no atomics.
     """
     check_conv(features, rulebook, weight, bias)
     xp = _checks.array_module(features=features, neighbors=rulebook.neighbors, weight=weight)
-    if _checks.dtype_name(features) not in _DTYPES:
+    dtype = _checks.dtype_name(features)
+    if dtype not in _DTYPES:
         raise TypeError("bfloat16 runs through torch_bridge.submanifold (CUDA tensors)")
+    algo = choose_algo(dtype) if algo is None else algo
+    if algo not in ALGOS or (algo == "fused" and dtype == "float64"):
+        raise ValueError(f"algo must be None or one of {ALGOS} ('fused' for float16, bfloat16 "
+                         f"or float32), got {algo!r} for {dtype}")
     with _checks.on_device(features):
-        return conv_arrays(xp, features, rulebook.neighbors, weight, bias)
+        return conv_arrays(xp, features, rulebook.neighbors, weight, bias, algo)
 
 
-def conv_arrays(xp, features, neighbors, weight, bias):
+def choose_algo(dtype):
+    """The algorithm rulebook_conv uses when none is given: "gemm" (cuBLAS: exact float32),
+    until the H100 measurements say where "fused" wins."""
+    del dtype  # part of the rule once it is measured
+    return "gemm"
+
+
+def conv_arrays(xp, features, neighbors, weight, bias, algo="gemm"):
     """rulebook_conv on checked arrays of module xp, through the map `neighbors` alone."""
+    if xp is not numpy and algo == "fused":
+        features, weight = xp.ascontiguousarray(features), xp.ascontiguousarray(weight)
+        out = xp.empty((neighbors.shape[1], weight.shape[0]), dtype=features.dtype)
+        launch_fused(features.data.device_id, xp.cuda.get_current_stream().ptr,
+                     features.data.ptr, weight.data.ptr, 0 if bias is None else
+                     xp.ascontiguousarray(bias).data.ptr, neighbors.data.ptr, out.data.ptr,
+                     neighbors.shape[1], features.shape[1], weight.shape[0], neighbors.shape[0],
+                     features.dtype.name)
+        return out
     g = gather(features, neighbors)
     cout = weight.shape[0]
     if xp is numpy:
@@ -646,11 +675,36 @@ def launch_gather(device, stream, features, out, neighbors, n_out, taps, row_byt
                    _GATHER_ARGS, (features, out, neighbors, n_out, taps, words))
 
 
+def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, cin, cout,
+                 taps, dtype):
+    """The fused convolution on raw addresses: C-contiguous features [N_in, cin], weight
+    [cout, taps, cin], bias [cout] (0: none), int32 neighbors [taps, n_out], into out
+    [n_out, cout]; dtype "float16", "bfloat16" or "float32" (TF32)."""
+    if n_out == 0 or cout == 0:
+        return
+    itemsize = 4 if dtype == "float32" else 2
+    vector = (cin * itemsize) % 32 == 0 and _checks.alignment(features, weight) == 16
+    function, grid = _fused_plan(device, dtype, vector, n_out, cout)
+    _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
+                   (features, weight, bias, neighbors, out, n_out, cin, cout, taps))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fused_plan(device, dtype, vector, n_out, cout):
+    function = _launch.function(device, "submanifold", "submanifold_fused",
+                                _kernels.ARITHMETIC_CTYPES[dtype], vector)
+    grid = (_checks.grid_dim("output sites", -(-n_out // _FUSED_TILE), 2**31 - 1),
+            _checks.grid_dim("output channels", -(-cout // _FUSED_TILE)), 1)
+    return function, grid
+
+
 def instantiations():
     """Name expressions of every kernel this op can ask for (the compile check builds them)."""
     rules = ["insert_coords", "insert_keys", "insert_targets", "compact_table", "query_map"]
     return [_kernels.name_expression(rule, dims) for rule in rules
-            for dims in range(1, _MAX_DIMS + 1)] + [_kernels.name_expression("submanifold_gather", word)
+            for dims in range(1, _MAX_DIMS + 1)] + [
+        _kernels.name_expression("submanifold_fused", _kernels.ARITHMETIC_CTYPES[dtype], vector)
+        for dtype in ("float16", "bfloat16", "float32") for vector in (False, True)] + [_kernels.name_expression("submanifold_gather", word)
                     for word in _kernels.STORAGE_CTYPES.values()]
 
 

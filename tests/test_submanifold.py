@@ -144,6 +144,32 @@ def test_dtypes(xp, rng, case, dtype):
     close(y, loop_conv(x, w, b, pairs, out_coords.shape[0]), dtype)
 
 
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
+@pytest.mark.parametrize("cin, cout", [(4, 8), (16, 64), (24, 72), (40, 130), (64, 16)])
+@pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
+def test_fused_matches_loops(rng, subm, cin, cout, dtype):
+    """The fused tensor-core kernel: vector and scalar loads (cin x itemsize a multiple of 32
+    bytes or not), partial tiles of sites and channels, taps no site of a tile has."""
+    import cupy
+
+    from conftest import _poison_pool
+
+    _poison_pool()
+    case = "3d-3x3x3-stride2" if subm else "2d-5x5-stride2"
+    (coords, x, w, b), (_, x_d, w_d, b_d), rulebook, (out_coords, pairs, _) = build(
+        cupy, rng, case, subm, dtype, cin=cin, cout=cout)
+    big = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, (40, 50, 60), 3000)),
+                                  (40, 50, 60), 2, 3)  # scattered: many taps empty per tile
+    y = sm.rulebook_conv(x_d, rulebook, w_d, b_d, algo="fused")
+    close(y, loop_conv(x, w, b, pairs, out_coords.shape[0]), dtype)
+    xb = cupy.asarray(random_array(rng, (3000, cin), dtype))
+    wb = cupy.asarray(random_array(rng, (cout, 3, 3, 3, cin), dtype))
+    want = sm.rulebook_conv(xb.astype(cupy.float64), big, wb.astype(cupy.float64))
+    close(sm.rulebook_conv(xb, big, wb, algo="fused"), want.get(), dtype)
+    close(sm.rulebook_conv(xb, big, wb, algo="gemm"), want.get(), dtype)
+
+
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
 @pytest.mark.parametrize("case", ["2d-5x5-stride2", "3d-1x3x3", "2d-even-2x3-dilated"])
 def test_matches_dense_convolution(xp, rng, case, subm):
@@ -264,6 +290,10 @@ def test_bad_arguments_rejected(xp, rng):
         sm.rulebook_conv(x, rulebook, w, w[0, 0, 0])
     with pytest.raises(TypeError, match="rulebook must be a Rulebook"):
         sm.rulebook_conv(x, None, w)
+    with pytest.raises(ValueError, match="algo must be None or one of"):
+        sm.rulebook_conv(x.astype(xp.float64), rulebook, w.astype(xp.float64), algo="fused")
+    with pytest.raises(ValueError, match="algo must be None or one of"):
+        sm.rulebook_conv(x, rulebook, w, algo="implicit")
 
 
 # --- the GPU hash table -------------------------------------------------------------------

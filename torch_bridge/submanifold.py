@@ -64,23 +64,32 @@ def _gathered(features, neighbors):
     return out
 
 
-def _conv_impl(features, weight, bias, neighbors, neighbors_t):
+def _conv_impl(features, weight, bias, neighbors, neighbors_t, algo):
     features, weight = _contiguous(features), _contiguous(weight)
     if not features.is_cuda:
         y = _core.conv_arrays(numpy, _numpy(features), _numpy(neighbors), _numpy(weight),
                               None if bias is None else _numpy(bias))
         return torch.from_numpy(y)
+    if algo == "fused":
+        taps, n_out = neighbors.shape
+        out = features.new_empty((n_out, weight.shape[0]))
+        device = features.get_device()
+        _core.launch_fused(device, _raw_stream(device), features.data_ptr(), weight.data_ptr(),
+                           0 if bias is None else _contiguous(bias).data_ptr(),
+                           neighbors.data_ptr(), out.data_ptr(), n_out, features.shape[1],
+                           weight.shape[0], taps, _checks.dtype_name(features))
+        return out
     taps = weight.reshape(weight.shape[0], -1)
     g = _gathered(features, neighbors)
     return g @ taps.t() if bias is None else torch.addmm(bias, g, taps.t())
 
 
-def _conv_fake(features, weight, bias, neighbors, neighbors_t):
+def _conv_fake(features, weight, bias, neighbors, neighbors_t, algo):
     return features.new_empty((neighbors.shape[1], weight.shape[0]))
 
 
 def _conv_setup(ctx, inputs, output):
-    features, weight, bias, neighbors, neighbors_t = inputs
+    features, weight, bias, neighbors, neighbors_t, ctx.algo = inputs
     ctx.has_bias = bias is not None
     ctx.save_for_backward(features, weight, neighbors, neighbors_t)
 
@@ -92,19 +101,19 @@ def _conv_backward(ctx, grad):
     if ctx.needs_input_grad[0]:  # the dual op: the transposed map, the transposed weight
         weight_t = weight.transpose(0, -1).contiguous()
         dx = _call(_conv_op, _ConvFunction, _conv_impl,
-                   (grad, weight_t, None, neighbors_t, neighbors),
+                   (grad, weight_t, None, neighbors_t, neighbors, ctx.algo),
                    (grad, weight_t, neighbors_t, neighbors), (grad, weight_t))
     if ctx.needs_input_grad[1]:
         dw = _call(_grad_weight_op, None, _grad_weight_impl,
                    (features, grad, neighbors, list(weight.shape)), (features, grad, neighbors))
     if ctx.has_bias and ctx.needs_input_grad[2]:
         db = grad.sum(0)
-    return dx, dw, db, None, None
+    return dx, dw, db, None, None, None
 
 
 _conv_op, _ConvFunction = _register(
     "submanifold_conv(Tensor features, Tensor weight, Tensor? bias, Tensor neighbors, "
-    "Tensor neighbors_t) -> Tensor",
+    "Tensor neighbors_t, str algo) -> Tensor",
     _conv_impl, _conv_fake, _conv_setup, _conv_backward)
 
 
@@ -191,7 +200,7 @@ def _build(coords, shape, batch_size, kernel_size, stride, padding, dilation, su
                                   dilation)
 
 
-def _check_conv(features, weight, bias, neighbors, kernel_size, n_in):
+def _check_conv(features, weight, bias, neighbors, kernel_size, n_in, algo):
     if features.ndim != 2 or features.shape[0] != n_in:
         raise ValueError(f"features must be [N, C] with N = {n_in} (the rulebook's input "
                          f"sites), got shape {tuple(features.shape)}")
@@ -205,24 +214,30 @@ def _check_conv(features, weight, bias, neighbors, kernel_size, n_in):
                          f"got {bias.dtype} {tuple(bias.shape)}")
     if neighbors.dtype != torch.int32:
         raise TypeError(f"the rulebook's maps must be int32, got {neighbors.dtype}")
+    if algo not in _core.ALGOS or (algo == "fused" and features.dtype == torch.float64):
+        raise ValueError(f"algo must be None or one of {_core.ALGOS} ('fused' for float16, "
+                         f"bfloat16 or float32), got {algo!r} for {features.dtype}")
 
 
 _CHECKS = {}
 
 
-def rulebook_conv(features, rulebook, weight, bias=None):
+def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
     """sbnet_cupy.submanifold.rulebook_conv on tensors: features [N_in, Cin] through a Rulebook
     (build_rulebook, or .inverse() of one), weight [Cout, *kernel_size, Cin], bias [Cout] or
-    None; returns [N_out, Cout]. Differentiable in features, weight and bias."""
+    None; returns [N_out, Cout]. Differentiable in features, weight and bias. algo: "gemm"
+    (gather, then torch.addmm: TF32 where torch allows it) or "fused" (float32 runs as TF32);
+    None: sbnet_cupy.submanifold.choose_algo's. CPU tensors run the NumPy backend."""
     if not isinstance(rulebook, Rulebook):
         raise TypeError(f"rulebook must be a torch_bridge.submanifold.Rulebook, got "
                         f"{type(rulebook).__name__}")
     neighbors, neighbors_t = rulebook.neighbors, rulebook.neighbors_t
+    algo = _core.choose_algo(_checks.dtype_name(features)) if algo is None else algo
     _checked(_CHECKS, _check_conv, (features, weight, bias, neighbors,
-                                    tuple(rulebook.kernel_size), neighbors_t.shape[1]))
+                                    tuple(rulebook.kernel_size), neighbors_t.shape[1], algo))
     _same_device(features, weight, bias, neighbors, features=features, weight=weight, bias=bias,
                  rulebook=neighbors)
-    args = (features, weight, bias, neighbors, neighbors_t)
+    args = (features, weight, bias, neighbors, neighbors_t, algo)
     tensors = (features, weight, neighbors, neighbors_t) + (() if bias is None else (bias,))
     differentiable = (features, weight) + (() if bias is None else (bias,))
     return _call(_conv_op, _ConvFunction, _conv_impl, args, tensors, differentiable)
@@ -341,6 +356,7 @@ class SparseConvolution(SparseModule):
         self.dilation = _tuple("dilation", dilation, ndim, 1)
         self.groups, self.subm, self.inverse, self.transposed = groups, subm, inverse, False
         self.indice_key = indice_key
+        self.sbnet_algo = None  # rulebook_conv's algo (None: its rule); spconv's algo is unused
         factory = dict(device=device, dtype=dtype)
         self.weight = torch.nn.Parameter(
             torch.empty(out_channels, *self.kernel_size, in_channels, **factory))
@@ -402,7 +418,7 @@ class SparseConvolution(SparseModule):
         rulebook, store = self._rulebook(x)
         if store:
             indice_dict[self.indice_key] = rulebook
-        y = rulebook_conv(x.features, rulebook, self.weight, self.bias)
+        y = rulebook_conv(x.features, rulebook, self.weight, self.bias, algo=self.sbnet_algo)
         return SparseConvTensor(y, rulebook.out_indices, rulebook.out_shape, x.batch_size,
                                 indice_dict=indice_dict)
 
