@@ -3,6 +3,9 @@ spconv-triton, dense cuDNN and SBNet's block path, measured in the same run.
 
     python -m bench.submanifold [--quick] [--out bench/results] [--repeats N] [--workloads 1 2]
 
+"ours" is torch_bridge.submanifold with algo "gemm" (gather + cuBLAS), "ours-fused" with algo
+"fused" (one gather + tensor-core kernel).
+
 Workload 1: SBNet's T2 bottleneck unit (bench.res_blocks, the four stages) on road-like masks
 at 90% sparsity, batch 1, tf32 and fp16: dense cuDNN and SBNet's block path (reduce_mask in the
 timed region; res_blocks.run_blocks, eager and graphed) beside the same unit with a 3x3
@@ -27,6 +30,7 @@ Writes <out>/submanifold_<device>.csv, .md and .png.
 """
 
 import argparse
+import contextlib
 import pathlib
 import statistics
 import sys
@@ -45,14 +49,39 @@ SPARSITY = 0.9
 
 
 def anchors():
-    """name -> spconv-like namespace of the anchors that import."""
-    found = {"ours": ours}
+    """name -> (spconv-like namespace, our algo or None) of ours and the anchors that import."""
+    found = {"ours": (ours, "gemm"), "ours-fused": (ours, "fused")}
     for name, module in (("spconv", "spconv.pytorch"), ("spconv-triton", "spconv_triton.pytorch")):
         try:
-            found[name] = __import__(module, fromlist=["SparseConvTensor"])
+            found[name] = (__import__(module, fromlist=["SparseConvTensor"]), None)
         except Exception as error:  # not installed, or built for another CUDA
             print(f"{name}: skipped ({type(error).__name__}: {error})", flush=True)
     return found
+
+
+def with_algo(net, algo):
+    """net, its convolutions set to our algorithm `algo` (None: an anchor's net, as it is)."""
+    for module in net.modules():
+        if algo is not None and isinstance(module, ours.SparseConvolution):
+            module.sbnet_algo = algo
+    return net
+
+
+FAILED = []  # (impl, case, error) of every case that failed its check or could not run
+
+
+@contextlib.contextmanager
+def failures(rows, base, name):
+    """Record a case that fails (an anchor that cannot run it, or a wrong result) as a row and
+    in FAILED, and go on with the next one."""
+    try:
+        yield
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"[:300]
+        rows.append(dict(base, impl=name, passes="failed", error=message))
+        FAILED.append((name, f"workload {base['workload']} {base['case']} b{base['batch']} "
+                             f"{base['precision']}", message))
+        print(f"FAILED {name} {FAILED[-1][1]}: {message}", flush=True)
 
 
 def host_ms(run, repeats):
@@ -116,9 +145,9 @@ def workload1(stage, precision, namespaces, repeats, seed):
     state = {k: v.clone() for k, v in reference.state_dict().items()}  # training moves BN
     with torch.no_grad():
         want = dense_unit(reference, x, mask)
-        for name, ns in namespaces.items():
+        for name, (ns, algo) in namespaces.items():
             unit = res_blocks._SubmanifoldBottleneck(ns, channels, bottleneck).cuda().to(dtype)
-            unit.load_state_dict(state)
+            with_algo(unit, algo).load_state_dict(state)
             unit.eval()
             y = x.clone()
 
@@ -129,18 +158,19 @@ def workload1(stage, precision, namespaces, repeats, seed):
                 y[indices[:, 0], indices[:, 1], indices[:, 2]] = out
                 return out
 
-            error = rel_error(dense_in_out(), want)
-            if name == "ours" and not error < TOLERANCE[precision]:
-                raise AssertionError(f"workload 1 {stage} {precision}: ours differs from the "
-                                     f"dense reference by {error:.2e}")
-            rows.append(dict(base, impl=name, passes="forward_eager", sites=int(mask.sum()),
-                             gpu_ms=events_ms(dense_in_out, repeats),
-                             host_ms=host_ms(dense_in_out, repeats), rel_error=error))
-        rows += _cached_unit(reference, x, mask, base, repeats)
+            with failures(rows, base, name):
+                error = rel_error(dense_in_out(), want)
+                if not error < TOLERANCE[precision]:
+                    raise AssertionError(f"differs from the dense reference by {error:.2e}")
+                rows.append(dict(base, impl=name, passes="forward_eager", sites=int(mask.sum()),
+                                 gpu_ms=events_ms(dense_in_out, repeats),
+                                 host_ms=host_ms(dense_in_out, repeats), rel_error=error))
+                if algo is not None:
+                    rows += _cached_unit(unit, name, x, mask, base, repeats)
     return rows, sbnet
 
 
-def _cached_unit(unit, x, mask, base, repeats):
+def _cached_unit(unit, name, x, mask, base, repeats):
     """Ours on the sites alone, the rulebook built once: eager and graphed."""
     indices = mask.nonzero().int()
     features = x[mask]
@@ -154,11 +184,11 @@ def _cached_unit(unit, x, mask, base, repeats):
         return features + unit.linear3(torch.relu(z))
 
     captured = graph(sites)
-    return [dict(base, impl="ours", passes="sites_cached_eager", gpu_ms=events_ms(sites, repeats),
+    return [dict(base, impl=name, passes="sites_cached_eager", gpu_ms=events_ms(sites, repeats),
                  host_ms=host_ms(sites, repeats)),
-            dict(base, impl="ours", passes="sites_cached_graph",
+            dict(base, impl=name, passes="sites_cached_graph",
                  gpu_ms=events_ms(captured.replay, repeats)),
-            dict(base, impl="ours", passes="rulebooks",
+            dict(base, impl=name, passes="rulebooks",
                  gpu_ms=events_ms(lambda: ours.build_rulebook(indices, shape, 1, 3, subm=True),
                                   repeats))]
 
@@ -241,9 +271,9 @@ def workload2(batch, precision, namespaces, repeats, seed, inputs):
     _randomise_bn(reference, seed)
     state = {k: v.clone() for k, v in reference.state_dict().items()}  # training moves BN
     rows, want = [], None
-    for name, ns in namespaces.items():
+    for name, (ns, algo) in namespaces.items():
         net = reference if name == "ours" else encoder(ns).cuda().to(dtype).eval()
-        net.load_state_dict(state)
+        with_algo(net, algo).load_state_dict(state)
 
         def forward(net=net, ns=ns):
             return net(ns.SparseConvTensor(features, indices, shape, batch))
@@ -252,16 +282,20 @@ def workload2(batch, precision, namespaces, repeats, seed, inputs):
             net(ns.SparseConvTensor(features, indices, shape, batch)).features.float().sum() \
                 .backward()
 
-        try:
+        with failures(rows, base, name):
             with torch.no_grad():
                 out = forward()
                 key, got = by_site(out.indices, out.features, out.spatial_shape)
                 if want is None:
                     want_key, want = key, got
                     error = 0.0
+                elif not torch.equal(key, want_key):
+                    raise AssertionError(f"output sites differ from ours: {key.shape[0]} "
+                                         f"against {want_key.shape[0]}")
                 else:
-                    error = (rel_error(got, want) if torch.equal(key, want_key)
-                             else float("nan"))  # other sites: reported, not compared
+                    error = rel_error(got, want)
+                    if not error < TOLERANCE[precision]:
+                        raise AssertionError(f"differs from ours by {error:.2e}")
                 rows.append(dict(base, impl=name, passes="forward", out_sites=int(key.shape[0]),
                                  gpu_ms=events_ms(forward, repeats),
                                  host_ms=host_ms(forward, repeats), rel_error=error))
@@ -270,14 +304,13 @@ def workload2(batch, precision, namespaces, repeats, seed, inputs):
                              gpu_ms=events_ms(forward_backward, repeats),
                              host_ms=host_ms(forward_backward, repeats)))
             net.eval()
-        except Exception as error:  # an anchor that cannot run this case: say so, go on
-            rows.append(dict(base, impl=name, passes="failed", error=f"{error}"[:200]))
-        if name == "ours":
-            rows += _cached_encoder(net, features, indices, shape, batch, base, repeats)
+            if algo is not None:
+                rows += _cached_encoder(net, name, features, indices, shape, batch, base,
+                                        repeats)
     return rows
 
 
-def _cached_encoder(net, features, indices, shape, batch, base, repeats):
+def _cached_encoder(net, name, features, indices, shape, batch, base, repeats):
     with torch.no_grad():
         built = build_rulebooks(net, indices, shape, batch)
 
@@ -286,14 +319,14 @@ def _cached_encoder(net, features, indices, shape, batch, base, repeats):
                                              indice_dict=dict(built))).features
 
         captured = graph(cached)
-        return [dict(base, impl="ours", passes="rulebooks",
+        return [dict(base, impl=name, passes="rulebooks",
                      gpu_ms=events_ms(lambda: build_rulebooks(net, indices, shape, batch),
                                       repeats),
                      host_ms=host_ms(lambda: build_rulebooks(net, indices, shape, batch),
                                      repeats)),
-                dict(base, impl="ours", passes="forward_cached",
+                dict(base, impl=name, passes="forward_cached",
                      gpu_ms=events_ms(cached, repeats), host_ms=host_ms(cached, repeats)),
-                dict(base, impl="ours", passes="graph", gpu_ms=events_ms(captured.replay,
+                dict(base, impl=name, passes="graph", gpu_ms=events_ms(captured.replay,
                                                                          repeats))]
 
 
@@ -303,15 +336,18 @@ def table(rows, device, checks):
     lines = [f"# Submanifold sparse convolution: {device}, torch {torch.__version__}", "",
              f"Checks: {checks}", "",
              "ms per call, CUDA events (median); host ms: an eager call's host time.", "",
+             "rel. error: workload 1 against the dense reference, workload 2 against ours "
+             "(gemm), sites matched by coordinates.", "",
              "| workload | case | batch | precision | impl | pass | sites | GPU ms | host ms | "
-             "rel. error vs ours |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "rel. error | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def cell(key, fmt="{:.3f}"):
             return fmt.format(r[key]) if isinstance(r.get(key), float) else str(r.get(key, ""))
 
         lines.append(f"| {r['workload']} | {r['case']} | {r['batch']} | {r['precision']} | "
                      f"{r['impl']} | {r['passes']} | {r.get('sites', '')} | {cell('gpu_ms')} | "
-                     f"{cell('host_ms')} | {cell('rel_error', '{:.1e}')} |")
+                     f"{cell('host_ms')} | {cell('rel_error', '{:.1e}')} | "
+                     f"{r.get('error', '').replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -376,7 +412,8 @@ def main(argv=None):
                 new, _ = workload1(stage, precision, namespaces, repeats, i)
                 rows += new
                 print(f"[{time.time() - started:5.0f}s] workload 1 {stage} {precision}: "
-                      + ", ".join(f"{r['impl']} {r['passes']} {r['gpu_ms']:.3f}" for r in new),
+                      + ", ".join(f"{r['impl']} {r['passes']} {r.get('gpu_ms', float('nan')):.3f}"
+                                  for r in new),
                       flush=True)
                 save()
     if 2 in args.workloads:
@@ -392,7 +429,10 @@ def main(argv=None):
                 save()
                 torch.cuda.empty_cache()
     plot(rows, args.out / f"{name}_{slug}.png")
-    return 0
+    ours_failed = [f for f in FAILED if f[0].startswith("ours")]
+    for impl, case, message in FAILED:
+        print(f"failed: {impl} {case}: {message}")
+    return 1 if ours_failed else 0
 
 
 if __name__ == "__main__":
