@@ -190,3 +190,24 @@ def test_cuda_matches_cpu(rng, dtype, algo):
     gpu.zero_grad()
     gpu(x_gpu).features.float().sum().backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(first, gpu.parameters()))
+
+
+def test_compiles_with_a_built_rulebook(rng):
+    """With its rulebook built, the convolution traces as one op (fullgraph), forward and
+    backward (aot_eager: what inductor would get)."""
+    x = sparse_input(rng, 2, (6, 5, 7), 30, 3)
+    rulebook = spconv.build_rulebook(x.indices, x.spatial_shape, 2, 3, 2, 1)
+    weight = torch.from_numpy(random_array(rng, (4, 3, 3, 3, 3), numpy.float64))
+    bias = torch.from_numpy(random_array(rng, (4,), numpy.float64))
+
+    def loss(f, w, b):
+        return spconv.rulebook_conv(f, rulebook, w, b).square().sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        inputs = [t.clone().requires_grad_() for t in (x.features, weight, bias)]
+        value = fn(*inputs)
+        value.backward()
+        results.append([value.detach()] + [t.grad for t in inputs])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager)
