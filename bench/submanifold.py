@@ -2,6 +2,7 @@
 spconv-triton, dense cuDNN and SBNet's block path, measured in the same run.
 
     python -m bench.submanifold [--quick] [--out bench/results] [--repeats N] [--workloads 1 2]
+        [--triton none|some|all]
 
 "ours" is torch_bridge.submanifold with algo "gemm" (gather + cuBLAS), "ours-fused" with algo
 "fused" (one gather + tensor-core kernel).
@@ -20,6 +21,10 @@ synthetic LiDAR sweeps (bench.lidar), batch 1 and 4, fp16 and tf32. Passes: "for
 rulebooks built in the call), "forward_cached" (ours: rulebooks built beforehand), "graph"
 (ours: forward_cached in a CUDA graph), "rulebooks" (ours: building them alone),
 "forward_backward" (train mode, rulebooks built in the call).
+
+spconv-triton compiles and autotunes its Triton kernels for every new shape (about two minutes
+a stage of workload 1), so by default ("--triton some") it runs on workload 1's conv-5 and
+workload 2's batch 1 only; "all" runs it everywhere, "none" (and --quick) nowhere.
 
 Every anchor gets our weights (the same state_dict: all use spconv's KRSC layout) and its output
 is compared with ours (relative L2 error, sites matched by coordinates); ours is checked against
@@ -386,6 +391,8 @@ def main(argv=None):
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--workloads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--triton", choices=["none", "some", "all"], default="some",
+                        help="where spconv-triton runs (it autotunes every shape)")
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 20)
     torch.backends.cudnn.benchmark = True
@@ -394,6 +401,11 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     name = "submanifold_quick" if args.quick else "submanifold"
     namespaces = anchors()
+    triton = "none" if args.quick else args.triton
+
+    def chosen(where):  # the namespaces of one case: spconv-triton only where asked
+        return {name: entry for name, entry in namespaces.items()
+                if name != "spconv-triton" or triton == "all" or (triton == "some" and where)}
     started = time.time()
     sites, error = check_against_numpy(0)
     checks = (f"encoder on CUDA (float64) vs NumPy backend on a crop of {sites} voxels: "
@@ -409,7 +421,7 @@ def main(argv=None):
         stages = ["conv-4"] if args.quick else list(res_blocks.STAGES)
         for i, stage in enumerate(stages):
             for precision in (["tf32"] if args.quick else list(PRECISIONS)):
-                new, _ = workload1(stage, precision, namespaces, repeats, i)
+                new, _ = workload1(stage, precision, chosen(stage == "conv-5"), repeats, i)
                 rows += new
                 print(f"[{time.time() - started:5.0f}s] workload 1 {stage} {precision}: "
                       + ", ".join(f"{r['impl']} {r['passes']} {r.get('gpu_ms', float('nan')):.3f}"
@@ -420,7 +432,7 @@ def main(argv=None):
         for batch in ([1] if args.quick else [1, 4]):
             inputs = lidar.batch(100, batch)
             for precision in PRECISIONS:
-                new = workload2(batch, precision, namespaces, repeats, batch, inputs)
+                new = workload2(batch, precision, chosen(batch == 1), repeats, batch, inputs)
                 rows += new
                 print(f"[{time.time() - started:5.0f}s] workload 2 b{batch} {precision} "
                       f"({new[0]['sites']} voxels): "

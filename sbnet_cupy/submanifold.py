@@ -36,10 +36,14 @@ dw = (dy.T @ g).reshape(weight.shape).
 The CUDA rulebook (kernels/submanifold.cu) keeps the coordinates in an open-addressing hash table
 (linearised int64 keys, linear probing, at most `capacity` probes, so a full table reports
 failure instead of hanging); a strided convolution finds its output sites by hashing every
-candidate and compacting the table. The convolution gathers [N_out, K*Cin] through the dense
-neighbour map (no host sync, no per-tap sizes) and multiplies once with cuBLAS (cupy.matmul).
-NumPy arrays run a vectorised NumPy backend (sorted keys and searchsorted): the reference, and
-the CPU path.
+candidate and compacting the table. The rulebook is a dense [K, N_out] map (-1 for absent
+neighbours) rather than per-tap pair lists: building it needs no host sync for per-tap sizes,
+both convolution algorithms index it directly, and a tile of output sites reads its neighbours
+of one tap contiguously. The convolution (rulebook_conv's `algo`) either gathers [N_out, K*Cin]
+through the map and multiplies once with cuBLAS ("gemm"), or gathers rows tile by tile into
+shared memory and multiplies them on tensor cores with mma.sync in one kernel, skipping the
+taps that no site of a tile has ("fused"). NumPy arrays run a vectorised NumPy backend (sorted
+keys and searchsorted): the reference, and the CPU path.
 """
 
 import functools
