@@ -98,7 +98,7 @@ def test_network_shares_rulebooks_and_inverts(rng, monkeypatch):
         spconv.SparseSequential(spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
                                 torch.nn.ReLU()),
         spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
-        spconv.SparseInverseConv3d(16, 8, 3, indice_key="down1"),
+        spconv.SparseInverseConv3d(16, 8, 3, "down1"),  # spconv's order: the key 4th
     ).double()
     built = []
     build = spconv.build_rulebook

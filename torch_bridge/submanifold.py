@@ -430,12 +430,20 @@ class SparseConvolution(SparseModule):
 
 
 def _module(name, ndim, **fixed):
-    """A SparseConvolution subclass of fixed ndim (and subm / inverse), spconv's constructor."""
-    def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=0,
-                 dilation=1, groups=1, bias=True, indice_key=None, **kwargs):
-        SparseConvolution.__init__(self, ndim, in_channels, out_channels, kernel_size, stride,
-                                   padding, dilation, groups, bias, indice_key=indice_key,
-                                   **fixed, **kwargs)
+    """A SparseConvolution subclass of fixed ndim (and subm / inverse), with spconv's
+    constructor: (in, out, kernel_size, stride, padding, dilation, groups, bias, indice_key,
+    ...) and, for inverse convolutions, (in, out, kernel_size, indice_key, bias, ...)."""
+    if fixed.get("inverse"):
+        def __init__(self, in_channels, out_channels, kernel_size, indice_key=None, bias=True,
+                     **kwargs):
+            SparseConvolution.__init__(self, ndim, in_channels, out_channels, kernel_size,
+                                       bias=bias, indice_key=indice_key, **fixed, **kwargs)
+    else:
+        def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=0,
+                     dilation=1, groups=1, bias=True, indice_key=None, **kwargs):
+            SparseConvolution.__init__(self, ndim, in_channels, out_channels, kernel_size,
+                                       stride, padding, dilation, groups, bias,
+                                       indice_key=indice_key, **fixed, **kwargs)
 
     kind = ("submanifold" if fixed.get("subm") else "inverse" if fixed.get("inverse")
             else "strided")
