@@ -335,6 +335,27 @@ def test_adversarial_collisions_give_the_same_rulebook(rng):
 
 
 @requires_gpu
+@pytest.mark.parametrize("shape, kernel, stride, padding", [
+    ((41, 400, 352), 3, 2, (0, 1, 1)), ((41, 400, 352), (3, 1, 1), (2, 1, 1), 0),
+    ((800, 704), 5, 3, 2)])
+def test_large_rulebooks_equal_numpy(rng, shape, kernel, stride, padding):
+    import cupy
+
+    coords = random_sites(rng, 3, shape, 60000)
+    for subm in (True, False):
+        if subm:
+            host = sm.submanifold_rulebook(coords, shape, 3, kernel)
+            device = sm.submanifold_rulebook(cupy.asarray(coords), shape, 3, kernel)
+        else:
+            host = sm.strided_rulebook(coords, shape, 3, kernel, stride, padding)
+            device = sm.strided_rulebook(cupy.asarray(coords), shape, 3, kernel, stride,
+                                         padding)
+        numpy.testing.assert_array_equal(device.out_coords.get(), host.out_coords)
+        numpy.testing.assert_array_equal(device.neighbors.get(), host.neighbors)
+        numpy.testing.assert_array_equal(device.neighbors_t.get(), host.neighbors_t)
+
+
+@requires_gpu
 def test_full_table_fails_cleanly(rng):
     import cupy
 

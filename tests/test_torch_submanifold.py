@@ -211,3 +211,34 @@ def test_compiles_with_a_built_rulebook(rng):
         results.append([value.detach()] + [t.grad for t in inputs])
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager)
+
+
+@requires_cuda
+def test_cuda_graph_with_cached_rulebooks(rng):
+    """Once its rulebooks are built, a forward makes no host sync: it captures in a CUDA graph
+    and replays the eager result."""
+    x = sparse_input(rng, 2, (30, 40, 20), 2000, 16, torch.float16, "cuda")
+    net = spconv.SparseSequential(
+        spconv.SubMConv3d(16, 32, 3, indice_key="s"), torch.nn.ReLU(),
+        spconv.SparseConv3d(32, 32, 3, 2, 1, indice_key="d"),
+        spconv.SubMConv3d(32, 32, 3, indice_key="s2")).cuda().half().eval()
+    with torch.no_grad():
+        eager = net(x)
+        cached = dict(eager.indice_dict)
+
+        def run():
+            return net(spconv.SparseConvTensor(x.features, x.indices, x.spatial_shape, 2,
+                                               indice_dict=cached)).features
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        graph.replay()
+        torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager.features)
+
