@@ -75,6 +75,7 @@ static __device__ int subm_lookup(const RuleArgs& a, i64 key) {
 // (i + padding - k * dilation) / stride that input i feeds, where it divides.
 template <int DIMS> static __device__ i64 subm_connect(const RuleArgs& a, i64 row, int k) {
     const int* site = a.coords + row * (1 + DIMS);
+    if (site[0] < 0 || site[0] >= a.batch) return -1;  // unchecked coords: never a bad key
     int tap[DIMS];
 #pragma unroll
     for (int d = DIMS - 1; d >= 0; --d) {
@@ -122,9 +123,16 @@ template <int DIMS> __global__ void insert_coords(const RuleArgs a) {
     }
 }
 
-// Key keys_in[r], value r (DIMS plays no part).
+// Key keys_in[r], value r (DIMS plays no part); negative keys raise SUBM_OUTSIDE.
 template <int DIMS> __global__ void insert_keys(const RuleArgs a) {
-    for (i64 r = subm_first(); r < a.n; r += subm_step()) subm_insert(a, a.keys_in[r], (int)r, true);
+    for (i64 r = subm_first(); r < a.n; r += subm_step()) {
+        const i64 key = a.keys_in[r];
+        if (key >= 0) {
+            subm_insert(a, key, (int)r, true);
+        } else {
+            atomicOr(a.flags, SUBM_OUTSIDE);
+        }
+    }
 }
 
 // Every output site that (input r, tap k) feeds, for all r < n, k < taps (repeats expected).

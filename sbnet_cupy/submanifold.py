@@ -246,7 +246,8 @@ def to_dense(t):
 
 # --- rulebooks ----------------------------------------------------------------------------
 
-def submanifold_rulebook(coords, spatial_shape, batch_size, kernel_size, dilation=1):
+def submanifold_rulebook(coords, spatial_shape, batch_size, kernel_size, dilation=1, *,
+                         check=True):
     """The rulebook of a submanifold convolution on the active sites `coords`.
 
     Args:
@@ -257,7 +258,9 @@ def submanifold_rulebook(coords, spatial_shape, batch_size, kernel_size, dilatio
             o reads o + (k - kernel // 2) * dilation).
 
     Raises ValueError naming coords for duplicate or out-of-range rows (the CUDA path reads
-    one flag back from the device for it: one host sync).
+    one flag back from the device for it: one host sync). check=False skips that check and its
+    sync, for coordinates known to be distinct and inside the grid (a rulebook's out_coords);
+    with rows that are not, the maps are wrong but every index in them is a valid row.
     """
     shape, batch = check_grid(coords, spatial_shape, batch_size)
     kernel, _, _, dilation = _geometry(shape, kernel_size, 1, 0, dilation)
@@ -267,25 +270,26 @@ def submanifold_rulebook(coords, spatial_shape, batch_size, kernel_size, dilatio
     with _checks.on_device(coords):
         coords = xp.ascontiguousarray(coords)
         geometry = (kernel, stride, padding, dilation)
-        if xp is numpy:
+        if xp is numpy:  # the NumPy backend checks always: it costs no sync
             table = _NumpyTable(_keys_numpy(coords, shape, batch, "coords"))
             neighbors = _query_numpy(table, coords, shape, *geometry, transposed=False)
             neighbors_t = _query_numpy(table, coords, shape, *geometry, transposed=True)
         else:
-            table = _table_from_coords(coords, shape, batch)
-            neighbors = _query_cupy(table, coords, shape, shape, geometry, False)
-            neighbors_t = _query_cupy(table, coords, shape, shape, geometry, True)
+            table = _table_from_coords(coords, shape, batch, check)
+            neighbors = _query_cupy(table, coords, shape, shape, batch, geometry, False)
+            neighbors_t = _query_cupy(table, coords, shape, shape, batch, geometry, True)
     return Rulebook(neighbors, neighbors_t, coords, coords, shape, shape, batch, kernel, stride,
                     padding, dilation, True)
 
 
 def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, padding=0,
-                     dilation=1):
+                     dilation=1, *, check=True):
     """The rulebook of a strided (regular) sparse convolution; its output sites are every site
     of the output grid that reads an active input, sorted by (batch, coordinates).
 
     Args: as submanifold_rulebook's, with stride (>= 1) and padding (>= 0): ints or D ints.
-    The CUDA path syncs once with the host, for the number of output sites.
+    The CUDA path syncs with the host once for the number of output sites, and once more for
+    the check of the coordinates unless check=False.
     """
     shape, batch = check_grid(coords, spatial_shape, batch_size)
     geometry = _geometry(shape, kernel_size, stride, padding, dilation)
@@ -302,12 +306,13 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
             neighbors = _query_numpy(table, out_coords, shape, *geometry, transposed=False)
             neighbors_t = _query_numpy(out_table, coords, out_shape, *geometry, transposed=True)
         else:
-            table = _table_from_coords(coords, shape, batch)
+            table = _table_from_coords(coords, shape, batch, check)
             out_keys = _output_keys_cupy(coords, shape, out_shape, batch, geometry)
             out_coords = _decode(xp, out_keys, out_shape)
             out_table = _table_from_keys(out_keys)
-            neighbors = _query_cupy(table, out_coords, out_shape, shape, geometry, False)
-            neighbors_t = _query_cupy(out_table, coords, shape, out_shape, geometry, True)
+            neighbors = _query_cupy(table, out_coords, out_shape, shape, batch, geometry, False)
+            neighbors_t = _query_cupy(out_table, coords, shape, out_shape, batch, geometry,
+                                      True)
     return Rulebook(neighbors, neighbors_t, coords, out_coords, shape, out_shape, batch,
                     *geometry, False)
 
@@ -425,7 +430,7 @@ def hash_table(keys, capacity=None):
     """The HashTable of distinct int64 keys [n] (a cupy array): key keys[r] has value r.
 
     capacity: slots, a power of two (default table_capacity(n)). Raises ValueError if the keys
-    do not fit or repeat (one host sync to read the kernel's flags)."""
+    do not fit, repeat or are negative (one host sync to read the kernel's flags)."""
     import cupy
 
     n = int(keys.shape[0])
@@ -440,6 +445,8 @@ def hash_table(keys, capacity=None):
         raise ValueError(f"capacity {capacity} is too small for {n} keys")
     if raised & _FLAG_DUPLICATE:
         raise ValueError("keys has duplicates")
+    if raised & _FLAG_OUTSIDE:
+        raise ValueError("keys must be >= 0")
     return table
 
 
@@ -487,12 +494,15 @@ def _grid(items):
     return (max(1, min(-(-items // _THREADS), _MAX_BLOCKS)), 1, 1)
 
 
-def _table_from_coords(coords, shape, batch):
-    """HashTable of checked coords; rows outside the grid or repeated raise ValueError."""
+def _table_from_coords(coords, shape, batch, check):
+    """HashTable of coords; with check, rows outside the grid or repeated raise ValueError
+    (without, they are left out or inserted once)."""
     n = int(coords.shape[0])
     table, flags = _new_table(table_capacity(n))
     _launch_rule("insert_coords", coords.data.device_id, n, coords=coords, table=table,
                  flags=flags, batch=batch, coords_shape=shape)
+    if not check:
+        return table
     raised = int(flags[0].get())  # the one host sync of a submanifold rulebook
     if raised & (_FLAG_OUTSIDE | _FLAG_DUPLICATE):
         _keys_numpy(coords.get(), shape, batch, "coords")  # raises, naming the first bad row
@@ -530,14 +540,14 @@ def _output_keys_cupy(coords, shape, out_shape, batch, geometry):
     return cupy.sort(out_keys[:count])
 
 
-def _query_cupy(table, sites, sites_shape, query_shape, geometry, transposed):
+def _query_cupy(table, sites, sites_shape, query_shape, batch, geometry, transposed):
     """int32 [K, N] map (see _query_numpy) through the HashTable of the sites of query_shape."""
     import cupy
 
     n, taps = int(sites.shape[0]), math.prod(geometry[0])
     out_map = cupy.empty((taps, n), dtype=cupy.int32)
     _launch_rule("query_map", sites.data.device_id, n * taps, coords=sites, table=table,
-                 out_map=out_map, n=n, taps=taps, transposed=transposed,
+                 out_map=out_map, n=n, batch=batch, taps=taps, transposed=transposed,
                  coords_shape=sites_shape, query_shape=query_shape, geometry=geometry)
     return out_map
 

@@ -356,6 +356,24 @@ def test_large_rulebooks_equal_numpy(rng, shape, kernel, stride, padding):
 
 
 @requires_gpu
+def test_unchecked_bad_coords_stay_in_bounds(rng):
+    """check=False trusts the coordinates: bad ones give wrong maps, never rows out of range."""
+    import cupy
+
+    coords = random_sites(rng, 2, (9, 10, 11), 300)
+    coords[:5] = coords[5:10]  # duplicates
+    coords[10:15, 0] = (-1, 2, 7, -5, 2**31 - 1)  # batch indices outside [0, 2)
+    coords[15:20, 1:] = (-1, 10, 11)
+    coords[20:25, 2] = 2**31 - 1
+    coords = cupy.asarray(coords)
+    for rulebook in (sm.submanifold_rulebook(coords, (9, 10, 11), 2, 3, check=False),
+                     sm.strided_rulebook(coords, (9, 10, 11), 2, 3, 2, 1, check=False)):
+        n_in, n_out = rulebook.in_coords.shape[0], rulebook.out_coords.shape[0]
+        assert -1 <= int(rulebook.neighbors.min()) and int(rulebook.neighbors.max()) < n_in
+        assert -1 <= int(rulebook.neighbors_t.min()) and int(rulebook.neighbors_t.max()) < n_out
+
+
+@requires_gpu
 def test_full_table_fails_cleanly(rng):
     import cupy
 
@@ -370,3 +388,5 @@ def test_full_table_fails_cleanly(rng):
         sm.hash_table(cupy.concatenate([keys[:10], keys[:1]]))
     with pytest.raises(ValueError, match="capacity must be a power of two"):
         sm.hash_table(keys, capacity=100)
+    with pytest.raises(ValueError, match="keys must be >= 0"):
+        sm.hash_table(cupy.asarray([3, -1, 5]))

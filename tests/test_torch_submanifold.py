@@ -102,9 +102,12 @@ def test_network_shares_rulebooks_and_inverts(rng, monkeypatch):
     ).double()
     built = []
     build = spconv.build_rulebook
-    monkeypatch.setattr(spconv, "build_rulebook", lambda *a: built.append(a) or build(*a))
+    monkeypatch.setattr(spconv, "build_rulebook",
+                        lambda *a, **k: built.append(k["check"]) or build(*a, **k))
     y = net(x)
-    assert len(built) == 3  # subm1 once for two layers, down1, subm2; the inverse reuses down1
+    # subm1 once for two layers (the user's indices: checked), then down1 and subm2 on sites
+    # a convolution made (no check needed); the inverse reuses down1.
+    assert built == [True, False, False]
     assert set(y.indice_dict) == {"subm1", "down1", "subm2"}
     assert torch.equal(y.indices, x.indices) and y.spatial_shape == [12, 11, 10]
     y.features.square().sum().backward()

@@ -166,10 +166,11 @@ class Rulebook:
 
 
 def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, padding=0,
-                   dilation=1, subm=False):
+                   dilation=1, subm=False, *, check=True):
     """The Rulebook of a submanifold (subm=True; stride and padding unused) or strided sparse
     convolution on the sites `indices` (int32 [N, 1 + D], CPU or CUDA), on their device. Not
-    differentiable; a CUDA build syncs with the host once (see sbnet_cupy.submanifold)."""
+    differentiable. A CUDA build syncs with the host to check the indices (unless check=False:
+    see sbnet_cupy.submanifold.submanifold_rulebook) and, if strided, to count its outputs."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
     shape = [int(s) for s in spatial_shape]
@@ -180,11 +181,11 @@ def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, pa
         device = indices.get_device()
         with cupy.cuda.Device(device), cupy.cuda.ExternalStream(_raw_stream(device)):
             result = _build(cupy.from_dlpack(indices), shape, batch_size, kernel_size, stride,
-                            padding, dilation, subm)
+                            padding, dilation, subm, check)
         convert = torch.from_dlpack
     else:
         result = _build(indices.numpy(), shape, batch_size, kernel_size, stride, padding,
-                        dilation, subm)
+                        dilation, subm, check)
         convert = torch.from_numpy
     out_indices = indices if subm else convert(result.out_coords)
     return Rulebook(convert(result.neighbors), convert(result.neighbors_t), indices, out_indices,
@@ -193,11 +194,12 @@ def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, pa
                     list(result.dilation), subm)
 
 
-def _build(coords, shape, batch_size, kernel_size, stride, padding, dilation, subm):
+def _build(coords, shape, batch_size, kernel_size, stride, padding, dilation, subm, check):
     if subm:
-        return _core.submanifold_rulebook(coords, shape, batch_size, kernel_size, dilation)
+        return _core.submanifold_rulebook(coords, shape, batch_size, kernel_size, dilation,
+                                          check=check)
     return _core.strided_rulebook(coords, shape, batch_size, kernel_size, stride, padding,
-                                  dilation)
+                                  dilation, check=check)
 
 
 def _check_conv(features, weight, bias, neighbors, kernel_size, n_in, algo):
@@ -267,6 +269,9 @@ class SparseConvTensor:
         self.spatial_shape = [int(s) for s in spatial_shape]
         self.batch_size = int(batch_size)
         self.indice_dict = {} if indice_dict is None else indice_dict
+        # Whether the indices are known distinct and inside the grid: a convolution's output
+        # sites are, so its rulebooks skip the check (and its host sync).
+        self.indices_checked = False
 
     @property
     def features(self):
@@ -293,8 +298,14 @@ class SparseConvTensor:
 
     def replace_feature(self, feature):
         """A tensor with these sites and rulebooks and new features [N, C']."""
-        return SparseConvTensor(feature, self.indices, self.spatial_shape, self.batch_size,
-                                indice_dict=self.indice_dict)
+        return self._with(feature, self.indices, self.spatial_shape, self.indice_dict,
+                          self.indices_checked)
+
+    def _with(self, features, indices, spatial_shape, indice_dict, checked):
+        out = SparseConvTensor(features, indices, spatial_shape, self.batch_size,
+                               indice_dict=indice_dict)
+        out.indices_checked = checked
+        return out
 
     def shadow_copy(self):
         return self.replace_feature(self.features)
@@ -399,7 +410,8 @@ class SparseConvolution(SparseModule):
                 raise ValueError(f"indice_key {self.indice_key!r} names a rulebook of another "
                                  f"geometry or another set of sites: {cached!r}")
         rulebook = build_rulebook(x.indices, x.spatial_shape, x.batch_size, self.kernel_size,
-                                  self.stride, self.padding, self.dilation, self.subm)
+                                  self.stride, self.padding, self.dilation, self.subm,
+                                  check=not x.indices_checked)
         return rulebook, self.indice_key is not None
 
     def forward(self, x):
@@ -413,14 +425,12 @@ class SparseConvolution(SparseModule):
             # A 1x1 submanifold convolution is a matrix product: no rulebook.
             taps = self.weight.reshape(self.out_channels, self.in_channels)
             y = torch.nn.functional.linear(x.features, taps, self.bias)
-            return SparseConvTensor(y, x.indices, x.spatial_shape, x.batch_size,
-                                    indice_dict=indice_dict)
+            return x._with(y, x.indices, x.spatial_shape, indice_dict, x.indices_checked)
         rulebook, store = self._rulebook(x)
         if store:
             indice_dict[self.indice_key] = rulebook
         y = rulebook_conv(x.features, rulebook, self.weight, self.bias, algo=self.sbnet_algo)
-        return SparseConvTensor(y, rulebook.out_indices, rulebook.out_shape, x.batch_size,
-                                indice_dict=indice_dict)
+        return x._with(y, rulebook.out_indices, rulebook.out_shape, indice_dict, True)
 
     def extra_repr(self):
         kind = "subm" if self.subm else "inverse" if self.inverse else "strided"
