@@ -17,7 +17,7 @@ struct RuleArgs {
     i64* table_keys;      // [mask + 1], SUBM_EMPTY where free
     int* table_vals;      // [mask + 1], the row each key came from
     int* flags;           // [1], OR of the SUBM_* flags
-    int* out_map;         // query_map: [taps, n]
+    int* out_map;         // query_map: [taps, n]; decode_keys: coords [n, 1 + DIMS]
     i64* out_keys;        // compact_table: the occupied slots' keys, in no particular order
     int* counter;         // compact_table: how many
     i64 mask, n;          // capacity - 1 (a power of two minus one); sites
@@ -104,6 +104,15 @@ static __device__ __forceinline__ i64 subm_first() {
 }
 static __device__ __forceinline__ i64 subm_step() { return (i64)gridDim.x * blockDim.x; }
 
+// An empty table (every key SUBM_EMPTY), flags and counter zero (DIMS plays no part).
+template <int DIMS> __global__ void clear_table(const RuleArgs a) {
+    for (i64 s = subm_first(); s <= a.mask; s += subm_step()) a.table_keys[s] = SUBM_EMPTY;
+    if (subm_first() == 0) {
+        *a.flags = 0;
+        *a.counter = 0;
+    }
+}
+
 // Row r of coords, value r; rows outside batch x shape raise SUBM_OUTSIDE and are left out.
 template <int DIMS> __global__ void insert_coords(const RuleArgs a) {
     for (i64 r = subm_first(); r < a.n; r += subm_step()) {
@@ -149,6 +158,20 @@ template <int DIMS> __global__ void compact_table(const RuleArgs a) {
     for (i64 s = subm_first(); s <= a.mask; s += subm_step()) {
         const i64 key = a.table_keys[s];
         if (key != SUBM_EMPTY) a.out_keys[atomicAdd(a.counter, 1)] = key;
+    }
+}
+
+// Coordinates [n, 1 + DIMS] (in out_map) of the keys keys_in [n] of a grid of query_shape.
+template <int DIMS> __global__ void decode_keys(const RuleArgs a) {
+    for (i64 r = subm_first(); r < a.n; r += subm_step()) {
+        i64 key = a.keys_in[r];
+        int* site = a.out_map + r * (1 + DIMS);
+#pragma unroll
+        for (int d = DIMS - 1; d >= 0; --d) {
+            site[1 + d] = (int)(key % a.query_shape[d]);
+            key /= a.query_shape[d];
+        }
+        site[0] = (int)key;
     }
 }
 

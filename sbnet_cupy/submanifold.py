@@ -56,7 +56,6 @@ from . import _checks, _kernels, _launch
 
 _MAX_DIMS = 4  # spatial axes the kernels' argument structs have room for
 _DTYPES = ("float16", "float32", "float64")
-_EMPTY_KEY = -1
 # Flags the insert kernels raise (kernels/submanifold.cu).
 _FLAG_DUPLICATE, _FLAG_FULL, _FLAG_OUTSIDE = 1, 2, 4
 _THREADS = 256
@@ -308,7 +307,7 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
         else:
             table = _table_from_coords(coords, shape, batch, check)
             out_keys = _output_keys_cupy(coords, shape, out_shape, batch, geometry)
-            out_coords = _decode(xp, out_keys, out_shape)
+            out_coords = _decode_cupy(out_keys, out_shape)
             out_table = _table_from_keys(out_keys)
             neighbors = _query_cupy(table, out_coords, out_shape, shape, batch, geometry, False)
             neighbors_t = _query_cupy(out_table, coords, shape, out_shape, batch, geometry,
@@ -437,7 +436,7 @@ def hash_table(keys, capacity=None):
     capacity = table_capacity(n) if capacity is None else capacity
     if capacity < 1 or capacity & (capacity - 1):
         raise ValueError(f"capacity must be a power of two, got {capacity}")
-    table, flags = _new_table(capacity)
+    table, flags = _new_table(keys.data.device_id, capacity)
     _launch_rule("insert_keys", keys.data.device_id, n, keys=cupy.ascontiguousarray(keys,
                  dtype=cupy.int64), table=table, flags=flags)
     raised = int(flags.get()[0])
@@ -450,12 +449,17 @@ def hash_table(keys, capacity=None):
     return table
 
 
-def _new_table(capacity):
+def _new_table(device, capacity):
+    """An empty HashTable and its int32 [2] flags and counter (zero): one allocation and one
+    launch, which cost less host time than CuPy's full and zeros."""
     import cupy
 
-    table = HashTable(cupy.full(capacity, _EMPTY_KEY, dtype=cupy.int64),
-                      cupy.empty(capacity, dtype=cupy.int32))
-    return table, cupy.zeros(2, dtype=cupy.int32)  # flags, and the compaction's counter
+    memory = cupy.cuda.alloc(capacity * 12 + 8)
+    table = HashTable(cupy.ndarray((capacity,), cupy.int64, memory),
+                      cupy.ndarray((capacity,), cupy.int32, memory + capacity * 8))
+    flags = cupy.ndarray((2,), cupy.int32, memory + capacity * 12)
+    _launch_rule("clear_table", device, capacity, table=table, flags=flags)
+    return table, flags
 
 
 def _rule_ints(n, capacity, batch, taps, transposed, coords_shape=(), query_shape=(),
@@ -478,15 +482,17 @@ def _launch_rule(kernel, device, items, *, coords=None, keys=None, table=None, f
         return
     dims = len(coords_shape) or len(query_shape) or 1
     function = _launch.function(device, "submanifold", kernel, dims)
+
     def pointer(a):
         return 0 if a is None else a.data.ptr
 
-    ints = _rule_ints(items if n is None else n, table.capacity, batch, taps, transposed,
-                      coords_shape, query_shape, geometry)
+    ints = _rule_ints(items if n is None else n, 1 if table is None else table.capacity, batch,
+                      taps, transposed, coords_shape, query_shape, geometry)
     _launch.launch(device, cupy.cuda.get_current_stream().ptr, function, _grid(items),
                    (_THREADS, 1, 1), 0, _RULE_ARGS,
-                   (pointer(coords), pointer(keys), pointer(table.keys), pointer(table.vals),
-                    pointer(flags), pointer(out_map), pointer(out_keys),
+                   (pointer(coords), pointer(keys), 0 if table is None else table.keys.data.ptr,
+                    0 if table is None else table.vals.data.ptr, pointer(flags),
+                    pointer(out_map), pointer(out_keys),
                     0 if flags is None else flags.data.ptr + 4, *ints))
 
 
@@ -498,7 +504,7 @@ def _table_from_coords(coords, shape, batch, check):
     """HashTable of coords; with check, rows outside the grid or repeated raise ValueError
     (without, they are left out or inserted once)."""
     n = int(coords.shape[0])
-    table, flags = _new_table(table_capacity(n))
+    table, flags = _new_table(coords.data.device_id, table_capacity(n))
     _launch_rule("insert_coords", coords.data.device_id, n, coords=coords, table=table,
                  flags=flags, batch=batch, coords_shape=shape)
     if not check:
@@ -513,7 +519,7 @@ def _table_from_coords(coords, shape, batch, check):
 
 def _table_from_keys(keys):
     """HashTable of distinct keys, without reading its flags back (no sync)."""
-    table, flags = _new_table(table_capacity(int(keys.shape[0])))
+    table, flags = _new_table(keys.data.device_id, table_capacity(int(keys.shape[0])))
     _launch_rule("insert_keys", keys.data.device_id, int(keys.shape[0]), keys=keys,
                  table=table, flags=flags)
     return table
@@ -526,8 +532,8 @@ def _output_keys_cupy(coords, shape, out_shape, batch, geometry):
 
     n, taps = int(coords.shape[0]), math.prod(geometry[0])
     bound = min(n * taps, batch * math.prod(out_shape))
-    table, flags = _new_table(table_capacity(bound))
     device = coords.data.device_id
+    table, flags = _new_table(device, table_capacity(bound))
     _launch_rule("insert_targets", device, n * taps, coords=coords, table=table, flags=flags,
                  n=n, batch=batch, taps=taps, transposed=True, coords_shape=shape,
                  query_shape=out_shape, geometry=geometry)
@@ -538,6 +544,17 @@ def _output_keys_cupy(coords, shape, out_shape, batch, geometry):
     if raised:
         raise AssertionError(f"hash table insert failed (flags {raised})")  # a library bug
     return cupy.sort(out_keys[:count])
+
+
+def _decode_cupy(keys, shape):
+    """_decode on the device, in one launch."""
+    import cupy
+
+    n = int(keys.shape[0])
+    coords = cupy.empty((n, 1 + len(shape)), dtype=cupy.int32)
+    _launch_rule("decode_keys", keys.data.device_id, n, keys=keys, out_map=coords,
+                 query_shape=shape)
+    return coords
 
 
 def _query_cupy(table, sites, sites_shape, query_shape, batch, geometry, transposed):
@@ -714,7 +731,8 @@ def _fused_plan(device, dtype, vector, n_out, cout):
 
 def instantiations():
     """Name expressions of every kernel this op can ask for (the compile check builds them)."""
-    rules = ["insert_coords", "insert_keys", "insert_targets", "compact_table", "query_map"]
+    rules = ["clear_table", "insert_coords", "insert_keys", "insert_targets", "compact_table",
+             "decode_keys", "query_map"]
     return [_kernels.name_expression(rule, dims) for rule in rules
             for dims in range(1, _MAX_DIMS + 1)] + [
         _kernels.name_expression("submanifold_fused", _kernels.ARITHMETIC_CTYPES[dtype], vector)
