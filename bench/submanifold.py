@@ -19,7 +19,8 @@ SubM 32 x2, SparseConv s2 -> 64, SubM 64 x2, SparseConv s2, SubM 64 x2, SparseCo
 s(2, 1, 1) -> 128; BatchNorm1d and ReLU after each) on a 41 x 1600 x 1408 grid of voxelised
 synthetic LiDAR sweeps (bench.lidar), batch 1 and 4, fp16 and tf32. Passes: "forward" (eval,
 rulebooks built in the call), "forward_cached" (ours: rulebooks built beforehand), "graph"
-(ours: forward_cached in a CUDA graph), "rulebooks" (ours: building them alone),
+(ours: forward_cached in a CUDA graph), "rulebooks" (building them alone: ours, and spconv's
+implicit-GEMM indice pairs through spconv.pytorch.ops, as its forward in eval mode builds them),
 "forward_backward" (train mode, rulebooks built in the call).
 
 spconv-triton compiles and autotunes its Triton kernels for every new shape (about two minutes
@@ -46,6 +47,7 @@ import torch
 
 import torch_bridge.submanifold as ours
 from bench import lidar, masks, res_blocks
+from sbnet_cupy.submanifold import conv_output_shape
 from bench._common import events_ms, graph, write_csv
 
 PRECISIONS = {"tf32": (torch.float32, True), "fp16": (torch.float16, False)}
@@ -221,7 +223,8 @@ def encoder(ns):
 
 
 def build_rulebooks(net, indices, shape, batch):
-    """Every rulebook our encoder needs, by indice_key, in layer order."""
+    """Every rulebook our encoder needs, by indice_key, in layer order (the input's indices
+    checked, the sites the layers make trusted, as the modules do)."""
     built = {}
     for module in net.modules():
         if isinstance(module, ours.SparseConvolution):
@@ -229,8 +232,29 @@ def build_rulebooks(net, indices, shape, batch):
             if rulebook is None:
                 rulebook = built[module.indice_key] = ours.build_rulebook(
                     indices, shape, batch, module.kernel_size, module.stride, module.padding,
-                    module.dilation, module.subm)
+                    module.dilation, module.subm, check=not built)
             indices, shape = rulebook.out_indices, rulebook.out_shape
+    return built
+
+
+def spconv_rulebooks(net, indices, shape, batch):
+    """spconv 2.3.8's rulebooks (implicit-GEMM indice pairs, inference) for the layers of our
+    encoder `net`, by indice_key, in layer order: what its forward builds."""
+    from spconv.core import ConvAlgo
+    from spconv.pytorch import ops
+
+    built = {}
+    for module in net.modules():
+        if isinstance(module, ours.SparseConvolution):
+            if module.indice_key not in built:
+                out = ops.get_indice_pairs_implicit_gemm(
+                    indices, batch, shape, ConvAlgo.MaskImplicitGemm, module.kernel_size,
+                    module.stride, module.padding, module.dilation, [0] * len(shape),
+                    module.subm, False, False)
+                out_shape = shape if module.subm else list(conv_output_shape(
+                    shape, module.kernel_size, module.stride, module.padding, module.dilation))
+                built[module.indice_key] = (indices if module.subm else out[0], out_shape)
+            indices, shape = built[module.indice_key]
     return built
 
 
@@ -312,6 +336,10 @@ def workload2(batch, precision, namespaces, repeats, seed, inputs):
             if algo is not None:
                 rows += _cached_encoder(net, name, features, indices, shape, batch, base,
                                         repeats)
+    if "spconv" in namespaces:
+        with failures(rows, base, "spconv"), torch.no_grad():
+            rows.append(dict(base, impl="spconv", passes="rulebooks", gpu_ms=events_ms(
+                lambda: spconv_rulebooks(reference, indices, shape, batch), repeats)))
     return rows
 
 
