@@ -245,3 +245,45 @@ def test_cuda_graph_with_cached_rulebooks(rng):
         torch.cuda.synchronize()
     torch.testing.assert_close(out, eager.features)
 
+
+
+@requires_cuda
+def test_same_as_spconv(rng):
+    """spconv 2.3.8 (where installed) on the same weights gives the same sites and features:
+    submanifold, strided and inverse convolutions, 3D and 2D."""
+    reference = pytest.importorskip("spconv.pytorch")
+
+    def net(ns, ndim):
+        subm, strided, inverse = ((ns.SubMConv3d, ns.SparseConv3d, ns.SparseInverseConv3d)
+                                  if ndim == 3 else
+                                  (ns.SubMConv2d, ns.SparseConv2d, ns.SparseInverseConv2d))
+        return ns.SparseSequential(
+            subm(16, 32, 3, indice_key="s1"), torch.nn.ReLU(),
+            strided(32, 32, 3, 2, 1, indice_key="d1"),
+            subm(32, 32, (1, 3, 3) if ndim == 3 else (1, 3), indice_key="s2"),
+            strided(32, 64, (3, 1, 1) if ndim == 3 else (3, 1), (2, 1, 1) if ndim == 3 else
+                    (2, 1), 0, indice_key="d2"),
+            inverse(64, 32, (3, 1, 1) if ndim == 3 else (3, 1), "d2"),
+            inverse(32, 16, 3, "d1")).cuda()
+
+    for shape in ((21, 40, 36), (50, 44)):
+        x = sparse_input(rng, 2, shape, 1500, 16, torch.float32, "cuda")
+        ours = net(spconv, len(shape))
+        theirs = net(reference, len(shape))
+        theirs.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            y = ours(x)
+            z = theirs(reference.SparseConvTensor(x.features, x.indices, list(shape), 2))
+        order_y = torch.argsort(_keys(y.indices, shape))
+        order_z = torch.argsort(_keys(z.indices, shape))
+        assert torch.equal(y.indices[order_y], z.indices[order_z])
+        scale = y.features.abs().max().item()
+        torch.testing.assert_close(y.features[order_y], z.features[order_z], rtol=2e-3,
+                                   atol=2e-3 * scale)  # spconv may run float32 as TF32
+
+
+def _keys(indices, shape):
+    key = indices[:, 0].long()
+    for axis, size in enumerate(shape):
+        key = key * size + indices[:, 1 + axis].long()
+    return key
