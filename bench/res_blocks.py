@@ -1,7 +1,8 @@
 """Sparse residual units and 3x3 convolutions against the same units run densely (SBNet's
 T1/T2 benchmark) on the paper's stage sizes, and against submanifold sparse convolution.
 
-    python -m bench.res_blocks [--suite topleft blocksize batch fp32 road spconv modes] [--out DIR]
+    python -m bench.res_blocks [--suite topleft blocksize batch fp32 road spconv modes fused]
+                               [--out DIR]
 
 The `modes` suite runs one unit and a stage of 3 units sharing one reduce_mask
 (torch_bridge.SparseResStage) the ways a PyTorch user can: eagerly, torch.compile in the default
@@ -13,6 +14,11 @@ folded into the convolutions, measured in the same run. Sparse: reduce_mask (ins
 region) -> one gather -> the unit on the blocks -> one scatter-add in place, with a capacity
 bucket (no host sync). Both sides are timed eagerly and as CUDA graphs: CUDA events around each
 call, median of --repeats after warm-up. Writes <out>/res_blocks_<device>.csv and a PNG plot.
+
+The modules run method="auto" (the fused block-convolution kernels in inference where they
+apply) except in the `fused` suite, which runs each row with method="gemm" (gather, cuDNN,
+scatter) and method="fused" side by side: T2 and T1 at 90% on the top-left mask, a capacity of
+exactly the count against twice it, the road-like mask, and every block active.
 """
 
 import argparse
@@ -37,7 +43,24 @@ TOLERANCE = {"tf32": 5e-3, "fp32": 1e-5, "fp16": 1e-2}  # relative L2 error, spa
 
 
 def suites(names):
-    """(suite, test, stage, batch, precision, mask, sparsity, bsize) rows to run."""
+    """(suite, test, stage, batch, precision, mask, sparsity, bsize, method, capacity) rows to
+    run; capacity None is capacity_bucket(count), a number is that multiple of the count."""
+    rows = [row + ("auto", None) for row in _auto_suites(names)]
+    if "fused" in names:
+        both = ("gemm", "fused")
+        rows += [("fused", t, s, 1, p, "topleft", 0.9, b, m, None)
+                 for t, s, p, b, m in itertools.product(("T2", "T1"), STAGES, ("tf32", "fp16"),
+                                                        (8, 16), both)]
+        rows += [("fused-capacity", "T2", s, 1, "tf32", "topleft", 0.9, 16, "fused", c)
+                 for s, c in itertools.product(STAGES, (1, 2))]
+        rows += [("fused-road", "T2", s, 1, p, "road", 0.9, 16, m, None)
+                 for s, p, m in itertools.product(STAGES, ("tf32", "fp16"), both)]
+        rows += [("fused-dense", "T2", s, 1, p, "topleft", 0.0, 16, m, None)
+                 for s, p, m in itertools.product(STAGES, ("tf32", "fp16"), both)]
+    return rows
+
+
+def _auto_suites(names):
     rows = []
     if "topleft" in names:
         rows += [("topleft", t, s, 1, p, "topleft", sp, 16)
@@ -78,17 +101,18 @@ def _covered(found, shape, bsize):
     return covered
 
 
-def run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize, repeats, rng):
+def run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize, repeats, rng,
+               method="auto", capacity_factor=None):
     height, width, channels, bottleneck = STAGES[stage]
     dtype, tf32 = PRECISIONS[precision]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     if test == "T2":
-        module = tb.SparseResBlockBottleneck(channels, bottleneck, bsize_out=bsize)
+        module = tb.SparseResBlockBottleneck(channels, bottleneck, bsize_out=bsize, method=method)
         _randomise(module, rng)
         module.fold_batchnorm()
     else:
         channels = bottleneck
-        module = tb.SparseConv2d(channels, channels, bsize_out=bsize, bias=False)
+        module = tb.SparseConv2d(channels, channels, bsize_out=bsize, bias=False, method=method)
     module = module.cuda().to(dtype).eval()
     mask_np = (masks.top_left(batch, height, width, sparsity) if mask_kind == "topleft"
                else masks.road(rng, batch, height, width, sparsity))
@@ -97,7 +121,8 @@ def run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize, repeat
     x, y = x0.clone(), x0.clone()
     found = module.reduce_mask(mask)
     active = int(found.bin_counts[0])
-    capacity = tb.capacity_bucket(active)
+    capacity = (tb.capacity_bucket(active) if capacity_factor is None
+                else max(1, capacity_factor * active))
     params = module.block_params(height, width)
     blocks_total = batch * params.bcount[0] * params.bcount[1]
 
@@ -127,6 +152,8 @@ def run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize, repeat
         row = dict(test=test, stage=stage, H=height, W=width, C=channels, K=bottleneck,
                    batch=batch, precision=precision, mask=mask_kind, sparsity=sparsity,
                    pixel_density=round(float(mask_np.mean()), 4), bsize=bsize,
+                   method=method, fused=module.fused(x),
+                   capacity_factor="" if capacity_factor is None else capacity_factor,
                    active_blocks=active, blocks=blocks_total, capacity=capacity,
                    rel_error=f"{error:.1e}")
         row["dense_eager_ms"] = events_ms(dense, repeats, reset)
@@ -291,14 +318,15 @@ def plot(rows, path):
 def _plot_suite(axes, rows, suite):
     for ax, stage in zip(axes, STAGES):
         at_stage = [r for r in rows if r["stage"] == stage]
-        series = sorted({(r["suite"], r["test"], r["precision"], r["mask"], r["bsize"])
-                         for r in at_stage})
-        for key in series:
+        def series_of(r):
+            return (r["suite"], r["test"], r["precision"], r["mask"], r["bsize"],
+                    r.get("method", "auto"), r.get("capacity_factor", ""))
+
+        for key in sorted({series_of(r) for r in at_stage}):
             pts = sorted((r["sparsity"], r["speedup_graph"], r["speedup_eager"])
-                         for r in at_stage
-                         if (r["suite"], r["test"], r["precision"], r["mask"], r["bsize"]) == key)
+                         for r in at_stage if series_of(r) == key)
             s, graph, eager = zip(*pts)
-            label = f"{key[1]} {key[2]} {key[3]} b{key[4]}"
+            label = f"{key[1]} {key[2]} {key[3]} b{key[4]} {key[5]}"
             line, = ax.plot(s, graph, "o-", label=f"{label} graphed")
             ax.plot(s, eager, "x:", color=line.get_color(), label=f"{label} eager")
         spconv = sorted((r["sparsity"], r["dense_graph_ms"] / r["spconv_eager_ms"], r["mask"])
@@ -352,10 +380,11 @@ def main(argv=None):
     todo = [r for r in suites(args.suite) if r[2] in args.stages]
     rows, started = [], time.time()
     name = "res_blocks_" + "_".join(args.suite) + f"_{slug}"
-    for i, (suite, test, stage, batch, precision, mask_kind, sparsity, bsize) in enumerate(todo):
+    for i, (suite, test, stage, batch, precision, mask_kind, sparsity, bsize, method,
+            capacity) in enumerate(todo):
         rng = numpy.random.default_rng(i)
         row = run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize,
-                         args.repeats, rng)
+                         args.repeats, rng, method, capacity)
         if suite == "spconv":
             row.update(run_spconv(stage, precision, mask_kind, sparsity, args.repeats,
                                   numpy.random.default_rng(i)))  # the same road mask
@@ -363,7 +392,8 @@ def main(argv=None):
             row["speedup_vs_spconv_graph"] = row["spconv_eager_ms"] / row["sparse_graph_ms"]
         rows.append({"suite": suite, **row})
         print(f"[{i + 1}/{len(todo)} {time.time() - started:5.0f}s] {suite:9} {test} {stage} "
-              f"b{batch} {precision} {mask_kind} s={sparsity} bs={bsize}: "
+              f"b{batch} {precision} {mask_kind} s={sparsity} bs={bsize} {method} "
+              f"cap={row['capacity']}: "
               f"dense {row['dense_eager_ms']:.3f}/{row['dense_graph_ms']:.3f} ms, "
               f"sparse {row['sparse_eager_ms']:.3f}/{row['sparse_graph_ms']:.3f} ms "
               f"(eager/graph), x{row['speedup_eager']:.2f}/x{row['speedup_graph']:.2f}, "

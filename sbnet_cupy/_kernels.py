@@ -121,6 +121,7 @@ def all_instantiations():
             + [name_expression("sparse_scatter_transposed", ctype, v, op)
                for ctype, size in arithmetic for v in vectors(size, 8) for op in adds]),
         "sparse_kernel_conv": _sparse_kernel_conv_instantiations(),
+        "block_conv": _block_conv_instantiations(),
         "submanifold": _submanifold_instantiations(),
     }
 
@@ -129,6 +130,12 @@ def _sparse_kernel_conv_instantiations():
     from . import sparse_kernel_conv as skc  # its tile-size table is the one place they live
 
     return sorted(set(skc.instantiations()))
+
+
+def _block_conv_instantiations():
+    from . import block_conv
+
+    return block_conv.instantiations()
 
 
 def _submanifold_instantiations():

@@ -1,5 +1,11 @@
-"""Convolution on gathered blocks (one GEMM through cuBLAS or NumPy), and SBNet's sparse
-residual unit, for CuPy or NumPy arrays with no framework.
+"""Convolution on blocks and SBNet's sparse residual unit, for CuPy or NumPy arrays with no
+framework.
+
+Two methods: "gemm" gathers the blocks into a stack, convolves it as one GEMM (cuBLAS or NumPy)
+and scatters the result; "fused" (CuPy, float32 as TF32, float16, bfloat16) convolves straight
+from the input into the output through the block list on tensor cores (sbnet_cupy.block_conv).
+method="auto" takes "fused" where it applies: CuPy arrays of float16 or bfloat16, or float32
+when CuPy runs float32 products as TF32 (CUPY_TF32=1), and stride-1 block geometry.
 
 Weights are HWIO ([KH, KW, C_in, C_out], SBNet's and TensorFlow's layout). On CuPy the GEMM runs
 in the arrays' dtype: float16 on tensor cores, float32 on TF32 tensor cores when CuPy's
@@ -8,7 +14,7 @@ CUPY_TF32=1 is set.
 
 import numpy
 
-from . import _checks
+from . import _checks, block_conv
 from .sparse_gather import sparse_gather
 from .sparse_scatter import sparse_scatter, sparse_scatter_var
 
@@ -46,8 +52,85 @@ def conv2d_same(x, w, bias=None):
     return conv2d_valid(padded, w, bias)
 
 
+def _use_fused(method, x, block_params, kernel_size):
+    """Whether `method` ("auto", "fused" or "gemm") runs the fused kernels on these arguments."""
+    if method not in ("auto", "fused", "gemm"):
+        raise ValueError(f"method must be 'auto', 'fused' or 'gemm', got {method!r}")
+    if method == "gemm":
+        return False
+    dtype = _checks.dtype_name(x)
+    reason = None
+    if _module(x) is numpy:
+        reason = "needs CuPy arrays"
+    elif dtype not in block_conv.DTYPES:
+        reason = f"does not take {dtype}"
+    elif not block_conv.stride_one(block_params, kernel_size):
+        reason = f"needs stride-1 block_params for kernel {kernel_size}, got {block_params}"
+    if method == "fused" and reason is not None:
+        raise (TypeError if reason.startswith("does not") else ValueError)(
+            f"method='fused' {reason}")
+    return reason is None and (method == "fused" or dtype != "float32"
+                               or block_conv.tf32_allowed())
+
+
+def _launch_context(x):
+    import cupy
+
+    return x.data.device_id, cupy.cuda.get_current_stream().ptr
+
+
+def _ohwi(xp, w):
+    """HWIO -> [C_out, KH, KW, C_in], the fused kernels' weight layout."""
+    return xp.ascontiguousarray(w.transpose(3, 0, 1, 2))
+
+
+def _float32(xp, a):
+    return 0 if a is None else xp.ascontiguousarray(a, dtype=xp.float32)
+
+
+def _ptr(a):
+    return a if isinstance(a, int) else a.data.ptr
+
+
+def _check_shape(name, a, shape):
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(a.shape)}")
+
+
+def _check_dtype(name, a, x):
+    if a.dtype != x.dtype:
+        raise TypeError(f"{name} must have x's dtype {x.dtype}, got {a.dtype}")
+
+
+def _sparse_conv2d_fused(x, w, bin_counts, active_block_indices, block_params, bias, base):
+    xp = _module(x)
+    _checks.nhwc("x", x)
+    _checks.check_block_list(active_block_indices, bin_counts)
+    kh, kw, cin, cout = w.shape
+    _check_shape("w", w, (kh, kw, x.shape[3], cout))
+    _check_dtype("w", w, x)
+    if bias is not None:
+        _check_shape("bias", bias, (cout,))
+    with _checks.on_device(x):
+        if base is None:
+            y = xp.zeros(x.shape[:3] + (cout,), dtype=x.dtype)
+        else:
+            _checks.nhwc("base", base)
+            _check_shape("base", base, (x.shape[0], *base.shape[1:3], cout))
+            _check_dtype("base", base, x)
+            y = xp.array(base, order="C")
+        x = xp.ascontiguousarray(x)
+        weight, bias32 = _ohwi(xp, w), _float32(xp, bias)
+        indices, counts = _checks.block_list(xp, active_block_indices, bin_counts)
+        device, stream = _launch_context(x)
+        block_conv.launch_conv(device, stream, _checks.dtype_name(x), x.data.ptr, y.data.ptr,
+                               weight.data.ptr, _ptr(bias32), indices.data.ptr, counts.data.ptr,
+                               indices.shape[0], x.shape, y.shape, (kh, kw), block_params)
+    return y
+
+
 def sparse_conv2d(x, w, bin_counts, active_block_indices, block_params, *, bias=None,
-                  base=None):
+                  base=None, method="auto"):
     """A stride-1 convolution computed on the active blocks only.
 
     Args:
@@ -55,10 +138,14 @@ def sparse_conv2d(x, w, bin_counts, active_block_indices, block_params, *, bias=
         bin_counts, active_block_indices: the block list (reduce_mask with block_params).
         block_params: calc_block_params((H, W), bsize, (KH, KW)) for this convolution.
         base: [N, H, W, K] to write the output blocks into (a copy is returned); zeros if None.
+        method: "auto", "fused" or "gemm" (see the module's docstring).
 
     Returns:
         base with the SAME convolution of x written on the output blocks of the active blocks.
     """
+    if _use_fused(method, x, block_params, w.shape[:2]):
+        return _sparse_conv2d_fused(x, w, bin_counts, active_block_indices, block_params, bias,
+                                    base)
     xp = _module(x)
     blocks = sparse_gather(x, bin_counts, active_block_indices, bsize=block_params.bsize,
                            boffset=block_params.boffset, bstride=block_params.bstrides)
@@ -96,8 +183,43 @@ def res_block_bottleneck(x, folded):
     return x + _residual(_module(x), x, folded, conv2d_same)
 
 
+def _sparse_res_block_fused(x, bin_counts, active_block_indices, block_params, folded, inplace):
+    xp = _module(x)
+    _checks.nhwc("x", x)
+    _checks.check_block_list(active_block_indices, bin_counts)
+    channels, bottleneck = x.shape[3], folded["conv1"].shape[3]
+    for name, shape in (("conv1", (1, 1, channels, bottleneck)),
+                        ("conv2", (3, 3, bottleneck, bottleneck)),
+                        ("conv3", (1, 1, bottleneck, channels)), ("bias1", (bottleneck,)),
+                        ("bias2", (bottleneck,))):
+        _check_shape(f"folded[{name!r}]", folded[name], shape)
+    for a, part in zip(folded["bn1"], ("scale", "shift")):
+        _check_shape(f"folded['bn1'] {part}", a, (channels,))
+    for name in ("conv1", "conv2", "conv3"):
+        _check_dtype(f"folded[{name!r}]", folded[name], x)
+    if inplace and not x.flags.c_contiguous:
+        raise ValueError("inplace=True needs a C-contiguous x")
+    (bh, bw), (oh, ow) = block_params.bsize, block_params.bsize_out
+    with _checks.on_device(x):
+        y = x if inplace else xp.array(x, order="C")
+        indices, counts = _checks.block_list(xp, active_block_indices, bin_counts)
+        rows = indices.shape[0]
+        stacks = (xp.empty((rows, bh, bw, bottleneck), x.dtype),
+                  xp.empty((rows, oh, ow, bottleneck), x.dtype))
+        scale, shift = folded["bn1"]
+        weights = (_float32(xp, scale), _float32(xp, shift), _ohwi(xp, folded["conv1"]),
+                   _float32(xp, folded["bias1"]), _ohwi(xp, folded["conv2"]),
+                   _float32(xp, folded["bias2"]), _ohwi(xp, folded["conv3"]))
+        device, stream = _launch_context(x)
+        block_conv.launch_res_unit(device, stream, _checks.dtype_name(x), y.data.ptr,
+                                   y.data.ptr, tuple(a.data.ptr for a in weights),
+                                   indices.data.ptr, counts.data.ptr, rows, x.shape, bottleneck,
+                                   block_params, tuple(a.data.ptr for a in stacks))
+    return y
+
+
 def sparse_res_block_bottleneck(x, bin_counts, active_block_indices, block_params, folded, *,
-                                inplace=False):
+                                inplace=False, method="auto"):
     """SBNet's sparse bottleneck unit: x + F(x) on the active blocks, x elsewhere.
 
     Args:
@@ -105,10 +227,15 @@ def sparse_res_block_bottleneck(x, bin_counts, active_block_indices, block_param
         bin_counts, active_block_indices: the block list (reduce_mask with block_params).
         block_params: calc_block_params_res_block((H, W), bsize, [(1, 1), (3, 3), (1, 1)]).
         inplace: add into x itself (sparse_scatter_var) instead of a copy.
+        method: "auto", "fused" or "gemm" (see the module's docstring).
 
     One gather of bsize blocks, the unit on them (1x1 and 3x3 convolutions as GEMMs), one
-    scatter-add of bsize_out blocks. Block pixels outside the image are zeroed before the 3x3
-    convolution, as the dense unit's padding does, so blocks at the border match it too."""
+    scatter-add of bsize_out blocks ("gemm"), or three fused launches ("fused"). Block pixels
+    outside the image are zeroed before the 3x3 convolution, as the dense unit's padding does,
+    so blocks at the border match it too."""
+    if _use_fused(method, x, block_params, (3, 3)):
+        return _sparse_res_block_fused(x, bin_counts, active_block_indices, block_params, folded,
+                                       inplace)
     xp = _module(x)
     geometry = dict(bsize=block_params.bsize, boffset=block_params.boffset,
                     bstride=block_params.bstrides)

@@ -169,7 +169,10 @@ def test_export_round_trip(rng, device):
     x = torch.randn(1, 40, 48, 16, device=device)
     mask = _mask(rng, 1, 40, 48, device)
     program = torch.export.export(model, (x, mask))
-    assert any("sbnet.sparse_gather" in str(node.target) for node in program.graph.nodes)
+    # Our ops, not a decomposition: gather/scatter on the CPU, the fused unit on CUDA (export
+    # traces for inference, where the modules take the fused kernels).
+    op = "sbnet.block_conv_res_unit" if device == "cuda" else "sbnet.sparse_gather"
+    assert any(op in str(node) for node in program.graph.nodes), program.graph
     buffer = io.BytesIO()
     torch.export.save(program, buffer)
     buffer.seek(0)

@@ -1,7 +1,12 @@
 """Sparse convolution and SBNet's sparse residual unit as torch modules.
 
-Tensors are NHWC ([N, H, W, C], contiguous). The convolutions run on the gathered blocks with
-torch's own (cuDNN) convolutions, in channels_last memory format, so no transposes are needed.
+Tensors are NHWC ([N, H, W, C], contiguous). Two methods run the convolutions:
+- "gemm": gather the blocks, convolve them with torch's own (cuDNN) convolutions in
+  channels_last memory format, scatter the result. Differentiable: the training path.
+- "fused": sbnet_cupy's block_conv kernels convolve straight from x into the output through the
+  block list on tensor cores (torch_bridge.block_conv). Inference only (no gradient recorded),
+  CUDA, float16, bfloat16, or float32 where cuDNN may use TF32; the unit needs fold_batchnorm().
+method="auto" (the default) takes "fused" wherever it applies.
 """
 
 import functools
@@ -10,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _ops
-from sbnet_cupy import calc_block_params, calc_block_params_res_block
+from . import _ops, block_conv
+from sbnet_cupy import _checks, calc_block_params, calc_block_params_res_block
 
 
 class _BatchNormAffine(nn.Module):
@@ -37,6 +42,65 @@ _cached_conv_params = functools.lru_cache(maxsize=64)(calc_block_params)
 _cached_res_block_params = functools.lru_cache(maxsize=64)(_res_block_params)
 
 
+_METHODS = ("auto", "fused", "gemm")
+
+
+def _check_method(method):
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    return method
+
+
+def _use_fused(module, x, parameters, ready=True):
+    """Whether module.method sends this call to the fused kernels: CUDA, a dtype they take,
+    nothing for autograd to record, and `ready` (the unit's BN folded). method="fused" raises
+    where they do not apply."""
+    if module.method == "gemm":
+        return False
+    recording = torch.is_grad_enabled() and (
+        x.requires_grad or any(p.requires_grad for p in parameters))
+    reason = (not x.is_cuda and "CUDA tensors" or not block_conv.fused_dtype(x) and (
+        "float16, bfloat16 or float32 with TF32 allowed") or recording and (
+        "no gradient to record (torch.no_grad() or parameters without requires_grad)")
+        or not ready and "fold_batchnorm() first")
+    if reason and module.method == "fused":
+        raise ValueError(f"method='fused' needs {reason}")
+    return not reason
+
+
+def _ohwi(conv, x):
+    """A convolution's weight [K, C, KH, KW] as the fused kernels read it: [K, KH, KW, C] in x's
+    dtype."""
+    return conv.weight.detach().to(x.device, x.dtype).permute(0, 2, 3, 1).contiguous()
+
+
+def _float32(t, x):
+    return None if t is None else t.detach().to(x.device, torch.float32)
+
+
+def _prepared(module, x, prepare):
+    """prepare(x) (the fused kernels' weights), kept while the parameters, device and dtype stay
+    the same when eager; a compiled graph prepares its own."""
+    if torch.compiler.is_compiling():
+        return prepare(x)
+    key = (x.device, x.dtype, tuple((p.data_ptr(), p._version) for p in module.parameters()),
+           tuple((b.data_ptr(), b._version) for b in module.buffers()))
+    cached = module._fused_weights
+    if cached is None or cached[0] != key:
+        cached = module._fused_weights = (key, prepare(x))
+    return cached[1]
+
+
+def _check_fused(x, bin_counts, active_block_indices, channels):
+    _checks.nhwc("x", x)
+    _checks.check_block_list(active_block_indices, bin_counts)
+    if x.shape[3] != channels:
+        raise ValueError(f"x must have {channels} channels, got shape {tuple(x.shape)}")
+
+
+_FUSED_CHECKS = {}
+
+
 def _nchw(blocks):
     """[M, H, W, C] -> [M, C, H, W] view (channels_last memory)."""
     return blocks.permute(0, 3, 1, 2)
@@ -51,12 +115,16 @@ class SparseConv2d(nn.Module):
 
     forward(x, found) returns `base` (zeros by default) with the convolution written on the
     output blocks of the active blocks: bsize_out x bsize_out output pixels per block.
+    method: "auto", "fused" or "gemm" (see the module's docstring).
     """
 
-    def __init__(self, in_channels, out_channels, kernel_size=3, *, bsize_out=16, bias=True):
+    def __init__(self, in_channels, out_channels, kernel_size=3, *, bsize_out=16, bias=True,
+                 method="auto"):
         super().__init__()
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, bias=bias)  # VALID
         self.bsize_out = bsize_out
+        self.method = _check_method(method)
+        self._fused_weights = None
 
     def block_params(self, height, width):
         k = self.conv.kernel_size[0]
@@ -68,8 +136,31 @@ class SparseConv2d(nn.Module):
         return _ops.reduce_mask(mask, params.bcount, bsize=params.bsize, boffset=params.boffset,
                                 bstride=params.bstrides, tol=tol, capacity=capacity)
 
+    def _prepare(self, x):
+        return _ohwi(self.conv, x), _float32(self.conv.bias, x)
+
+    def fused(self, x):
+        """Whether forward(x, ...) runs the fused kernels (see method)."""
+        return _use_fused(self, x, self.parameters())
+
     def forward(self, x, found, base=None, *, inplace=False):
         params = self.block_params(*x.shape[1:3])
+        if self.fused(x):
+            _ops._checked(_FUSED_CHECKS, _check_fused, (x, found.bin_counts,
+                                                        found.active_block_indices,
+                                                        self.conv.in_channels))
+            if base is None:
+                base = x.new_zeros(x.shape[:3] + (self.conv.out_channels,))
+                inplace = True
+            elif base.dtype != x.dtype or base.shape[3] != self.conv.out_channels:
+                raise ValueError(f"base must be [N, H, W, {self.conv.out_channels}] of x's "
+                                 f"dtype, got {tuple(base.shape)} {base.dtype}")
+            _ops._same_device(x, found.bin_counts, found.active_block_indices, base, x=x,
+                              bin_counts=found.bin_counts,
+                              active_block_indices=found.active_block_indices, base=base)
+            weight, bias = _prepared(self, x, self._prepare)
+            return block_conv.block_conv2d(_ops._contiguous(x), weight, bias, found, base,
+                                           params, inplace=inplace)
         blocks = _ops.sparse_gather(x, found.bin_counts, found.active_block_indices,
                                     bsize=params.bsize, boffset=params.boffset,
                                     bstride=params.bstrides)
@@ -96,9 +187,11 @@ class SparseResBlockBottleneck(nn.Module):
     fold_batchnorm() prepares inference: the second and third BN fold into the convolutions
     before them, and the first BN and its ReLU into the gather (not for bfloat16, which the
     unfused path serves). dense() is the same unit run densely, the baseline.
+    method: "auto", "fused" or "gemm" (see the module's docstring); "fused" runs the folded unit
+    as three launches that read x and add into the output through the block list.
     """
 
-    def __init__(self, channels, bottleneck, *, bsize_out=16):
+    def __init__(self, channels, bottleneck, *, bsize_out=16, method="auto"):
         super().__init__()
         self.bn1 = nn.BatchNorm2d(channels)
         self.conv1 = nn.Conv2d(channels, bottleneck, 1, bias=False)
@@ -107,7 +200,8 @@ class SparseResBlockBottleneck(nn.Module):
         self.bn3 = nn.BatchNorm2d(bottleneck)
         self.conv3 = nn.Conv2d(bottleneck, channels, 1, bias=False)
         self.bsize_out = bsize_out
-        self._inside, self._affine = {}, {}
+        self.method = _check_method(method)
+        self._inside, self._affine, self._fused_weights = {}, {}, None
 
     def block_params(self, height, width):
         params = (_res_block_params if torch.compiler.is_compiling()
@@ -167,10 +261,32 @@ class SparseResBlockBottleneck(nn.Module):
                                         found.active_block_indices, bsize=params.bsize,
                                         boffset=params.boffset, bstride=params.bstrides))
 
+    def _prepare(self, x):
+        return (_float32(self.bn1.scale, x), _float32(self.bn1.shift, x), _ohwi(self.conv1, x),
+                _float32(self.conv1.bias, x), _ohwi(self.conv2, x), _float32(self.conv2.bias, x),
+                _ohwi(self.conv3, x))
+
+    def fused(self, x):
+        """Whether forward(x, ...) runs the fused kernels (see method)."""
+        return _use_fused(self, x, self.parameters(), isinstance(self.bn1, _BatchNormAffine))
+
     def forward(self, x, found, *, inplace=False, inside=None):
         """x: [N, H, W, C]. With inplace=True the result is added into x itself (inference).
-        inside: inside_image(x, found), when the caller has it already."""
+        inside: inside_image(x, found), when the caller has it already (the fused method
+        needs none)."""
         params = self.block_params(*x.shape[1:3])
+        if self.fused(x):
+            _ops._checked(_FUSED_CHECKS, _check_fused, (x, found.bin_counts,
+                                                        found.active_block_indices,
+                                                        self.bn1.scale.shape[0]))
+            _ops._same_device(x, found.bin_counts, found.active_block_indices, x=x,
+                              bin_counts=found.bin_counts,
+                              active_block_indices=found.active_block_indices)
+            if inplace and not x.is_contiguous():
+                raise ValueError("inplace=True needs a contiguous x")
+            weights = _prepared(self, x, self._prepare)
+            return block_conv.res_unit(_ops._contiguous(x), found, weights, params,
+                                       inplace=inplace)
         fused = isinstance(self.bn1, _BatchNormAffine) and x.dtype != torch.bfloat16
         affine = {}
         if fused:
@@ -200,10 +316,10 @@ class SparseResStage(nn.Module):
     graphs, torch.compile(mode="reduce-overhead") included; see capacity_bucket for choosing it.
     """
 
-    def __init__(self, channels, bottleneck, units, *, bsize_out=16):
+    def __init__(self, channels, bottleneck, units, *, bsize_out=16, method="auto"):
         super().__init__()
         self.units = nn.ModuleList(SparseResBlockBottleneck(channels, bottleneck,
-                                                            bsize_out=bsize_out)
+                                                            bsize_out=bsize_out, method=method)
                                    for _ in range(units))
 
     def fold_batchnorm(self):
@@ -217,7 +333,7 @@ class SparseResStage(nn.Module):
         others add into it."""
         first = self.units[0]
         found = first.reduce_mask(mask, tol=tol, capacity=capacity)
-        inside = first.inside_image(x, found)
+        inside = None if first.fused(x) else first.inside_image(x, found)
         into_new = not torch.is_grad_enabled()
         for i, unit in enumerate(self.units):
             x = unit(x, found, inplace=inplace or (into_new and i > 0), inside=inside)

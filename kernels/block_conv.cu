@@ -1,0 +1,330 @@
+// block_conv: a stride-1 convolution computed on a list of blocks, as an implicit GEMM on tensor
+// cores. Each listed block is read straight from its source tensor (with its halo; zeros outside
+// the image) and its output pixels are written or added straight into the destination tensor:
+// no gathered stack, no scatter pass. Per block, output pixel p = (ph, pw) of an out_h x out_w
+// block is
+//     dst[block's dst origin + (ph, pw), co] (=, +=) epilogue(sum over dy, dx, ci of
+//         prologue(src[block's src origin + (ph + dy, pw + dx), ci]) * weight[co, dy, dx, ci])
+// prologue: max(v * scale[ci] + shift[ci], 0) on in-image pixels when scale is given (an
+// inference BatchNorm and ReLU); epilogue: + bias[co], then ReLU (relu_out), then zero where the
+// source pixel (ph, pw) itself lies outside the image (zero_outside: the dense network's zero
+// padding of the next convolution's input).
+// Either side is an NHWC image, addressed through the block list, or a stack [rows, height,
+// width, C] of per-block intermediates (block m at (m, 0, 0)), so a bottleneck unit is three
+// launches: image -> stack (1x1), stack -> stack (3x3), stack -> image (1x1, residual add).
+
+struct BlockSide {
+    int height, width;      // the image's, or the stack's block size
+    int off_h, off_w;       // image: block (n, hi, wi) starts at (off_h + str_h * hi, ...)
+    int str_h, str_w;
+    int stack;              // 1: a stack; block m is (m, 0, 0)
+};
+
+struct BlockConvArgs {
+    const void* src;
+    void* dst;
+    const void* weight;     // [cout, kh, kw, cin] (OHWI), in T
+    const float* bias;      // [cout] or null
+    const float* scale;     // [cin] or null: the prologue's affine and ReLU
+    const float* shift;
+    const int* indices;     // the block list [rows, 3] and its count (see BlockList)
+    const int* count;
+    int rows, n_batch, cin, cout, kh, kw, out_h, out_w;
+    BlockSide in, out;
+    int relu_out, zero_outside;
+    int paired;             // cout even and dst aligned: two channels written as one access
+    int k_groups;           // warp groups of the CTA that split the reduction (blockDim.x / 128)
+};
+static_assert(sizeof(BlockConvArgs) == 168, "BlockConvArgs must match sbnet_cupy/block_conv.py");
+
+namespace block_conv_tile {
+constexpr int THREADS = 128;  // a warp group: 4 warps as 2 x 2, each 32 pixels x BN / 2 channels
+constexpr int BM = 64;        // output pixels of one block per tile
+constexpr int WORDS = 32;     // 32-bit words of the reduction per pipeline stage
+constexpr int PITCH = WORDS + 4;  // padded rows: fragment loads hit 32 different banks
+}  // namespace block_conv_tile
+
+// Each warp group waits only for its own warps (barrier 0 is __syncthreads).
+static __device__ __forceinline__ void group_sync(int group) {
+    asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(block_conv_tile::THREADS) : "memory");
+}
+
+static __device__ __forceinline__ unsigned to_tf32(float v) {
+    unsigned bits;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(v));
+    return bits;
+}
+
+// One m16n8k8 (TF32) or m16n8k16 (fp16, bf16) MMA with fp32 accumulation; a and b are the
+// fragments of PTX's mma.sync layouts, which take the same 32-bit words of a [row][k] tile
+// for all three types (8 words of k a step).
+template <typename T> struct block_mma;
+template <> struct block_mma<float> {
+    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
+                                               const unsigned (&b)[2]) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+template <> struct block_mma<half_t> {
+    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
+                                               const unsigned (&b)[2]) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+template <> struct block_mma<bfloat16_t> {
+    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
+                                               const unsigned (&b)[2]) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+
+// V elements of T as they sit in shared memory: TF32 bit patterns for float (one a word), the
+// raw 16-bit patterns otherwise (two a word, the lower k in the low half).
+template <typename T, int V>
+static __device__ __forceinline__ void store_tile(unsigned* row, int k, const vec_t<T, V>& v) {
+    if constexpr (sizeof(T) == 4) {
+        vec_t<unsigned, V> words;
+#pragma unroll
+        for (int e = 0; e < V; ++e) words.v[e] = to_tf32(v.v[e]);
+        *reinterpret_cast<vec_t<unsigned, V>*>(row + k) = words;
+    } else if constexpr (V == 1) {
+        reinterpret_cast<unsigned short*>(row)[k] = v.v[0].bits;
+    } else {
+        vec_t<unsigned, V / 2> words;
+#pragma unroll
+        for (int e = 0; e < V / 2; ++e)
+            words.v[e] = (unsigned)v.v[2 * e].bits | ((unsigned)v.v[2 * e + 1].bits << 16);
+        *reinterpret_cast<vec_t<unsigned, V / 2>*>(row + k / 2) = words;
+    }
+}
+
+// Where a block sits on one side: batch (or stack) index and top-left pixel.
+struct side_origin {
+    i64 n;
+    int h, w;
+};
+
+static __device__ __forceinline__ side_origin side_of(const BlockSide& s, int m, const int* row) {
+    if (s.stack) return {m, 0, 0};
+    return {row[0], s.off_h + s.str_h * row[1], s.off_w + s.str_w * row[2]};
+}
+
+// Grid: a few CTAs an SM, each looping over the tiles (block, BM output pixels, BN output
+// channels) of the first *count listed blocks, so rows past the count cost nothing. A CTA is
+// k_groups warp groups of THREADS threads: group g reduces stages g, g + k_groups, ... of the
+// tile into its own accumulators, which group 0 sums before the epilogue, so that few tiles with
+// a long reduction (deep layers, few blocks) still keep many loads in flight. Dynamic shared
+// memory: k_groups * 2 * (BM + BN) * PITCH words. T is float (TF32), half_t or bfloat16_t; V
+// elements (dividing cin, pointers aligned to them) are read as one access; Op (common.cuh)
+// writes or adds the output.
+template <typename T, int BN, int V, typename Op>
+__global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const BlockConvArgs a) {
+    using namespace block_conv_tile;
+    constexpr int PER_WORD = 4 / sizeof(T);
+    constexpr int BK = WORDS * PER_WORD;  // reduction elements a stage
+    constexpr int SLOTS = BK / V;         // vectors a tile row
+    constexpr int ROWS_PER_PASS = THREADS / SLOTS;
+    constexpr int A_PASSES = BM / ROWS_PER_PASS, B_PASSES = BN / ROWS_PER_PASS;
+    constexpr int NT = BN / 16;           // n8 tiles of a warp
+    static_assert(THREADS % SLOTS == 0 && BM % ROWS_PER_PASS == 0 && BN % ROWS_PER_PASS == 0,
+                  "tile shape");
+    static_assert(A_PASSES <= 32, "the load mask is one word");
+    constexpr int GROUP_WORDS = 2 * (BM + BN) * PITCH;
+    constexpr int ACC = 2 * NT * 4;       // accumulators a thread
+    static_assert(ACC * THREADS <= GROUP_WORDS, "a group's partial sums fit in its tiles");
+    typedef vec_t<T, V> Vec;
+    extern __shared__ __align__(16) unsigned block_conv_smem[];
+
+    const T* __restrict__ src = static_cast<const T*>(a.src);
+    const T* __restrict__ weight = static_cast<const T*>(a.weight);
+    T* __restrict__ dst = static_cast<T*>(a.dst);
+    const int pixels = a.out_h * a.out_w;
+    const int n_tiles = (a.cout + BN - 1) / BN;
+    const int per_block = (pixels + BM - 1) / BM * n_tiles;
+    const int ktotal = a.kh * a.kw * a.cin;
+    const int stages = (ktotal + BK - 1) / BK;
+    const i64 tiles = (i64)min(max(*a.count, 0), a.rows) * per_block;
+    const int group = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
+    const int slot = tid % SLOTS, row0 = tid / SLOTS;
+    unsigned* tile_a[2] = {block_conv_smem + group * GROUP_WORDS,
+                           block_conv_smem + group * GROUP_WORDS + BM * PITCH};
+    unsigned* tile_b[2] = {tile_a[1] + BM * PITCH, tile_a[1] + BM * PITCH + BN * PITCH};
+
+    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m = (int)(tile / per_block), rest = (int)(tile % per_block);
+        const int p0 = rest / n_tiles * BM, n0 = rest % n_tiles * BN;
+        const int* row = a.indices + 3 * (i64)m;
+        if (row[0] < 0 || row[0] >= a.n_batch) continue;  // reads zeros, writes nothing
+        const side_origin in = side_of(a.in, m, row), out = side_of(a.out, m, row);
+
+        // The source pixel of the top-left tap for each tile row this thread loads.
+        int a_h[A_PASSES], a_w[A_PASSES];
+        unsigned a_rows = 0;
+#pragma unroll
+        for (int i = 0; i < A_PASSES; ++i) {
+            const int p = p0 + row0 + i * ROWS_PER_PASS;
+            const int ph = p / a.out_w;
+            a_h[i] = in.h + ph;
+            a_w[i] = in.w + p - ph * a.out_w;
+            if (p < pixels) a_rows |= 1u << i;
+        }
+
+        Vec va[A_PASSES], vb[B_PASSES];
+        unsigned a_loaded = 0;
+        int channel = 0;
+        auto load = [&](int stage) {
+            const int r = stage * BK + slot * V;
+            const int tap = r / a.cin, dy = tap / a.kw;
+            channel = r - tap * a.cin;
+            const int dx = tap - dy * a.kw;
+            a_loaded = 0;
+#pragma unroll
+            for (int i = 0; i < A_PASSES; ++i) {
+                const int h = a_h[i] + dy, w = a_w[i] + dx;
+                va[i] = Vec{};
+                if (r < ktotal && (a_rows >> i & 1) && h >= 0 && h < a.in.height && w >= 0 &&
+                    w < a.in.width) {
+                    va[i] = *reinterpret_cast<const Vec*>(
+                        src + ((in.n * a.in.height + h) * a.in.width + w) * a.cin + channel);
+                    a_loaded |= 1u << i;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < B_PASSES; ++j) {
+                const int co = n0 + row0 + j * ROWS_PER_PASS;
+                vb[j] = Vec{};
+                if (r < ktotal && co < a.cout)
+                    vb[j] = *reinterpret_cast<const Vec*>(weight + (i64)co * ktotal + r);
+            }
+        };
+        auto store = [&](int buffer) {
+            if (a.scale != nullptr) {  // the prologue, on pixels read from the image
+                float scale[V], shift[V];
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    scale[e] = a.scale[channel + e];
+                    shift[e] = a.shift[channel + e];
+                }
+#pragma unroll
+                for (int i = 0; i < A_PASSES; ++i) {
+                    if (!(a_loaded >> i & 1)) continue;
+#pragma unroll
+                    for (int e = 0; e < V; ++e)
+                        va[i].v[e] = from_acc<T>(fmaxf(to_acc(va[i].v[e]) * scale[e] + shift[e],
+                                                       0.f));
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < A_PASSES; ++i)
+                store_tile(tile_a[buffer] + (row0 + i * ROWS_PER_PASS) * PITCH, slot * V, va[i]);
+#pragma unroll
+            for (int j = 0; j < B_PASSES; ++j)
+                store_tile(tile_b[buffer] + (row0 + j * ROWS_PER_PASS) * PITCH, slot * V, vb[j]);
+        };
+
+        float acc[2][NT][4] = {};
+        if (group < stages) load(group);
+        int buffer = 0;
+        for (int stage = group; stage < stages; stage += a.k_groups, buffer ^= 1) {
+            store(buffer);
+            group_sync(group);
+            if (stage + a.k_groups < stages) load(stage + a.k_groups);  // in flight during the MMAs
+            const unsigned* ta = tile_a[buffer];
+            const unsigned* tb = tile_b[buffer];
+#pragma unroll
+            for (int ks = 0; ks < WORDS / 8; ++ks) {
+                unsigned af[2][4], bf[NT][2];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    const unsigned* p = ta + (wm * 32 + mt * 16 + g) * PITCH + ks * 8 + t;
+                    af[mt][0] = p[0];
+                    af[mt][1] = p[8 * PITCH];
+                    af[mt][2] = p[4];
+                    af[mt][3] = p[8 * PITCH + 4];
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const unsigned* p = tb + (wn * (BN / 2) + nt * 8 + g) * PITCH + ks * 8 + t;
+                    bf[nt][0] = p[0];
+                    bf[nt][1] = p[4];
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) block_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
+            }
+        }
+        __syncthreads();  // every group is done with its tiles: they hold the partial sums now
+        if (a.k_groups > 1) {
+            float* partial = reinterpret_cast<float*>(block_conv_smem);
+            float* flat = &acc[0][0][0];
+            if (group > 0) {
+#pragma unroll
+                for (int i = 0; i < ACC; ++i)
+                    partial[(group - 1) * GROUP_WORDS + i * THREADS + tid] = flat[i];
+            }
+            __syncthreads();
+            if (group == 0) {
+                for (int other = 1; other < a.k_groups; ++other) {
+#pragma unroll
+                    for (int i = 0; i < ACC; ++i)
+                        flat[i] += partial[(other - 1) * GROUP_WORDS + i * THREADS + tid];
+                }
+            }
+        }
+        if (group == 0) {
+            // Epilogue: accumulator (mt, nt, 2 * half + e) is pixel p0 + wm * 32 + mt * 16 + g +
+            // 8 * half, channel n0 + wn * BN / 2 + nt * 8 + 2 * t + e.
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int p = p0 + wm * 32 + mt * 16 + g + 8 * half;
+                    if (p >= pixels) continue;
+                    const int ph = p / a.out_w, pw = p - ph * a.out_w;
+                    const int dh = out.h + ph, dw = out.w + pw;
+                    if (dh < 0 || dh >= a.out.height || dw < 0 || dw >= a.out.width) continue;
+                    const int sh = in.h + ph, sw = in.w + pw;
+                    const bool zero = a.zero_outside &&
+                                      (sh < 0 || sh >= a.in.height || sw < 0 || sw >= a.in.width);
+                    T* pixel = dst + ((out.n * a.out.height + dh) * a.out.width + dw) * a.cout;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+                        if (co >= a.cout) continue;
+                        float v[2];
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            v[e] = acc[mt][nt][2 * half + e];
+                            if (a.bias != nullptr && co + e < a.cout) v[e] += a.bias[co + e];
+                            if (a.relu_out) v[e] = fmaxf(v[e], 0.f);
+                            if (zero) v[e] = 0.f;
+                        }
+                        if (a.paired) {
+                            vec_t<T, 2> pair = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
+                            Op::apply(reinterpret_cast<vec_t<T, 2>*>(pixel + co), pair);
+                        } else {
+                            Op::apply(pixel + co, from_acc<T>(v[0]));
+                            if (co + 1 < a.cout) Op::apply(pixel + co + 1, from_acc<T>(v[1]));
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the next tile's loads reuse the shared memory
+    }
+}

@@ -1,0 +1,167 @@
+"""Convolutions on a list of blocks run straight from and into the NHWC tensors, on tensor cores
+(kernels/block_conv.cu): what sparse_conv2d and sparse_res_block_bottleneck use on the GPU in
+place of gather -> GEMM -> scatter.
+
+One launch convolves every listed block: it reads the block and its halo from the source (an
+image through the block list, or a stack of per-block intermediates), multiplies on tensor
+cores (TF32 for float32, fp16, bf16; fp32 accumulation) and writes or adds the output pixels
+into the destination. The kernels read the block count from the device and loop over the tiles
+of the counted blocks only, so a generous capacity costs nothing. A bottleneck unit is three
+launches (1x1 into a stack, 3x3 stack to stack, 1x1 added into the image).
+"""
+
+import functools
+import math
+import os
+from collections import namedtuple
+
+from . import _kernels, _launch
+
+# kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 4 ints.
+BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i4i", 168)
+THREADS, TILE_PIXELS, TILE_WORDS, PITCH = 128, 64, 32, 36  # as block_conv_tile in the kernel
+TILE_CHANNELS = (32, 64)  # output channels a tile: the kernel's BN choices
+MAX_K_GROUPS = 4  # warp groups that may split a tile's reduction (the kernel's launch bounds)
+DTYPES = ("float32", "float16", "bfloat16")  # float32 runs as TF32
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+# The output side of a launch: "Assign" writes, "Add" adds without atomics (the output blocks
+# of a list must not overlap, which reduce_mask's lists of stride-1 geometry never do).
+OPS = ("Assign", "Add")
+
+# ctas[g - 1]: CTAs of g warp groups that the GPU holds at once.
+BlockConvPlan = namedtuple("BlockConvPlan", ["function", "tile_channels", "group_bytes", "ctas"])
+
+
+def image_side(height, width, boffset, bstride):
+    """A side that is an NHWC image [N, height, width, C]: block (n, hi, wi) of the list starts
+    at (boffset[0] + bstride[0] * hi, boffset[1] + bstride[1] * wi)."""
+    return (height, width, boffset[0], boffset[1], bstride[0], bstride[1], 0)
+
+
+def stack_side(bh, bw):
+    """A side that is a stack [rows, bh, bw, C], one entry per row of the block list."""
+    return (bh, bw, 0, 0, 0, 0, 1)
+
+
+def tf32_allowed():
+    """Whether CuPy lets float32 matrix products run as TF32 (CUPY_TF32=1): sparse_conv2d's
+    method="auto" follows it for float32, as cuBLAS does."""
+    return os.environ.get("CUPY_TF32", "0") != "0"
+
+
+def stride_one(block_params, kernel_size):
+    """Whether block_params (calc_block_params) describe a stride-1 convolution of kernel_size,
+    the geometry the kernels compute: output blocks bsize - k + 1, tiled without overlap."""
+    return all(b - o == k - 1 and s == o for b, o, k, s in zip(
+        block_params.bsize, block_params.bsize_out, kernel_size, block_params.bstrides))
+
+
+def instantiations():
+    """Every block_conv<T, BN, V, Op> the plans can ask for."""
+    names = []
+    for name in DTYPES:
+        itemsize = _ITEMSIZE[name]
+        for bn in TILE_CHANNELS:
+            for vector in (v for v in (1, 2, 4, 8) if v * itemsize <= 16):
+                names += [_kernels.name_expression(
+                    "block_conv", _kernels.ARITHMETIC_CTYPES[name], bn, vector, op) for op in OPS]
+    return names
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(device, dtype_name, cin, cout, alignment, op):
+    itemsize = _ITEMSIZE[dtype_name]
+    vector = next(v for v in (8, 4, 2, 1)
+                  if v * itemsize <= 16 and cin % v == 0 and alignment % (v * itemsize) == 0)
+    # The tile width that pads the output channels least (the wider one on a tie).
+    tile_channels = min(reversed(TILE_CHANNELS), key=lambda bn: math.ceil(cout / bn) * bn)
+    function = _launch.function(device, "block_conv", "block_conv",
+                                _kernels.ARITHMETIC_CTYPES[dtype_name], tile_channels, vector, op)
+    driver, runtime = _launch.driver, _launch.runtime
+    group_bytes = 2 * (TILE_PIXELS + tile_channels) * PITCH * 4
+    driver.funcSetAttribute(function,
+                            driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            MAX_K_GROUPS * group_bytes)
+    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
+    ctas = tuple(sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        function, THREADS * groups, groups * group_bytes))
+        for groups in range(1, MAX_K_GROUPS + 1))
+    return BlockConvPlan(function, tile_channels, group_bytes, ctas)
+
+
+def k_groups(tiles, stages, ctas):
+    """Warp groups to split each tile's reduction over: enough that `tiles` tiles fill the GPU
+    (ctas: the plan's CTAs by group count), no more than the reduction has stages."""
+    groups = 1
+    while groups < min(MAX_K_GROUPS, stages) and tiles * groups < ctas[0] // 2:
+        groups += 1
+    return groups
+
+
+def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, counts, rows,
+                      n_batch, cin, cout, kernel_size, out_size, src_side, dst_side, *, bias=0,
+                      scale=0, shift=0, relu_out=False, zero_outside=False, op="Assign"):
+    """One block_conv launch on raw addresses (arguments already checked).
+
+    src: the source side's tensor with cin channels; dst: the destination's with cout channels
+    (sides from image_side / stack_side); weight [cout, KH, KW, cin] of dtype_name (OHWI, the
+    memory order of a channels_last torch weight); bias [cout], scale and shift [cin] float32 or
+    0; indices [rows, 3] and counts [1] int32 (the block list). Each listed block's out_size
+    output pixels are computed from the source block at the same position plus the kernel's
+    taps, and written or added (`op`) at the destination block."""
+    (oh, ow), (kh, kw) = out_size, kernel_size
+    if rows == 0 or cout == 0 or oh * ow == 0:
+        return
+    alignment = 16
+    for address in (src, weight):
+        alignment = min(alignment, address & -address or 16)
+    plan = _plan(device, dtype_name, cin, cout, alignment, op)
+    per_block = math.ceil(oh * ow / TILE_PIXELS) * math.ceil(cout / plan.tile_channels)
+    if rows >= 2**31:
+        raise ValueError(f"active_block_indices has too many rows: {rows}")
+    itemsize = _ITEMSIZE[dtype_name]
+    paired = cout % 2 == 0 and (dst & -dst or 16) % (2 * itemsize) == 0
+    tiles = rows * per_block
+    groups = k_groups(tiles, math.ceil(kh * kw * cin / (TILE_WORDS * 4 // itemsize)), plan.ctas)
+    _launch.launch(device, stream, plan.function, (min(tiles, plan.ctas[groups - 1]), 1, 1),
+                   (THREADS * groups, 1, 1), groups * plan.group_bytes, BLOCK_CONV_ARGS,
+                   (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
+                    cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
+                    bool(zero_outside), paired, groups))
+
+
+def launch_conv(device, stream, dtype_name, x, y, weight, bias, indices, counts, rows, x_shape,
+                y_shape, kernel_size, block_params):
+    """A stride-1 convolution of x [N, H, W, cin] on the listed blocks into y [N, H', W', cout]
+    (block_params from calc_block_params, stride_one; weight OHWI, bias float32 or 0)."""
+    n, height, width, cin = x_shape
+    launch_block_conv(device, stream, dtype_name, x, y, weight, indices, counts, rows, n, cin,
+                      y_shape[3], kernel_size, block_params.bsize_out,
+                      image_side(height, width, block_params.boffset, block_params.bstrides),
+                      image_side(y_shape[1], y_shape[2], (0, 0), block_params.bsize_out),
+                      bias=bias)
+
+
+def launch_res_unit(device, stream, dtype_name, x, y, weights, indices, counts, rows, x_shape,
+                    bottleneck, block_params, stacks):
+    """SBNet's bottleneck unit on the listed blocks, added into y (x itself, or a copy of it):
+    1x1 (bn1 and ReLU on load, bias and ReLU, zero outside the image) into stacks[0]
+    [rows, bh, bw, K], 3x3 (bias, ReLU) into stacks[1] [rows, bh - 2, bw - 2, K], 1x1 added
+    into y. weights: addresses of (scale, shift, w1, b1, w2, b2, w3), convolutions OHWI in
+    dtype_name, the rest float32. block_params: calc_block_params_res_block's, stride 1."""
+    n, height, width, channels = x_shape
+    scale, shift, w1, b1, w2, b2, w3 = weights
+    (bh, bw), (oh, ow) = block_params.bsize, block_params.bsize_out
+    first, middle = stacks
+    image_in = image_side(height, width, block_params.boffset, block_params.bstrides)
+    common = (device, stream, dtype_name)
+    launch_block_conv(*common, x, first, w1, indices, counts, rows, n, channels, bottleneck,
+                      (1, 1), (bh, bw), image_in, stack_side(bh, bw), bias=b1, scale=scale,
+                      shift=shift, relu_out=True, zero_outside=True)
+    launch_block_conv(*common, first, middle, w2, indices, counts, rows, n, bottleneck,
+                      bottleneck, (3, 3), (oh, ow), stack_side(bh, bw), stack_side(oh, ow),
+                      bias=b2, relu_out=True)
+    launch_block_conv(*common, middle, y, w3, indices, counts, rows, n, bottleneck, channels,
+                      (1, 1), (oh, ow), stack_side(oh, ow),
+                      image_side(height, width, (0, 0), block_params.bsize_out), op="Add")

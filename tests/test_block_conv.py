@@ -1,0 +1,175 @@
+"""The fused block convolutions (sbnet_cupy.block_conv) behind sparse_conv2d and
+sparse_res_block_bottleneck with method="fused", against dense references written from the
+definition. The GPU tests skip without a GPU."""
+
+import numpy
+import pytest
+
+import sbnet_cupy
+import sbnet_cupy.block_conv
+from axes import distinct_block_list, random_array
+from conftest import HAS_GPU, cupy, requires_gpu, to_numpy, _poison_pool
+import reference
+
+# Relative error allowed against the float64 reference: TF32 products of exact inputs accumulate
+# in float32; float16 rounds the output.
+TOLERANCE = {numpy.float32: 1e-5, numpy.float16: 2e-3}
+
+
+def _block_list(rng, n_batch, bcount, n_blocks, padding_rows):
+    """Distinct blocks, then rows that point outside the batch or the image, then `padding_rows`
+    in-range rows past the count (which must write nothing)."""
+    rows = [distinct_block_list(rng, n_batch, bcount, n_blocks=n_blocks),
+            numpy.array([(n_batch, 0, 0), (-1, 0, 0), (0, bcount[0] + 2, 0), (0, 0, -3)],
+                        numpy.int32)]
+    count = sum(len(r) for r in rows)
+    rows.append(distinct_block_list(rng, n_batch, bcount, n_blocks=padding_rows))
+    return numpy.concatenate(rows), numpy.array([count], numpy.int32)
+
+
+def _written(indices, count, shape, bsize_out):
+    """Output pixels of the counted blocks that lie inside the batch and the image."""
+    mask = numpy.zeros(shape, bool)
+    bh, bw = bsize_out
+    for n, hi, wi in indices[:count]:
+        if 0 <= n < shape[0] and hi >= 0 and wi >= 0:
+            mask[n, hi * bh:(hi + 1) * bh, wi * bw:(wi + 1) * bw] = True
+    return mask
+
+
+def _assert_close(got, want, rtol):
+    scale = numpy.abs(want).max() if want.size else 1.0
+    numpy.testing.assert_allclose(got, want, rtol=0, atol=rtol * max(scale, 1.0))
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
+@pytest.mark.parametrize("cin, cout", [(3, 5), (8, 16), (24, 24), (33, 40), (96, 64)])
+@pytest.mark.parametrize("kernel, bsize_out", [(3, (16, 16)), (1, (8, 8)), (3, (6, 10)),
+                                                (5, (7, 7)), (3, (32, 32)), (3, (34, 6))])
+def test_sparse_conv2d_fused_equals_dense(rng, dtype, cin, cout, kernel, bsize_out):
+    _poison_pool()
+    shape = (2, 37, 53)
+    x = random_array(rng, shape + (cin,), dtype)
+    w = random_array(rng, (kernel, kernel, cin, cout), dtype)
+    bias = random_array(rng, (cout,), numpy.float32)
+    base = random_array(rng, shape + (cout,), dtype)
+    bsize = tuple(b + kernel - 1 for b in bsize_out)
+    params = sbnet_cupy.calc_block_params(shape[1:], bsize, (kernel, kernel))
+    indices, count = _block_list(rng, shape[0], params.bcount, 5, 3)
+    y = to_numpy(sbnet_cupy.sparse_conv2d(
+        cupy.asarray(x), cupy.asarray(w), cupy.asarray(count), cupy.asarray(indices), params,
+        bias=cupy.asarray(bias), base=cupy.asarray(base), method="fused"))
+    written = _written(indices, int(count[0]), shape, params.bsize_out)
+    assert written.any() and not written.all()
+    dense = reference.conv2d_same(x, w) + bias
+    _assert_close(y[written].astype(numpy.float64), dense[written], TOLERANCE[dtype])
+    numpy.testing.assert_array_equal(y[~written], base[~written])
+
+
+@requires_gpu
+@pytest.mark.parametrize("rows, count", [(6, 0), (3, 9), (0, 0)])
+def test_sparse_conv2d_fused_count_past_rows_and_empty(rng, rows, count):
+    """count 0 writes nothing; a count past the rows (an overflowed capacity) convolves the rows
+    there are."""
+    shape = (1, 20, 30)
+    x = random_array(rng, shape + (8,), numpy.float32)
+    w = random_array(rng, (3, 3, 8, 8), numpy.float32)
+    base = random_array(rng, shape + (8,), numpy.float32)
+    params = sbnet_cupy.calc_block_params(shape[1:], (10, 10), (3, 3))
+    indices = distinct_block_list(rng, 1, params.bcount, n_blocks=rows)
+    y = to_numpy(sbnet_cupy.sparse_conv2d(
+        cupy.asarray(x), cupy.asarray(w), cupy.asarray([count], dtype=cupy.int32),
+        cupy.asarray(indices.reshape(-1, 3)), params, base=cupy.asarray(base), method="fused"))
+    written = _written(indices, min(count, rows), shape, params.bsize_out)
+    dense = reference.conv2d_same(x, w)
+    _assert_close(y[written], dense[written], 1e-5)
+    numpy.testing.assert_array_equal(y[~written], base[~written])
+
+
+def _folded(xp, rng, channels, bottleneck, dtype):
+    weights = sbnet_cupy.random_bottleneck_weights(rng, channels, bottleneck, numpy.float64)
+    folded = sbnet_cupy.fold_batchnorm(weights)
+    # Weights rounded to the dtype first, so that the reference sees what the kernels see.
+    for name in ("conv1", "conv2", "conv3"):
+        folded[name] = folded[name].astype(dtype).astype(numpy.float64)
+    ours = {k: tuple(xp.asarray(a, numpy.float32) for a in v) if isinstance(v, tuple)
+            else xp.asarray(v, dtype if k.startswith("conv") else numpy.float32)
+            for k, v in folded.items()}
+    return folded, ours
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
+@pytest.mark.parametrize("channels, bottleneck, bsize_out", [
+    (12, 4, (8, 8)), (9, 5, (6, 6)), (96, 24, (16, 16)), (33, 17, (10, 14)),
+    (64, 64, (32, 32))])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_sparse_res_block_fused_equals_dense(rng, dtype, channels, bottleneck, bsize_out,
+                                             inplace):
+    _poison_pool()
+    shape = (2, 41, 53)
+    x = (random_array(rng, shape + (channels,), numpy.float32) / 8).astype(dtype)
+    folded, ours = _folded(cupy, rng, channels, bottleneck, dtype)
+    params = sbnet_cupy.calc_block_params_res_block(
+        shape[1:], tuple(b + 2 for b in bsize_out), [(1, 1), (3, 3), (1, 1)])
+    indices, count = _block_list(rng, shape[0], params.bcount, 4, 2)
+    x_d = cupy.asarray(x)
+    y = to_numpy(sbnet_cupy.sparse_res_block_bottleneck(
+        x_d, cupy.asarray(count), cupy.asarray(indices), params, ours, inplace=inplace,
+        method="fused"))
+    if inplace:
+        assert numpy.array_equal(to_numpy(x_d), y)
+    dense = sbnet_cupy.res_block_bottleneck(x.astype(numpy.float64), folded)
+    written = _written(indices, int(count[0]), shape, params.bsize_out)
+    assert written.any() and not written.all()
+    _assert_close(y[written].astype(numpy.float64), dense[written],
+                  3e-3 if dtype == numpy.float32 else 1e-2)
+    numpy.testing.assert_array_equal(y[~written], x[~written])
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
+def test_sparse_res_block_fused_every_block(rng, dtype):
+    """Every block active: enough tiles that each runs on one warp group (no split reduction),
+    and the whole image equals the dense unit."""
+    shape, channels, bottleneck = (1, 150, 203), 16, 8
+    x = (random_array(rng, shape + (channels,), numpy.float32) / 8).astype(dtype)
+    folded, ours = _folded(cupy, rng, channels, bottleneck, dtype)
+    params = sbnet_cupy.calc_block_params_res_block(shape[1:], (10, 10),
+                                                    [(1, 1), (3, 3), (1, 1)])
+    found = sbnet_cupy.reduce_mask(cupy.ones(shape, cupy.float32), params.bcount,
+                                   bsize=params.bsize, boffset=params.boffset,
+                                   bstride=params.bstrides)
+    assert int(found.bin_counts[0]) == params.bcount[0] * params.bcount[1] > 400
+    y = to_numpy(sbnet_cupy.sparse_res_block_bottleneck(
+        cupy.asarray(x), found.bin_counts, found.active_block_indices, params, ours,
+        method="fused"))
+    dense = sbnet_cupy.res_block_bottleneck(x.astype(numpy.float64), folded)
+    _assert_close(y.astype(numpy.float64), dense, 3e-3 if dtype == numpy.float32 else 1e-2)
+
+
+def test_k_groups_fill_the_gpu():
+    ctas = (528, 264, 132, 132)
+    assert sbnet_cupy.block_conv.k_groups(1000, 20, ctas) == 1
+    assert sbnet_cupy.block_conv.k_groups(40, 20, ctas) == 4
+    assert sbnet_cupy.block_conv.k_groups(40, 2, ctas) == 2
+    assert sbnet_cupy.block_conv.k_groups(100, 20, ctas) == 3
+
+
+def test_method_is_checked(rng):
+    x = numpy.ones((1, 8, 8, 2), numpy.float32)
+    w = numpy.ones((3, 3, 2, 2), numpy.float32)
+    params = sbnet_cupy.calc_block_params((8, 8), (6, 6), (3, 3))
+    found = sbnet_cupy.reduce_mask(numpy.ones((1, 8, 8), numpy.float32), params.bcount,
+                                   bsize=params.bsize, boffset=params.boffset,
+                                   bstride=params.bstrides)
+    with pytest.raises(ValueError, match="method"):
+        sbnet_cupy.sparse_conv2d(x, w, *found[::-1], params, method="fast")
+    with pytest.raises(ValueError, match="needs CuPy arrays"):
+        sbnet_cupy.sparse_conv2d(x, w, *found[::-1], params, method="fused")
+    if HAS_GPU:
+        with pytest.raises(TypeError, match="float64"):
+            sbnet_cupy.sparse_conv2d(cupy.asarray(x, numpy.float64), cupy.asarray(w),
+                                     *(cupy.asarray(a) for a in found[::-1]), params,
+                                     method="fused")
