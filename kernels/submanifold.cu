@@ -215,7 +215,8 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 // warps of 32 x 32). Per tap, the rows' neighbours are read once; a tap no row of the tile has
 // is skipped. Per chunk of 32 bytes of input channels, the rows (zeros for absent neighbours)
 // and the weight's slice [FUSED_BN, chunk] are staged in shared memory and multiplied with
-// mma.sync: m16n8k16 for half and bfloat16, m16n8k8 TF32 for float; float32 accumulation.
+// mma.sync (tensor_core_mma, common.cuh): m16n8k16 for half and bfloat16, m16n8k8 TF32 for float;
+// float32 accumulation.
 
 #define FUSED_BM 64
 #define FUSED_BN 64
@@ -232,31 +233,6 @@ struct FusedArgs {
     int cin, cout, taps;
 };
 static_assert(sizeof(FusedArgs) == 64, "FusedArgs must match sbnet_cupy/submanifold.py");
-
-static __device__ __forceinline__ void fused_mma(float (&c)[4], const unsigned (&a)[4],
-                                                 const unsigned (&b)[2], half_t) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-static __device__ __forceinline__ void fused_mma(float (&c)[4], const unsigned (&a)[4],
-                                                 const unsigned (&b)[2], bfloat16_t) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-static __device__ __forceinline__ void fused_mma(float (&c)[4], const unsigned (&a)[4],
-                                                 const unsigned (&b)[2], float) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // A staged word as the MMA takes it: 16-bit pairs as they are, float rounded to TF32.
 template <typename T> static __device__ __forceinline__ unsigned fused_operand(unsigned w) {
@@ -335,7 +311,7 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
                     fused_operand<T>(row[0]), fused_operand<T>(row[8 * FUSED_PITCH]),
                     fused_operand<T>(row[4]), fused_operand<T>(row[8 * FUSED_PITCH + 4])};
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt) fused_mma(acc[mt][nt], frag, b[nt], T());
+                for (int nt = 0; nt < 4; ++nt) tensor_core_mma<T>::run(acc[mt][nt], frag, b[nt]);
             }
             __syncthreads();
         }
