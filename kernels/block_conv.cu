@@ -90,16 +90,12 @@ static __device__ __forceinline__ side_origin side_of(const BlockSide& s, int m,
 // Grid: a few CTAs an SM, each looping over the tiles (block, BM output pixels, BN output
 // channels) of the first *count listed blocks, so rows past the count cost nothing. A CTA is
 // k_groups warp groups of THREADS threads: group g reduces stages g, g + k_groups, ... of the
-// tile into its own accumulators, so that few tiles with a long reduction (deep layers, few
-// blocks) still keep many loads in flight; the groups' partial sums meet in shared memory, where
-// the whole CTA runs the epilogue and writes the output coalesced.
-// With 16-byte vectors (V * sizeof(T) == 16) a group's stages stream through SLOTS shared-memory
-// slots with cp.async, SLOTS - 1 stages in flight; the prologue then runs on the landed tile, each
-// thread on what it copied. TF32 MMAs read float32 bits as they are (the tensor cores ignore the
-// low mantissa bits). Narrower vectors (channel counts that 16 bytes do not divide) go through
-// registers into two slots, one stage in flight, rounded to TF32.
-// The loops that are not over register arrays stay rolled: a kernel that runs only a few stages
-// per tile spends its time fetching instructions otherwise.
+// tile into its own accumulators, which group 0 sums before the epilogue, so that few tiles with
+// a long reduction (deep layers, few blocks) still keep many loads in flight. A group's stages
+// stream through SLOTS shared-memory slots with cp.async (16-byte vectors, no prologue: SLOTS - 1
+// stages in flight), or through registers into two slots (the prologue's affine and ReLU, or
+// narrower vectors: one stage in flight). TF32 MMAs read the float32 bits as they are (the
+// tensor cores ignore the low mantissa bits) on the cp.async path and rounded ones on the other.
 // Dynamic shared memory: k_groups * SLOTS * (BM + BN) * PITCH words. T is float (TF32), half_t or
 // bfloat16_t; V elements (dividing cin, pointers aligned to them) are read as one access; Op
 // (common.cuh) writes or adds the output.
@@ -112,13 +108,14 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     constexpr int ROWS_PER_PASS = THREADS / VECTORS;
     constexpr int A_PASSES = BM / ROWS_PER_PASS, B_PASSES = BN / ROWS_PER_PASS;
     constexpr int NT = BN / 16;           // n8 tiles of a warp
-    constexpr int SLOT_WORDS = (BM + BN) * PITCH;
-    constexpr int GROUP_WORDS = SLOTS * SLOT_WORDS;
-    constexpr int OUT_PITCH = BN + 4;     // floats a row of a group's output tile
-    constexpr bool ASYNC = V * sizeof(T) == 16;  // cp.async moves 16 bytes
     static_assert(THREADS % VECTORS == 0 && BM % ROWS_PER_PASS == 0 && BN % ROWS_PER_PASS == 0,
                   "tile shape");
-    static_assert(BM * OUT_PITCH <= GROUP_WORDS, "a group's output tile fits in its slots");
+    static_assert(A_PASSES <= 32, "the load mask is one word");
+    constexpr int SLOT_WORDS = (BM + BN) * PITCH;
+    constexpr int GROUP_WORDS = block_conv_tile::SLOTS * SLOT_WORDS;
+    constexpr bool ASYNC = V * sizeof(T) == 16;  // cp.async moves 16 bytes
+    constexpr int ACC = 2 * NT * 4;       // accumulators a thread
+    static_assert(ACC * THREADS <= GROUP_WORDS, "a group's partial sums fit in its tiles");
     typedef vec_t<T, V> Vec;
     extern __shared__ __align__(16) unsigned block_conv_smem[];
 
@@ -134,11 +131,9 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     const int group = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
     const int lane = tid & 31, warp = tid >> 5;
     const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
-    const int vec = tid % VECTORS, row0 = tid / VECTORS;  // this thread's vector and first row
+    const int vec = tid % VECTORS, row0 = tid / VECTORS;
     // Slot i of this group: the A tile [BM][PITCH], then the B tile [BN][PITCH].
     unsigned* const slots = block_conv_smem + group * GROUP_WORDS;
-    // This group's stages: group, group + k_groups, ...
-    const int mine = stages > group ? (stages - group + a.k_groups - 1) / a.k_groups : 0;
 
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const int m = tile / per_block, rest = tile % per_block;
@@ -147,38 +142,99 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
         if (row[0] < 0 || row[0] >= a.n_batch) continue;  // reads zeros, writes nothing
         const side_origin in = side_of(a.in, m, row), out = side_of(a.out, m, row);
 
-        // Reduction index r of this thread's vector in a stage: tap (dy, dx), channel c.
-        int r = 0, c = 0, dy = 0, dx = 0;
-        auto locate = [&](int stage) {
-            r = stage * BK + vec * V;
-            const int tap = r / a.cin;
-            c = r - tap * a.cin;
-            dy = tap / a.kw;
-            dx = tap - dy * a.kw;
-        };
-        // Offset of tile row i's source pixel for the current tap, or -1 outside the image.
-        auto source = [&](int i) -> i64 {
+        // The source pixel of the top-left tap for each tile row this thread loads.
+        int a_h[A_PASSES], a_w[A_PASSES];
+        unsigned a_rows = 0;
+#pragma unroll
+        for (int i = 0; i < A_PASSES; ++i) {
             const int p = p0 + row0 + i * ROWS_PER_PASS;
             const int ph = p / a.out_w;
-            const int h = in.h + ph + dy, w = in.w + p - ph * a.out_w + dx;
-            if (r >= ktotal || p >= pixels || h < 0 || h >= a.in.height || w < 0 ||
-                w >= a.in.width)
-                return -1;
-            return ((in.n * a.in.height + h) * a.in.width + w) * a.cin + c;
-        };
-        auto weight_offset = [&](int j) -> i64 {
-            const int co = n0 + row0 + j * ROWS_PER_PASS;
-            return r < ktotal && co < a.cout ? (i64)co * ktotal + r : -1;
-        };
-        auto a_row = [&](int buffer, int i) {
-            return slots + buffer * SLOT_WORDS + (row0 + i * ROWS_PER_PASS) * PITCH;
-        };
-        auto b_row = [&](int buffer, int j) {
-            return slots + buffer * SLOT_WORDS + (BM + row0 + j * ROWS_PER_PASS) * PITCH;
-        };
+            a_h[i] = in.h + ph;
+            a_w[i] = in.w + p - ph * a.out_w;
+            if (p < pixels) a_rows |= 1u << i;
+        }
 
+        Vec va[A_PASSES], vb[B_PASSES];
+        unsigned a_loaded = 0;
+        int channel = 0;
+        auto load = [&](int stage) {
+            const int r = stage * BK + vec * V;
+            const int tap = r / a.cin, dy = tap / a.kw;
+            channel = r - tap * a.cin;
+            const int dx = tap - dy * a.kw;
+            a_loaded = 0;
+#pragma unroll
+            for (int i = 0; i < A_PASSES; ++i) {
+                const int h = a_h[i] + dy, w = a_w[i] + dx;
+                va[i] = Vec{};
+                if (r < ktotal && (a_rows >> i & 1) && h >= 0 && h < a.in.height && w >= 0 &&
+                    w < a.in.width) {
+                    va[i] = *reinterpret_cast<const Vec*>(
+                        src + ((in.n * a.in.height + h) * a.in.width + w) * a.cin + channel);
+                    a_loaded |= 1u << i;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < B_PASSES; ++j) {
+                const int co = n0 + row0 + j * ROWS_PER_PASS;
+                vb[j] = Vec{};
+                if (r < ktotal && co < a.cout)
+                    vb[j] = *reinterpret_cast<const Vec*>(weight + (i64)co * ktotal + r);
+            }
+        };
+        auto store = [&](int buffer) {
+            if (a.scale != nullptr) {  // the prologue, on pixels read from the image
+                float scale[V], shift[V];
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    scale[e] = a.scale[channel + e];
+                    shift[e] = a.shift[channel + e];
+                }
+#pragma unroll
+                for (int i = 0; i < A_PASSES; ++i) {
+                    if (!(a_loaded >> i & 1)) continue;
+#pragma unroll
+                    for (int e = 0; e < V; ++e)
+                        va[i].v[e] = from_acc<T>(fmaxf(to_acc(va[i].v[e]) * scale[e] + shift[e],
+                                                       0.f));
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < A_PASSES; ++i)
+                store_tile(slots + buffer * SLOT_WORDS + (row0 + i * ROWS_PER_PASS) * PITCH,
+                           vec * V, va[i]);
+#pragma unroll
+            for (int j = 0; j < B_PASSES; ++j)
+                store_tile(slots + buffer * SLOT_WORDS + (BM + row0 + j * ROWS_PER_PASS) * PITCH,
+                           vec * V, vb[j]);
+        };
+        // The cp.async path's load and store in one: stage -> vec `buffer`.
+        auto copy = [&](int stage, int buffer) {
+            const int r = stage * BK + vec * V;
+            const int tap = r / a.cin, dy = tap / a.kw;
+            const int c = r - tap * a.cin, dx = tap - dy * a.kw;
+            unsigned* tile = slots + buffer * SLOT_WORDS;
+#pragma unroll
+            for (int i = 0; i < A_PASSES; ++i) {
+                const int h = a_h[i] + dy, w = a_w[i] + dx;
+                const bool valid = r < ktotal && (a_rows >> i & 1) && h >= 0 &&
+                                   h < a.in.height && w >= 0 && w < a.in.width;
+                copy_async16(tile + (row0 + i * ROWS_PER_PASS) * PITCH + vec * V / PER_WORD,
+                             valid ? src + ((in.n * a.in.height + h) * a.in.width + w) * a.cin + c
+                                   : src,
+                             valid);
+            }
+#pragma unroll
+            for (int j = 0; j < B_PASSES; ++j) {
+                const int co = n0 + row0 + j * ROWS_PER_PASS;
+                const bool valid = r < ktotal && co < a.cout;
+                copy_async16(tile + (BM + row0 + j * ROWS_PER_PASS) * PITCH + vec * V / PER_WORD,
+                             valid ? weight + (i64)co * ktotal + r : weight, valid);
+            }
+        };
         float acc[2][NT][4] = {};
-        auto multiply = [&](int buffer) {  // the MMAs of one stage
+        // The MMAs of one stage, from vec `buffer`.
+        auto multiply = [&](int buffer) {
             const unsigned* ta = slots + buffer * SLOT_WORDS;
             const unsigned* tb = ta + BM * PITCH;
 #pragma unroll
@@ -205,81 +261,26 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
                         tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
             }
         };
-        // The prologue's affine and ReLU on V elements of channels c.. read from the image.
-        auto activate = [&](Vec& v) {
-#pragma unroll
-            for (int e = 0; e < V; ++e)
-                v.v[e] = from_acc<T>(
-                    fmaxf(to_acc(v.v[e]) * a.scale[c + e] + a.shift[c + e], 0.f));
-        };
 
-        if constexpr (ASYNC) {
-            constexpr int AHEAD = SLOTS - 1;
-            auto copy = [&](int stage, int buffer) {
-                locate(stage);
-#pragma unroll 1
-                for (int i = 0; i < A_PASSES; ++i) {
-                    const i64 at = source(i);
-                    copy_async16(a_row(buffer, i) + vec * V / PER_WORD, src + max(at, (i64)0),
-                                 at >= 0);
-                }
-#pragma unroll 1
-                for (int j = 0; j < B_PASSES; ++j) {
-                    const i64 at = weight_offset(j);
-                    copy_async16(b_row(buffer, j) + vec * V / PER_WORD, weight + max(at, (i64)0),
-                                 at >= 0);
-                }
-            };
+        // This group's stages: group, group + k_groups, ...
+        const int mine = stages > group ? (stages - group + a.k_groups - 1) / a.k_groups : 0;
+        if (ASYNC && a.scale == nullptr) {
+            constexpr int AHEAD = block_conv_tile::SLOTS - 1;
+#pragma unroll
             for (int i = 0; i < AHEAD; ++i) {
                 if (i < mine) copy(group + i * a.k_groups, i);
                 copy_async_commit();  // empty groups too: the wait below counts groups
             }
             for (int i = 0; i < mine; ++i) {
-                copy_async_wait<AHEAD - 1>();  // this thread's copies of its i-th stage landed
-                if (a.scale != nullptr) {
-                    locate(group + i * a.k_groups);
-#pragma unroll 1
-                    for (int k = 0; k < A_PASSES; ++k) {
-                        if (source(k) < 0) continue;  // zeros stay zeros, as the dense padding
-                        Vec* v = reinterpret_cast<Vec*>(a_row(i % SLOTS, k) + vec * V / PER_WORD);
-                        Vec x = *v;
-                        activate(x);
-                        *v = x;
-                    }
-                }
-                group_sync(group);  // everyone's copies landed, and slot (i - 1) % SLOTS is free
-                if (i + AHEAD < mine) copy(group + (i + AHEAD) * a.k_groups, (i + AHEAD) % SLOTS);
+                copy_async_wait<AHEAD - 1>();  // this thread's copies of stage i have landed
+                group_sync(group);             // everyone's, and vec (i - 1) is free again
+                if (i + AHEAD < mine)
+                    copy(group + (i + AHEAD) * a.k_groups, (i + AHEAD) % block_conv_tile::SLOTS);
                 copy_async_commit();
-                multiply(i % SLOTS);
+                multiply(i % block_conv_tile::SLOTS);
             }
             copy_async_wait<0>();
         } else {
-            Vec va[A_PASSES], vb[B_PASSES];
-            unsigned a_loaded = 0;
-            auto load = [&](int stage) {
-                locate(stage);
-                a_loaded = 0;
-#pragma unroll
-                for (int i = 0; i < A_PASSES; ++i) {
-                    const i64 at = source(i);
-                    va[i] = at >= 0 ? *reinterpret_cast<const Vec*>(src + at) : Vec{};
-                    a_loaded |= (at >= 0 ? 1u : 0u) << i;
-                }
-#pragma unroll
-                for (int j = 0; j < B_PASSES; ++j) {
-                    const i64 at = weight_offset(j);
-                    vb[j] = at >= 0 ? *reinterpret_cast<const Vec*>(weight + at) : Vec{};
-                }
-            };
-            auto store = [&](int buffer) {
-#pragma unroll
-                for (int i = 0; i < A_PASSES; ++i) {
-                    if (a.scale != nullptr && (a_loaded >> i & 1)) activate(va[i]);
-                    store_tile(a_row(buffer, i), vec * V, va[i]);
-                }
-#pragma unroll
-                for (int j = 0; j < B_PASSES; ++j) store_tile(b_row(buffer, j), vec * V, vb[j]);
-            };
             if (mine > 0) load(group);
             for (int i = 0; i < mine; ++i) {
                 store(i & 1);
@@ -288,56 +289,63 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
                 multiply(i & 1);
             }
         }
-
-        // Each group's partial tile [BM][OUT_PITCH] floats, over its own slots; then the whole
-        // CTA sums them, applies the epilogue and writes channel pairs, consecutive threads on
-        // consecutive channels.
-        __syncthreads();
-        float* partial = reinterpret_cast<float*>(slots);
+        __syncthreads();  // every group is done with its tiles: they hold the partial sums now
+        if (a.k_groups > 1) {
+            float* partial = reinterpret_cast<float*>(block_conv_smem);
+            float* flat = &acc[0][0][0];
+            if (group > 0) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-                    *reinterpret_cast<vec_t<float, 2>*>(
-                        partial + (wm * 32 + mt * 16 + g + 8 * half) * OUT_PITCH + wn * (BN / 2) +
-                        nt * 8 + 2 * t) = {{acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]}};
-        __syncthreads();
-        const float* sums = reinterpret_cast<const float*>(block_conv_smem);
-#pragma unroll 1
-        for (int e = threadIdx.x; e < BM * BN / 2; e += blockDim.x) {
-            const int tile_row = e / (BN / 2), col = e % (BN / 2) * 2;
-            const int p = p0 + tile_row, co = n0 + col;
-            if (p >= pixels || co >= a.cout) continue;
-            const int ph = p / a.out_w, pw = p - ph * a.out_w;
-            const int dh = out.h + ph, dw = out.w + pw;
-            if (dh < 0 || dh >= a.out.height || dw < 0 || dw >= a.out.width) continue;
-            const int sh = in.h + ph, sw = in.w + pw;
-            const bool zero = a.zero_outside &&
-                              (sh < 0 || sh >= a.in.height || sw < 0 || sw >= a.in.width);
-            float v[2] = {0.f, 0.f};
-#pragma unroll 1
-            for (int k = 0; k < a.k_groups; ++k) {
-                const float* s = sums + k * GROUP_WORDS + tile_row * OUT_PITCH + col;
-                v[0] += s[0];
-                v[1] += s[1];
+                for (int i = 0; i < ACC; ++i)
+                    partial[(group - 1) * GROUP_WORDS + i * THREADS + tid] = flat[i];
             }
+            __syncthreads();
+            if (group == 0) {
+                for (int other = 1; other < a.k_groups; ++other) {
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                if (a.bias != nullptr && co + i < a.cout) v[i] += a.bias[co + i];
-                if (a.relu_out) v[i] = fmaxf(v[i], 0.f);
-                if (zero) v[i] = 0.f;
-            }
-            T* pixel = dst + ((out.n * a.out.height + dh) * a.out.width + dw) * a.cout + co;
-            if (a.paired) {
-                const vec_t<T, 2> pair = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
-                Op::apply(reinterpret_cast<vec_t<T, 2>*>(pixel), pair);
-            } else {
-                Op::apply(pixel, from_acc<T>(v[0]));
-                if (co + 1 < a.cout) Op::apply(pixel + 1, from_acc<T>(v[1]));
+                    for (int i = 0; i < ACC; ++i)
+                        flat[i] += partial[(other - 1) * GROUP_WORDS + i * THREADS + tid];
+                }
             }
         }
-        __syncthreads();  // the next tile's copies reuse the shared memory
+        if (group == 0) {
+            // Epilogue: accumulator (mt, nt, 2 * half + e) is pixel p0 + wm * 32 + mt * 16 + g +
+            // 8 * half, channel n0 + wn * BN / 2 + nt * 8 + 2 * t + e.
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int p = p0 + wm * 32 + mt * 16 + g + 8 * half;
+                    if (p >= pixels) continue;
+                    const int ph = p / a.out_w, pw = p - ph * a.out_w;
+                    const int dh = out.h + ph, dw = out.w + pw;
+                    if (dh < 0 || dh >= a.out.height || dw < 0 || dw >= a.out.width) continue;
+                    const int sh = in.h + ph, sw = in.w + pw;
+                    const bool zero = a.zero_outside &&
+                                      (sh < 0 || sh >= a.in.height || sw < 0 || sw >= a.in.width);
+                    T* pixel = dst + ((out.n * a.out.height + dh) * a.out.width + dw) * a.cout;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+                        if (co >= a.cout) continue;
+                        float v[2];
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            v[e] = acc[mt][nt][2 * half + e];
+                            if (a.bias != nullptr && co + e < a.cout) v[e] += a.bias[co + e];
+                            if (a.relu_out) v[e] = fmaxf(v[e], 0.f);
+                            if (zero) v[e] = 0.f;
+                        }
+                        if (a.paired) {
+                            vec_t<T, 2> pair = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
+                            Op::apply(reinterpret_cast<vec_t<T, 2>*>(pixel + co), pair);
+                        } else {
+                            Op::apply(pixel + co, from_acc<T>(v[0]));
+                            if (co + 1 < a.cout) Op::apply(pixel + co + 1, from_acc<T>(v[1]));
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the next tile's loads reuse the shared memory
     }
 }
