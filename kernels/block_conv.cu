@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
                 store_tile(slots + buffer * SLOT_WORDS + (BM + row0 + j * ROWS_PER_PASS) * PITCH,
                            vec * V, vb[j]);
         };
-        // The cp.async path's load and store in one: stage -> vec `buffer`.
+        // The cp.async path's load and store in one: stage -> slot `buffer`.
         auto copy = [&](int stage, int buffer) {
             const int r = stage * BK + vec * V;
             const int tap = r / a.cin, dy = tap / a.kw;
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
             }
         };
         float acc[2][NT][4] = {};
-        // The MMAs of one stage, from vec `buffer`.
+        // The MMAs of one stage, from slot `buffer`.
         auto multiply = [&](int buffer) {
             const unsigned* ta = slots + buffer * SLOT_WORDS;
             const unsigned* tb = ta + BM * PITCH;
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
             }
             for (int i = 0; i < mine; ++i) {
                 copy_async_wait<AHEAD - 1>();  // this thread's copies of stage i have landed
-                group_sync(group);             // everyone's, and vec (i - 1) is free again
+                group_sync(group);             // everyone's, and slot (i - 1) is free again
                 if (i + AHEAD < mine)
                     copy(group + (i + AHEAD) * a.k_groups, (i + AHEAD) % block_conv_tile::SLOTS);
                 copy_async_commit();
