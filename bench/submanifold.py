@@ -167,11 +167,16 @@ def workload1(stage, precision, namespaces, repeats, seed):
 
             with failures(rows, base, name):
                 error = rel_error(dense_in_out(), want)
+                note = ""
                 if not error < TOLERANCE[precision]:
-                    raise AssertionError(f"differs from the dense reference by {error:.2e}")
+                    if algo is not None:  # ours must be right; an anchor is timed and flagged
+                        raise AssertionError(f"differs from the dense reference by {error:.2e}")
+                    note = f"differs from the dense reference by {error:.2e}"
+                    print(f"NOTE {name} workload 1 {stage} {precision}: {note}", flush=True)
                 rows.append(dict(base, impl=name, passes="forward_eager", sites=int(mask.sum()),
                                  gpu_ms=events_ms(dense_in_out, repeats),
-                                 host_ms=host_ms(dense_in_out, repeats), rel_error=error))
+                                 host_ms=host_ms(dense_in_out, repeats), rel_error=error,
+                                 error=note))
                 if algo is not None:
                     rows += _cached_unit(unit, name, x, mask, base, repeats)
     return rows, sbnet
