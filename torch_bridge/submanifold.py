@@ -229,12 +229,15 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
     (build_rulebook, or .inverse() of one), weight [Cout, *kernel_size, Cin], bias [Cout] or
     None; returns [N_out, Cout]. Differentiable in features, weight and bias. algo: "gemm"
     (gather, then torch.addmm: TF32 where torch allows it) or "fused" (float32 runs as TF32);
-    None: sbnet_cupy.submanifold.choose_algo's. CPU tensors run the NumPy backend."""
+    None: sbnet_cupy.submanifold.choose_algo's (TF32 allowed by
+    torch.backends.cuda.matmul.allow_tf32). CPU tensors run the NumPy backend."""
     if not isinstance(rulebook, Rulebook):
         raise TypeError(f"rulebook must be a torch_bridge.submanifold.Rulebook, got "
                         f"{type(rulebook).__name__}")
     neighbors, neighbors_t = rulebook.neighbors, rulebook.neighbors_t
-    algo = _core.choose_algo(_checks.dtype_name(features)) if algo is None else algo
+    if algo is None:
+        algo = "gemm" if not features.is_cuda else _core.choose_algo(
+            _checks.dtype_name(features), torch.backends.cuda.matmul.allow_tf32)
     _checked(_CHECKS, _check_conv, (features, weight, bias, neighbors,
                                     tuple(rulebook.kernel_size), neighbors_t.shape[1], algo))
     _same_device(features, weight, bias, neighbors, features=features, weight=weight, bias=bias,
