@@ -165,9 +165,9 @@ __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
 // The values (which train) stay in memory in the program's order: a CTA stages its group's run
 // of them into shared memory as Acc, and the program reads them with warp-uniform (broadcast)
 // 16-byte loads. Program::run(frame, g, acc, s) computes acc for group g, s pointing at the
-// thread's window row 0 in the tile's first column; it calls frame.begin before its first
-// column, and frame.chunk(ci0) before the first column of each later chunk of input channels
-// that it reads (chunks without taps are not staged).
+// thread's window row 0 in the tile's first column; it calls frame.begin (with the first chunk
+// of input channels it reads) before its first column, and frame.chunk(ci0) before the first
+// column of each later chunk that it reads (chunks without taps are not staged).
 // Grid (ceil(out_w / 32), ceil(out_h / (warps_y * P)), groups * n), group-major so that the
 // CTAs running at a time share their code; block 32 * warps_y threads (warps_q = 1).
 template <typename T>
@@ -179,12 +179,12 @@ struct CompiledFrame {
     int n, y0, x0;
 
     // Stages values [first, first + count) (zeros up to a multiple of 4: the program's loads
-    // are 16 bytes) and the first chunk of input channels.
-    __device__ __forceinline__ void begin(int first, int count) const {
+    // are 16 bytes) and the chunk of input channels from ci0 on.
+    __device__ __forceinline__ void begin(int first, int count, int ci0) const {
         const T* __restrict__ values = static_cast<const T*>(a.values);
         for (int i = threadIdx.x; i < ((count + 3) & ~3); i += blockDim.x)
             vals[i] = i < count ? to_acc(values[first + i]) : Acc(0);
-        stage(0);
+        stage(ci0);
     }
     // Stages input channels [ci0, ci0 + chunk) after the previous chunk is no longer read.
     __device__ __forceinline__ void chunk(int ci0) const {

@@ -134,11 +134,14 @@ class _Taps:
             program = self._programs[layout] = _program(*host, self.shape, *layout)
         return program
 
-    def compiled(self, transposed, layout, dtype, device):
-        """Address of the compiled kernel for a "compiled" plan's layout and `dtype`, on
-        `device`, for this weight or the transposed convolution's (compiled on first use)."""
+    def function(self, transposed, plan, dtype, device):
+        """Address of the kernel that runs `plan` (made with `device`) for this weight or the
+        transposed convolution's: the plan's, or for "compiled" the weight's own (compiled on
+        first use)."""
+        if plan.strategy != "compiled":
+            return plan.function
         taps = self.transposed()[0] if transposed else self
-        return taps.program(layout).function(dtype, device)
+        return taps.program(plan.layout).function(dtype, device)
 
     def transposed(self):
         """(_Taps of the transposed convolution's weight, order): w_t[kh, kw, co, ci] =
@@ -197,10 +200,10 @@ class _Program:
             for g, (first, count, chunks) in enumerate(self.groups):
                 if not chunks:
                     continue  # no taps: the outputs are the bias
-                lines += [f"        case {g}:", f"            f.begin({first}, {count});"]
+                lines.append(f"        case {g}:")
                 for c, (ci0, columns) in enumerate(chunks):
-                    if c:
-                        lines.append(f"            f.chunk({ci0});")
+                    lines.append(f"            f.chunk({ci0});" if c else
+                                 f"            f.begin({first}, {count}, {ci0});")
                     lines += [self._column_source(column) for column in columns]
                 lines.append("            break;")
             digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()[:12]
@@ -726,7 +729,7 @@ ConvPlan = namedtuple("ConvPlan", ["strategy", "function", "kernel", "template",
                                    "smem", "ints", "layout"])
 ConvPlan.__doc__ = """Launch of a forward kernel: the strategy, the compiled function ("direct" in
 a plan made with a device; else None: a "compiled" kernel belongs to a weight's mask, see
-_Taps.compiled), the kernel's name and template arguments ("compiled": the dtype's), grid,
+_Taps.function), the kernel's name and template arguments ("compiled": the dtype's), grid,
 block, shared-memory bytes, the int fields of ConvArgs, and the layout: None for "direct", the
 program's (P, Q, tile columns, pitch, chunk, DH, DW) for "compiled"."""
 
@@ -849,15 +852,19 @@ def instantiations():
     return names
 
 
-def launch_conv(device, stream, plan, x, out, bias, ranges, taps, values, function=None):
-    """Launch a ConvPlan on raw addresses: x and out C-contiguous NHWC, bias 0 for none, the
-    index arrays (0 for "compiled") and values of _Taps.arrays for plan.layout; `function`:
-    the weight's kernel for a "compiled" plan (_Taps.compiled), else the plan's (made with this
-    device). Nothing to do for an empty output."""
+def launch_conv(device, stream, plan, function, x, out, bias, ranges, taps, values):
+    """Launch a ConvPlan (made with this device) by `function` (_Taps.function) on raw
+    addresses: x and out C-contiguous NHWC, bias 0 for none, the index arrays (0 for None) and
+    values of _Taps.arrays for plan.layout. Nothing to do for an empty output."""
     if plan.grid[0] * plan.grid[1] * plan.grid[2] == 0:
         return
-    _launch.launch(device, stream, function or plan.function, plan.grid, plan.block, plan.smem,
-                   _CONV_ARGS, (x, out, bias, ranges, taps, values, *plan.ints))
+    _launch.launch(device, stream, function, plan.grid, plan.block, plan.smem, _CONV_ARGS,
+                   (x, out, bias, ranges, taps, values, *plan.ints))
+
+
+def address(a):
+    """The device address of CuPy array `a`, 0 for None."""
+    return 0 if a is None else a.data.ptr
 
 
 def _conv_cupy(x, kernel, transposed, out, strides, dilations, pads, input_dilation, bias,
@@ -871,15 +878,12 @@ def _conv_cupy(x, kernel, transposed, out, strides, dilations, pads, input_dilat
     plan = conv_plan(strategy, kernel.dtype, x.shape[0], x.shape[1:3], cin, out.shape[1:3], cout,
                      (k_h, k_w), strides, dilations, pads, input_dilation, kernel.nnz, device)
     ranges, taps, values = kernel._launch_arrays(transposed, plan.layout)
-    function = None
-    if plan.strategy == "compiled":
-        function = kernel._taps.compiled(transposed, plan.layout, kernel.dtype, device)
+    function = kernel._taps.function(transposed, plan, kernel.dtype, device)
     x = x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
     if bias is not None and not bias.flags.c_contiguous:
         bias = cupy.ascontiguousarray(bias)
-    launch_conv(device, cupy.cuda.get_current_stream().ptr, plan, x.data.ptr, out.data.ptr,
-                0 if bias is None else bias.data.ptr, 0 if ranges is None else ranges.data.ptr,
-                0 if taps is None else taps.data.ptr, values.data.ptr, function)
+    launch_conv(device, cupy.cuda.get_current_stream().ptr, plan, function, x.data.ptr,
+                out.data.ptr, address(bias), address(ranges), address(taps), address(values))
 
 
 GradValuesPlan = namedtuple("GradValuesPlan", ["function", "template", "grid", "block", "smem",
