@@ -5,7 +5,7 @@ import numpy
 import pytest
 
 import sbnet_cupy
-from sbnet_cupy import SparseKernel, sparse_kernel_conv as skc
+from sbnet_cupy import SparseKernel, _kernels, sparse_kernel_conv as skc
 from axes import random_array
 from conftest import cupy, require, requires_gpu, to_numpy
 
@@ -79,11 +79,12 @@ def assert_close(got, expected, dtype, scale):
                                     tol * (scale + 1e-30) + 1e-30)
 
 
-def _strategies(xp, compiled, dtype=numpy.float32):
+def _strategies(xp, compiled, dtype=numpy.float32, nnz=0):
     """Strategies to run: the rule (None) and, on CuPy, each one that applies; `compiled`: the
     compiled kernel applies to the geometry (unit vertical stride, no input dilation)."""
     if xp is numpy:
         return [None]
+    compiled = compiled and nnz <= skc.COMPILED_MAX_TAPS
     return [None] + _emulated_strategies(compiled, numpy.dtype(dtype).name)
 
 
@@ -96,7 +97,7 @@ def test_sweep_shapes_match_reference(xp, rng, name, x_shape, w_shape, density):
     kernel = SparseKernel.from_dense(xp.asarray(w))
     expected = reference(x, w, (1, 1), "SAME", (1, 1), bias)
     scale = reference(numpy.abs(x), numpy.abs(w), (1, 1), "SAME", (1, 1), numpy.abs(bias))
-    for strategy in _strategies(xp, True):
+    for strategy in _strategies(xp, True, nnz=kernel.nnz):
         out = sbnet_cupy.sparse_kernel_conv2d(xp.asarray(x), kernel, bias=xp.asarray(bias),
                                               strategy=strategy)
         assert out.shape == expected.shape and out.dtype == numpy.float32
@@ -236,6 +237,56 @@ def test_bfloat16(rng):
     numpy.testing.assert_allclose(
         as_float(dv), sbnet_cupy.sparse_kernel_conv2d_grad_values(x, dy, exact),
         rtol=1.6e-2, atol=1)
+
+
+# The compiled kernel's own cases: (x shape, w shape, density, strides, padding, dilations,
+# dtype): a partial last group (Cout = 20, Q = 16), batch 2 with columns and rows past a CTA's
+# tile, Q = 8 and Q = 4 groups, one tap, every tap, no taps, a chunked input with dilations, a
+# horizontal stride with explicit padding.
+COMPILED_CASES = [
+    ((1, 13, 21, 3), (11, 11, 3, 20), 0.1, (1, 1), "SAME", (1, 1), numpy.float32),
+    ((2, 37, 70, 3), (11, 11, 3, 64), 0.1, (1, 1), "SAME", (1, 1), numpy.float16),
+    ((1, 9, 33, 5), (3, 3, 5, 7), "one", (1, 1), "VALID", (1, 1), "bfloat16"),
+    ((1, 20, 40, 2), (5, 5, 2, 3), 1.0, (1, 1), "SAME", (1, 1), numpy.float32),
+    ((2, 16, 35, 6), (3, 5, 6, 9), "zero", (1, 1), "SAME", (1, 1), numpy.float32),
+    ((1, 30, 40, 40), (5, 3, 40, 19), 0.05, (1, 1), "SAME", (3, 2), numpy.float16),
+    ((2, 19, 45, 4), (4, 3, 4, 10), 0.3, (1, 2), ((2, 1), (0, 3)), (1, 1), numpy.float32),
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=str)
+def test_compiled_matches_reference(rng, case):
+    """Forward (with bias) and, at unit strides, input gradient of the compiled kernel against
+    the definition; float32 exactly (the test values make every sum exact), float16 and
+    bfloat16 within one rounding."""
+    x_shape, w_shape, density, strides, padding, dilations, dtype = case
+    x = random_array(rng, x_shape, numpy.float32)
+    w = pruned_weight(rng, w_shape, density)
+    bias = random_array(rng, (w_shape[3],), numpy.float32)
+    if dtype == "bfloat16":
+        device = lambda a: skc.float32_to_bfloat16_bits(cupy.asarray(a))
+        host = lambda a: (cupy.asnumpy(a).astype(numpy.uint32) << 16).view(numpy.float32)
+        kernel = SparseKernel.from_dense(device(w), dtype="bfloat16")
+    else:
+        device = lambda a: cupy.asarray(a.astype(dtype))
+        host = lambda a: cupy.asnumpy(a).astype(numpy.float32)
+        kernel = SparseKernel.from_dense(device(w))
+    kw = dict(strides=strides, padding=padding, dilations=dilations)
+    expected = reference(x, w, bias=bias, **kw)
+    scale = reference(numpy.abs(x), numpy.abs(w), bias=numpy.abs(bias), **kw)
+    out = sbnet_cupy.sparse_kernel_conv2d(device(x), kernel, bias=device(bias),
+                                          strategy="compiled", **kw)
+    assert_close(host(out), expected, dtype if dtype == "bfloat16" else numpy.dtype(dtype).type,
+                 scale)
+    if strides == (1, 1):
+        dy = random_array(rng, expected.shape, numpy.float32)
+        expected_dx, _ = reference_gradients(x, w, dy, **kw)
+        scale_dx, _ = reference_gradients(numpy.abs(x), numpy.abs(w), numpy.abs(dy), **kw)
+        dx = sbnet_cupy.sparse_kernel_conv2d_grad_input(device(dy), kernel, x_shape,
+                                                        strategy="compiled", **kw)
+        assert_close(host(dx), expected_dx, dtype if dtype == "bfloat16"
+                     else numpy.dtype(dtype).type, scale_dx)
 
 
 def test_from_dense(xp, rng):
@@ -660,3 +711,32 @@ def test_kernels_transliterated_on_edge_densities(rng, density):
         dx = _emulate(kernel, strategy, True, dy, x.shape, "float32", 2, out_hw, 9, x.shape[1:3],
                       6, strides_t, (1, 1), pads_t, input_dilation)
         numpy.testing.assert_allclose(dx, expected_dx, rtol=1e-9, atol=1e-9, err_msg=strategy)
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_compiled_programs_compile(rng, arch):
+    """Generated Programs compile with NVRTC (no GPU needed): strides and dilations, a chunked
+    input, a partial group, no taps, the transposed weight, every dtype it takes."""
+    from test_kernels_compile import CUPY_OPTIONS, _nvrtc_program_class
+
+    program_class = _nvrtc_program_class()
+    sources, names = [], []
+    for shape, density, strides, dilations, dtype, transposed in [
+            ((3, 4, 5, 6), 0.3, (1, 3), (2, 1), "float32", False),
+            ((3, 4, 5, 6), 0.3, (1, 1), (2, 1), "float32", True),
+            ((5, 3, 70, 19), 0.02, (1, 1), (5, 2), "float16", False),
+            ((11, 11, 3, 20), 0.1, (1, 1), (1, 1), "bfloat16", False),
+            ((3, 3, 4, 3), "zero", (1, 1), (1, 1), "float32", False)]:
+        kernel = SparseKernel.from_dense(pruned_weight(rng, shape, density))
+        cin, cout = shape[2:][::-1] if transposed else shape[2:]
+        plan = skc.conv_plan("compiled", dtype, 1, (40, 50), cin, (40, 50), cout, shape[:2],
+                             strides, dilations, (1, 1), (1, 1), kernel.nnz)
+        taps = kernel._taps.transposed()[0] if transposed else kernel._taps
+        program = taps.program(plan.layout)
+        sources.append(program.source)
+        names.append(program.kernel_name(dtype))
+    source = "\n".join([_kernels.kernel_source("sparse_kernel_conv"), *sources])
+    cubin, mapping = program_class(source, "sparse_kernel_conv.cu", (), (), name_expressions=names,
+                                   method="cubin").compile(
+        _kernels.COMPILE_OPTIONS + CUPY_OPTIONS + (f"-arch=sm_{arch}",))
+    assert len(cubin) > 0 and sorted(mapping) == sorted(names)
