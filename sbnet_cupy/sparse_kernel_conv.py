@@ -130,7 +130,8 @@ class _Taps:
         """The _Program of this weight for a "compiled" plan's layout (built on first use)."""
         program = self._programs.get(layout)
         if program is None:
-            host = [a if self.xp is numpy else a.get() for a in (self.co, self.ci, self.kh, self.kw)]
+            host = [a if self.xp is numpy else a.get()
+                    for a in (self.co, self.ci, self.kh, self.kw)]
             program = self._programs[layout] = _program(*host, self.shape, *layout)
         return program
 
@@ -234,7 +235,8 @@ class _Program:
             v = f"v{t // 4}.v[{t % 4}]"
             fmas += [f"a{q}_{p} = fma_acc({v}, w{(row + p) // 4}.v[{(row + p) % 4}], a{q}_{p});"
                      for p in range(self.p)]
-        return "            { const vec_t<Acc, 4> " + ", ".join(loads) + "; " + " ".join(fmas) + " }"
+        return ("            { const vec_t<Acc, 4> " + ", ".join(loads) + "; " + " ".join(fmas)
+                + " }")
 
     def kernel_name(self, dtype):
         """The name expression of the kernel running this program on `dtype` data."""

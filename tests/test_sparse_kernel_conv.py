@@ -399,8 +399,9 @@ def test_rule():
     rule = skc.choose_strategy
     assert rule("float32", 3, 64, (11, 11), (1, 1), (1, 1), nnz=2323) == "compiled"
     assert rule("float16", 64, 64, (3, 3), (1, 2), (1, 1), nnz=4000) == "compiled"
-    assert rule("bfloat16", 32, 64, (11, 11), (1, 1), (1, 1), nnz=skc.COMPILED_MAX_TAPS) == "compiled"
-    assert rule("float32", 32, 64, (11, 11), (1, 1), (1, 1), nnz=skc.COMPILED_MAX_TAPS + 1) == "direct"
+    most = skc.COMPILED_MAX_TAPS
+    assert rule("bfloat16", 32, 64, (11, 11), (1, 1), (1, 1), nnz=most) == "compiled"
+    assert rule("float32", 32, 64, (11, 11), (1, 1), (1, 1), nnz=most + 1) == "direct"
     assert rule("float32", 3, 64, (3, 3), (2, 2), (1, 1), nnz=100) == "direct"
     assert rule("float64", 3, 64, (3, 3), (1, 1), (1, 1), nnz=100) == "direct"
     assert rule("float32", 3, 64, (3, 3), (1, 1), (1, 1), (2, 2), nnz=100) == "direct"
