@@ -10,13 +10,16 @@ taps (the ratio sweep aside), SAME padding, stride 1, and runs in two precisions
 (float32 data; ours computes in exact float32, cuDNN may use TF32 tensor cores, and its strict
 float32 time is reported too) and "fp16" (float16 data, float32 accumulation on both sides).
 
-Per case: our time for every strategy (sbnet_cupy.sparse_kernel_conv2d, CuPy arrays sharing
-torch's memory through DLPack) and the rule's choice; effective TFLOP/s = 2 x non-zero taps x
-output pixels / time; cuDNN's time (torch, channels_last, cudnn.benchmark) measured in the same
-run; the estimated crossover ratio of non-zeros where cuDNN becomes faster (our time at 10% and
-40% non-zeros, linear in the non-zeros between). Each side runs as a CUDA graph of back-to-back
-launches, timed with CUDA events after a warm-up: the median of --repeats replays. Every result
-is checked against cuDNN's strict float32 convolution first. Writes
+Per case: our time for every strategy that applies (sbnet_cupy.sparse_kernel_conv2d, CuPy
+arrays sharing torch's memory through DLPack; "compiled" up to COMPILED_MAX_TAPS taps), the
+rule's choice and the fastest; effective TFLOP/s = 2 x non-zero taps x output pixels / time;
+cuDNN's time (torch, channels_last, cudnn.benchmark) measured in the same run; the estimated
+crossover ratio of non-zeros where cuDNN becomes faster (the rule's strategy at the case's ratio
+and at half of it, extrapolated linearly in the non-zeros). Each side runs as a CUDA graph of
+back-to-back launches, timed with CUDA events after a warm-up (and after "compiled" has
+compiled its kernel: NVRTC, once per mask and dtype, then CuPy's disk cache): the median of
+--repeats replays. Every result is checked against cuDNN's strict float32 convolution first.
+The weights of a sweep point are the same at both batches and sizes. Writes
 <out>/sparse_kernel_conv_<device>.csv, .md and .png (--sweeps / --batches: a subset, named by
 it).
 """
@@ -32,6 +35,7 @@ import time
 import numpy
 
 import sbnet_cupy
+from sbnet_cupy import sparse_kernel_conv as skc
 from bench._common import read_csv, write_csv
 from bench.ops import _graph_ms
 
@@ -47,7 +51,7 @@ SWEEPS = {
 }
 QUICK = {"kernel": (3, 11), "cin": (32,), "ratio": (0.1,), "size": (128,)}
 SWEEP_KEY = {"kernel": "k", "cin": "cin", "cout": "cout", "ratio": "density", "size": "size"}
-DENSITY, CROSSOVER_PROBE = 0.1, 0.4
+DENSITY = 0.1
 TOLERANCE = {"tf32": 2e-4, "fp16": 2e-2}  # max error / max |reference|
 HEADLINE = dict(sweep="kernel", k=11, batch=1)  # the seed's 11x11x3x64 case: target >= 3x
 
@@ -73,6 +77,13 @@ def _pruned_weight(rng, k, cin, cout, density):
     keep = rng.choice(total, max(1, round(density * total)), replace=False)
     w[keep] = rng.standard_normal(keep.size) * math.sqrt(2 / (k * k * cin * density))
     return w.reshape(k, k, cin, cout)
+
+
+def _weight_rng(case):
+    """The random generator of a case's weight: one per sweep point, so that both batches and
+    every input size (and so their "compiled" kernels) share it."""
+    return numpy.random.default_rng([case["k"], case["cin"], case["cout"],
+                                     round(case["density"] * 1000)])
 
 
 def _torch_graph_ms(torch, fn, launches, repeats):
@@ -104,14 +115,16 @@ def _launches(ms):
     return max(1, min(20, round(2 / max(ms, 1e-3))))
 
 
-def run_case(torch, cupy, case, repeats, rng):
+def run_case(torch, cupy, case, repeats):
     height, width = case["size"]
     n, k, cin, cout = case["batch"], case["k"], case["cin"], case["cout"]
     dtype = torch.float16 if case["precision"] == "fp16" else torch.float32
     x = torch.randn(n, cin, height, width, device="cuda").to(dtype)
     x = x.contiguous(memory_format=torch.channels_last)
     x_nhwc = cupy.from_dlpack(x.permute(0, 2, 3, 1))  # the same memory, NHWC
-    w = torch.tensor(_pruned_weight(rng, k, cin, cout, case["density"]), device="cuda").to(dtype)
+    weights = _weight_rng(case)
+    w = torch.tensor(_pruned_weight(weights, k, cin, cout, case["density"]),
+                     device="cuda").to(dtype)
     w_dense = w.permute(3, 2, 0, 1).contiguous(memory_format=torch.channels_last)
     kernel = sbnet_cupy.SparseKernel.from_dense(cupy.from_dlpack(w))
     out = cupy.empty((n, height, width, cout), x_nhwc.dtype)
@@ -121,10 +134,17 @@ def run_case(torch, cupy, case, repeats, rng):
     reference = reference.permute(0, 2, 3, 1)
     scale = float(reference.abs().max())
     pixels = n * height * width
-    row = dict(case, size=f"{height}x{width}", nnz=kernel.nnz,
-               strategy=sbnet_cupy.sparse_kernel_conv.choose_strategy(
-                   kernel.dtype, cin, cout, (k, k), (1, 1), (1, 1)))
-    for strategy in sbnet_cupy.sparse_kernel_conv.STRATEGIES:
+    plan = lambda kernel, strategy=None: skc.conv_plan(
+        strategy, kernel.dtype, n, (height, width), cin, (height, width), cout, (k, k), (1, 1),
+        (1, 1), (k // 2, k // 2), (1, 1), kernel.nnz)
+    row = dict(case, size=f"{height}x{width}", nnz=kernel.nnz, strategy=plan(kernel).strategy)
+    measured = []
+    for strategy in skc.STRATEGIES:
+        try:
+            plan(kernel, strategy)
+        except (TypeError, ValueError):  # does not apply ("compiled" above its taps)
+            continue
+        measured.append(strategy)
         call = lambda: sbnet_cupy.sparse_kernel_conv2d(x_nhwc, kernel, out=out, strategy=strategy)
         call()
         error = float((torch.from_dlpack(out).float() - reference).abs().max()) / scale
@@ -136,7 +156,7 @@ def run_case(torch, cupy, case, repeats, rng):
         ms = _graph_ms(cupy, [call] * _launches(1e3 * (time.perf_counter() - start)), repeats)
         row[f"{strategy}_ms"] = ms
     row["ours_ms"] = row[f"{row['strategy']}_ms"]
-    row["best"] = min(sbnet_cupy.sparse_kernel_conv.STRATEGIES, key=lambda s: row[f"{s}_ms"])
+    row["best"] = min(measured, key=lambda s: row[f"{s}_ms"])
     row["best_ms"] = row[f"{row['best']}_ms"]
     row["tflops"] = 2 * kernel.nnz * pixels / row["ours_ms"] / 1e9
 
@@ -154,10 +174,12 @@ def run_case(torch, cupy, case, repeats, rng):
     row["cudnn_tflops"] = 2 * k * k * cin * cout * pixels / row["cudnn_ms"] / 1e9
     row["speedup"] = row["cudnn_ms"] / row["ours_ms"]
 
-    # Crossover: our time is about linear in the non-zero taps; probe a second density.
+    # Crossover: our time is about linear in the non-zero taps; probe half of them with the
+    # same strategy (a "compiled" probe costs a compilation, a denser one more).
     probe = sbnet_cupy.SparseKernel.from_dense(cupy.asarray(
-        _pruned_weight(rng, k, cin, cout, CROSSOVER_PROBE)).astype(x_nhwc.dtype))
-    call = lambda: sbnet_cupy.sparse_kernel_conv2d(x_nhwc, probe, out=out)
+        _pruned_weight(weights, k, cin, cout, case["density"] / 2)).astype(x_nhwc.dtype))
+    call = lambda: sbnet_cupy.sparse_kernel_conv2d(x_nhwc, probe, out=out,
+                                                   strategy=row["strategy"])
     call()
     probe_ms = _graph_ms(cupy, [call] * _launches(row["ours_ms"] * 4), repeats)
     d0, d1 = kernel.density, probe.density
@@ -189,7 +211,7 @@ def write_markdown(rows, path, device, command):
                          f"ours {row['ours_ms']:.4f} ms, cuDNN {row['cudnn_ms']:.4f} ms: "
                          f"**{row['speedup']:.2f}x** (target >= 3x)")
     columns = ["batch", "precision", "size", "k", "cin", "cout", "density", "nnz", "strategy",
-               "ours_ms", "tflops", "best", "best_ms", "taps_ms", "patches_ms", "direct_ms",
+               "ours_ms", "tflops", "best", "best_ms", *(f"{s}_ms" for s in skc.STRATEGIES),
                "cudnn_ms", "cudnn_fp32_ms", "speedup", "crossover"]
     for sweep, (label, _) in SWEEPS.items():
         chosen = [r for r in rows if r["sweep"] == sweep]
@@ -263,8 +285,8 @@ def main(argv=None):
     command = "python -m bench.sparse_kernel_conv " + " ".join(
         argv if argv is not None else sys.argv[1:])
     rows, started = [], time.time()
-    for i, case in enumerate(cases(args.quick, args.sweeps, args.batches)):
-        rows.append(run_case(torch, cupy, case, args.repeats, numpy.random.default_rng(i)))
+    for case in cases(args.quick, args.sweeps, args.batches):
+        rows.append(run_case(torch, cupy, case, args.repeats))
         cupy.get_default_memory_pool().free_all_blocks()  # the case's tensors are gone
         torch.cuda.empty_cache()
         print(_row_text(rows[-1]), f"[{time.time() - started:.0f} s]", flush=True)

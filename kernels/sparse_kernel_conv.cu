@@ -1,5 +1,6 @@
 // sparse_kernel_conv: 2-D convolution (NHWC input, HWIO weights) with a pruned weight, reading
-// only its non-zero taps (sbnet_cupy/sparse_kernel_conv.py builds the tap lists).
+// only its non-zero taps (sbnet_cupy/sparse_kernel_conv.py builds the tap lists, and generates
+// the Program of the compiled kernel).
 //
 // Every kernel stages a tile of the input (with its halo) in shared memory, converted to the
 // accumulation type, channel by channel and column-major: tile[(c * tile_cols + col) * pitch + row],
@@ -15,17 +16,15 @@ struct ConvArgs {
     const void* x;        // [n, in_h, in_w, cin] of T
     void* out;            // [n, out_h, out_w, cout] of T
     const void* bias;     // [cout] of T, or null
-    const int* ranges;    // window: columns of (group, ci), [groups * cin + 1];
-                          // direct: taps of (co, ci), [cout * cin + 1]
-    const int4* columns;  // window: {ci, kw, row0, first tap} per column and one past the end
-    const int* taps;      // window: q * R + r; direct: ci << 16 | kh << 8 | kw
-    const void* values;   // [taps] of T, in the order of `taps`
+    const int* ranges;    // direct: taps of (co, ci), [cout * cin + 1]; compiled: null
+    const int* taps;      // direct: ci << 16 | kh << 8 | kw; compiled: null
+    const void* values;   // [taps] of T, in the kernel's order
     int n, in_h, in_w, cin, out_h, out_w, cout;
     int str_h, str_w, dil_h, dil_w, pad_h, pad_w, idil_h, idil_w;
     int tile_rows, tile_cols, pitch, chunk;  // the staged tile; channels staged at a time
     int warps_y, warps_q, groups, store_rows;  // groups: of Q output channels; rows a store pass
 };
-static_assert(sizeof(ConvArgs) == 152, "ConvArgs layout changed: update sparse_kernel_conv.py");
+static_assert(sizeof(ConvArgs) == 144, "ConvArgs layout changed: update sparse_kernel_conv.py");
 
 // The arguments of the gradient with respect to the non-zero weights.
 struct GradValuesArgs {
@@ -101,116 +100,11 @@ static __device__ __forceinline__ void store_output(
     }
 }
 
-// acc[p] += v * win[p + RR] for the thread's P output rows.
-template <int P, int RR, typename Acc, int W>
-static __device__ __forceinline__ void fma_rows(Acc (&acc)[P], const Acc (&win)[W], Acc v) {
-#pragma unroll
-    for (int p = 0; p < P; ++p) acc[p] = fma_acc(v, win[p + RR], acc[p]);
-}
-
-// One tap of the window kernel: code = q * R + r names the accumulator row (output channel q of
-// the group) and the window offset r, both of which must be compile-time indices for acc and
-// win to stay in registers; the switch (a uniform branch tree: the code is the same for the
-// whole warp) turns the run-time code into them.
-#define SKC_CASE(k)                                                                   \
-    case (k):                                                                          \
-        if constexpr ((k) < Q * R) fma_rows<P, (k) % R>(acc[(k) / R], win, v);        \
-        break;
-#define SKC_CASE8(k)                                                                   \
-    SKC_CASE(k) SKC_CASE((k) + 1) SKC_CASE((k) + 2) SKC_CASE((k) + 3) SKC_CASE((k) + 4) \
-    SKC_CASE((k) + 5) SKC_CASE((k) + 6) SKC_CASE((k) + 7)
-#define SKC_CASE64(k)                                                                  \
-    SKC_CASE8(k) SKC_CASE8((k) + 8) SKC_CASE8((k) + 16) SKC_CASE8((k) + 24)            \
-    SKC_CASE8((k) + 32) SKC_CASE8((k) + 40) SKC_CASE8((k) + 48) SKC_CASE8((k) + 56)
-
-template <int P, int Q, int R, typename Acc>
-static __device__ __forceinline__ void fma_tap(Acc (&acc)[Q][P], const Acc (&win)[P + R], Acc v,
-                                               int code) {
-    static_assert(Q * R <= 128, "fma_tap has 128 cases");
-    switch (code) {
-        SKC_CASE64(0)
-        SKC_CASE64(64)
-    }
-}
-#undef SKC_CASE64
-#undef SKC_CASE8
-#undef SKC_CASE
-
-// The window kernel (strategies "taps" and "patches"), for str_h == 1 and idil == 1. A warp
-// computes P rows x 32 columns of output for a group of Q output channels. The group's taps are
-// sorted by column: (ci, kw, band of R input rows); per column the thread loads the P + R input
-// rows it can read (the window) into registers once, with 16-byte loads, and every tap of the
-// column (any of the Q channels, any kh whose kh * dil_h falls in the band) is P FMAs from
-// registers: a loaded word serves every tap of its column instead of one.
-// Grid (ceil(out_w / 32), ceil(out_h / (warps_y * P)), n * ceil(groups / warps_q)); block
-// 32 * warps_y * warps_q threads. P % 4 == 0, R % 4 == 0, pitch % 4 == 0.
-template <typename T, int P, int Q, int R>
-__global__ void sparse_kernel_conv_window(const ConvArgs a) {
-    typedef typename acc_type<T>::type Acc;
-    constexpr int V = 16 / sizeof(Acc);  // words of a 16-byte load
-    static_assert(P % V == 0 && R % V == 0, "window loads are 16 bytes");
-    extern __shared__ __align__(16) unsigned char smem[];
-    Acc* tile = reinterpret_cast<Acc*>(smem);
-    const T* __restrict__ x = static_cast<const T*>(a.x);
-    const T* __restrict__ values = static_cast<const T*>(a.values);
-    const int* __restrict__ ranges = a.ranges;
-    const int4* __restrict__ columns = a.columns;
-    const int* __restrict__ taps = a.taps;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int wy = warp % a.warps_y, wq = warp / a.warps_y;
-    const int group_blocks = (a.groups + a.warps_q - 1) / a.warps_q;
-    const int n = blockIdx.z / group_blocks, g0 = (blockIdx.z - n * group_blocks) * a.warps_q;
-    const int g = g0 + wq;
-    const int oy0 = blockIdx.y * a.warps_y * P, ox0 = blockIdx.x * 32;
-    const int lane_base = lane * a.str_w * a.pitch + wy * P;
-
-    Acc acc[Q][P];
-#pragma unroll
-    for (int q = 0; q < Q; ++q)
-#pragma unroll
-        for (int p = 0; p < P; ++p) acc[q][p] = Acc(0);
-
-    for (int ci0 = 0; ci0 < a.cin; ci0 += a.chunk) {
-        const int nci = min(a.chunk, a.cin - ci0);
-        if (ci0 > 0) __syncthreads();  // the previous chunk is no longer read
-        stage_tile<T>(tile, x, n, a.in_h, a.in_w, a.cin, 1, 1, oy0 - a.pad_h,
-                      ox0 * a.str_w - a.pad_w, ci0, nci, a.tile_rows, a.tile_cols, a.pitch);
-        __syncthreads();
-        if (g >= a.groups) continue;
-        const int last = ranges[g * a.cin + ci0 + nci];
-        int c = ranges[g * a.cin + ci0];
-        int4 column = columns[c];  // the loads of the next column and tap go out early
-        for (; c < last; ++c) {
-            const int t_end = columns[c + 1].w;
-            const Acc* src = tile + lane_base +
-                             ((column.x - ci0) * a.tile_cols + column.y * a.dil_w) * a.pitch + column.z;
-            int t = column.w, code = taps[t];
-            Acc v = to_acc(values[t]);
-            column = columns[c + 1];
-            Acc win[P + R];
-#pragma unroll
-            for (int i = 0; i < (P + R) / V; ++i) {
-                const vec_t<Acc, V> w = *reinterpret_cast<const vec_t<Acc, V>*>(src + i * V);
-#pragma unroll
-                for (int e = 0; e < V; ++e) win[i * V + e] = w.v[e];
-            }
-            for (++t; t < t_end; ++t) {
-                const int next_code = taps[t];
-                const Acc next_v = to_acc(values[t]);
-                fma_tap<P, Q, R>(acc, win, v, code);
-                code = next_code;
-                v = next_v;
-            }
-            fma_tap<P, Q, R>(acc, win, v, code);
-        }
-    }
-    store_output<T, P, Q>(acc, a, tile, n, oy0, ox0, g0 * Q, wy, wq, lane);
-}
-
 // The direct kernel (strategy "direct"): any stride, dilation and input dilation. A thread
 // computes P output rows for each of the Q output channels of its group, one tap at a time: P
 // shared-memory loads and P FMAs a tap. Taps of (co, ci) are in canonical order, so a chunk of
-// channels is one run of each output channel's taps. Grid and block as for the window kernel.
+// channels is one run of each output channel's taps. Grid (ceil(out_w / 32), ceil(out_h /
+// (warps_y * P)), n * ceil(groups / warps_q)); block 32 * warps_y * warps_q threads.
 template <typename T, int P, int Q>
 __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
     typedef typename acc_type<T>::type Acc;
@@ -259,6 +153,74 @@ __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
         }
     }
     store_output<T, P, Q>(acc, a, tile, n, oy0, ox0, g0 * Q, wy, wq, lane);
+}
+
+// The compiled kernel (strategy "compiled"), for str_h == 1 and idil == 1: one weight's mask
+// compiled in. A warp computes P rows x 32 columns of output for a group of Q output channels.
+// sbnet_cupy/sparse_kernel_conv.py generates a Program for the mask: per group, straight-line
+// code over its columns (ci, kw): the thread loads the input rows of the column that its taps
+// read (its window) into registers once, with 16-byte loads at immediate offsets, and every
+// tap of the column, whatever its kh, is then P FMAs from registers, the tap's accumulators and
+// window words named at compile time: no per-tap dispatch, index array or address arithmetic.
+// The values (which train) stay in memory in the program's order: a CTA stages its group's run
+// of them into shared memory as Acc, and the program reads them with warp-uniform (broadcast)
+// 16-byte loads. Program::run(frame, g, acc, s) computes acc for group g, s pointing at the
+// thread's window row 0 in the tile's first column; it calls frame.begin (with the first chunk
+// of input channels it reads) before its first column, and frame.chunk(ci0) before the first
+// column of each later chunk that it reads (chunks without taps are not staged).
+// Grid (ceil(out_w / 32), ceil(out_h / (warps_y * P)), groups * n), group-major so that the
+// CTAs running at a time share their code; block 32 * warps_y threads (warps_q = 1).
+template <typename T>
+struct CompiledFrame {
+    typedef typename acc_type<T>::type Acc;
+    const ConvArgs& a;
+    Acc* tile;
+    Acc* vals;
+    int n, y0, x0;
+
+    // Stages values [first, first + count) (zeros up to a multiple of 4: the program's loads
+    // are 16 bytes) and the chunk of input channels from ci0 on.
+    __device__ __forceinline__ void begin(int first, int count, int ci0) const {
+        const T* __restrict__ values = static_cast<const T*>(a.values);
+        for (int i = threadIdx.x; i < ((count + 3) & ~3); i += blockDim.x)
+            vals[i] = i < count ? to_acc(values[first + i]) : Acc(0);
+        stage(ci0);
+    }
+    // Stages input channels [ci0, ci0 + chunk) after the previous chunk is no longer read.
+    __device__ __forceinline__ void chunk(int ci0) const {
+        __syncthreads();
+        stage(ci0);
+    }
+    __device__ __forceinline__ void stage(int ci0) const {
+        stage_tile<T>(tile, static_cast<const T*>(a.x), n, a.in_h, a.in_w, a.cin, 1, 1, y0, x0,
+                      ci0, min(a.chunk, a.cin - ci0), a.tile_rows, a.tile_cols, a.pitch);
+        __syncthreads();
+    }
+};
+
+// Four words of 16-byte aligned shared memory.
+template <typename Acc>
+static __device__ __forceinline__ vec_t<Acc, 4> ld4(const Acc* src) {
+    return *reinterpret_cast<const vec_t<Acc, 4>*>(src);
+}
+
+template <typename T, class Program>
+__global__ void __launch_bounds__(256, 2) sparse_kernel_conv_compiled(const ConvArgs a) {
+    typedef typename acc_type<T>::type Acc;
+    static_assert(sizeof(Acc) == 4, "the compiled kernel computes in float");
+    constexpr int P = Program::P, Q = Program::Q;
+    extern __shared__ __align__(16) unsigned char smem[];
+    Acc* tile = reinterpret_cast<Acc*>(smem);
+    const int lane = threadIdx.x & 31, wy = threadIdx.x >> 5;
+    const int g = blockIdx.z / a.n, n = blockIdx.z - g * a.n;
+    const int oy0 = blockIdx.y * a.warps_y * P, ox0 = blockIdx.x * 32;
+    // The values follow the tile (a multiple of 4 words: pitch % 4 == 0).
+    const CompiledFrame<T> frame{a, tile, tile + a.chunk * a.tile_cols * a.pitch, n,
+                                 oy0 - a.pad_h, ox0 * a.str_w - a.pad_w};
+
+    Acc acc[Q][P];  // Program::run sets them all
+    Program::run(frame, g, acc, tile + lane * a.str_w * a.pitch + wy * P);
+    store_output<T, P, Q>(acc, a, tile, n, oy0, ox0, g * Q, wy, 0, lane);
 }
 
 template <typename Acc> static __device__ __forceinline__ Acc warp_sum(Acc s) {

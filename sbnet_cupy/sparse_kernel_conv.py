@@ -1,25 +1,27 @@
 """sparse_kernel_conv2d: 2-D convolution with a pruned weight, multiplying its non-zero taps only.
 
 A weight is converted once, on its device, by SparseKernel.from_dense; the convolution then
-reads the tap lists (the pruning mask stays fixed, so the values alone can be trained). Three
+reads the tap lists (the pruning mask stays fixed, so the values alone can be trained). Two
 CUDA strategies (kernels/sparse_kernel_conv.cu), picked per shape by choose_strategy:
 
-- "taps": direct convolution that skips zero taps. A warp computes 32 columns x 16 rows of
-  output for a group of 4 output channels from an input tile (with halo) staged in shared
-  memory once. Its taps are sorted by column (input channel, kw); each thread loads the input
-  rows of a column that its outputs read into registers once (16-byte loads), and every tap of
-  the column, whatever its kh, is then 16 FMAs from registers.
-- "patches": the product of the sparse weight matrix [KH*KW*Cin, Cout] with the dense matrix of
-  input patches, register-blocked over 8 output channels: one load of a patch column serves
-  every output channel of the group that uses it (the same kernel, R = 4 rows a window).
-- "direct": any stride, dilation and input dilation (the gradient of a strided convolution):
-  P shared-memory loads and P FMAs a tap.
+- "compiled": the mask compiled into the kernel. A warp computes 32 columns x P rows of output
+  for a group of Q output channels from an input tile (with halo) staged in shared memory.
+  Per column (input channel, kw) of the group's taps, each thread loads the input rows its
+  outputs read into registers once (16-byte loads), and every tap of the column, whatever its
+  kh, is P FMAs from registers. The tap's accumulator and window offset must be compile-time
+  indices for both to stay in registers, so the code for a mask is generated (_program) and
+  compiled by NVRTC on first use (CuPy keeps the binary in its disk cache); the values stay in
+  memory, so training them needs no recompilation. Unit vertical stride, no input dilation,
+  float32 arithmetic, at most COMPILED_MAX_TAPS taps.
+- "direct": any stride, dilation and input dilation (the gradient of a strided convolution),
+  float64 too: P shared-memory loads and P FMAs a tap, read from the tap list at run time.
 
 NumPy arrays run a vectorised NumPy backend (one matrix product per kernel position that has
 non-zero taps), the reference and the CPU path.
 """
 
 import functools
+import hashlib
 import math
 from collections import namedtuple
 
@@ -27,38 +29,51 @@ import numpy
 
 from . import _checks, _kernels, _launch
 
-STRATEGIES = ("taps", "patches", "direct")
+STRATEGIES = ("compiled", "direct")
 
-# The tile sizes, in one place. P: output rows a thread; Q: output channels a warp (a group);
-# R: input rows of a window (kernel rows at a larger dilation or height are cut into bands of R).
-_WINDOW_P = 16
-_TAPS_Q = 4
-_TAPS_WINDOWS = (4, 8, 12, 16)  # R of "taps": the kernel's extent rounded up to one of these
-_PATCHES_Q, _PATCHES_R = 8, 4
+# The tile sizes, in one place. P: output rows a thread; Q: output channels a warp (a group).
+# "compiled" keeps P * Q = 64 accumulators a thread and takes the Q of the table for the
+# output channels (a wider group shares a column's window among more taps; with few output
+# channels, more rows do instead).
+_COMPILED_TILES = ((4, 16), (8, 8), (16, 4))  # (Q, P), by the smallest Q >= min(Cout, 16)
+_COMPILED_WARPS = 8  # warps a CTA, stacked vertically (__launch_bounds__(256, 2) in the kernel)
+# Code size (and NVRTC time, about linear in it) grows with the taps: above this many the rule
+# runs "direct" and "compiled" refuses.
+COMPILED_MAX_TAPS = 8192
+_COMPILED_MAX_EXTENT = 33  # kernel rows (with dilation) a window may span: registers
 _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
-_WARPS = {"taps": 8, "patches": 4, "direct": 8}  # warps a CTA (registers: 112, 168, 64 a thread)
+_DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
 _SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
-_CONV_ARGS = _launch.layout("7P23i", 152)
+_CONV_ARGS = _launch.layout("6P23i", 144)
 _GRAD_VALUES_ARGS = _launch.layout("5P18i", 112)
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _MAX_KERNEL_SIDE = 255  # the kernels pack kh and kw in 8 bits and the input channel in 15
 _MAX_CIN = 32767
 
 
-def choose_strategy(dtype, cin, cout, kernel_hw, strides, dilations, input_dilation=(1, 1)):
-    """The strategy sparse_kernel_conv2d uses when none is given.
+def choose_strategy(dtype, cin, cout, kernel_hw, strides, dilations, input_dilation=(1, 1),
+                    nnz=0):
+    """The strategy sparse_kernel_conv2d uses when none is given: "compiled" wherever it
+    applies, "direct" elsewhere.
 
-    A first guess from counting instructions (no measured numbers yet): the window kernels need
-    unit vertical stride and no input dilation, and compute in float (float64 runs "direct").
-    With few input channels a group's columns hold several taps each (every kh of a column
-    shares its window), so "taps"; with many, fewer taps share a column and sharing it among 8
-    output channels instead of 4 pays, so "patches".
+    Measured (bench/results/sparse_kernel_conv_NVIDIA_H100_80GB_HBM3.csv, the `best` column, 112
+    cases of the seed's sweeps, before "compiled" existed): "direct" was fastest in 92 cases,
+    the window kernel "taps" in 20 (by up to 25%: 11x11xCinx3 at batch 8 and Cin <= 16, and
+    11x11x32x64 at 1-2% non-zeros, all with <= 4956 taps; by <= 5% at 11x11x32x64 with 20-50%
+    non-zeros), the patch product "patches" in none; so both are gone. "compiled" is "taps"
+    without its per-tap branch tree (the cost bench/README.md's diagnosis of "taps" points at)
+    and without its index reads, so it is expected to beat both wherever it applies:
+    unit vertical stride, no input dilation, float32 arithmetic, at most COMPILED_MAX_TAPS taps
+    and a kernel extent (KH - 1) * DH + 1 <= 33 rows. To be confirmed on the H100 (the `best`
+    column of the next run).
     """
-    del cout, kernel_hw, dilations  # part of the rule's inputs once it is measured
-    if dtype == "float64" or strides[0] != 1 or tuple(input_dilation) != (1, 1):
-        return "direct"
-    return "taps" if cin <= 16 else "patches"
+    del cin, cout  # the measured rule does not depend on them
+    extent = (kernel_hw[0] - 1) * dilations[0] + 1
+    if (dtype != "float64" and strides[0] == 1 and tuple(input_dilation) == (1, 1)
+            and nnz <= COMPILED_MAX_TAPS and extent <= _COMPILED_MAX_EXTENT):
+        return "compiled"
+    return "direct"
 
 
 # --- the converted weight -----------------------------------------------------------------
@@ -66,7 +81,7 @@ def choose_strategy(dtype, cin, cout, kernel_hw, strides, dilations, input_dilat
 class _Taps:
     """The non-zero taps of a weight [KH, KW, Cin, Cout] in canonical order (output channel,
     input channel, kh, kw): int32 arrays co, ci, kh, kw on the weight's device, the index arrays
-    of the "direct" kernels, and the window kernels' layouts, built on first use and kept."""
+    of the "direct" kernels, and the compiled kernels' Programs, built on first use and kept."""
 
     def __init__(self, xp, shape, co, ci, kh, kw):
         self.xp, self.shape = xp, shape
@@ -79,6 +94,7 @@ class _Taps:
                                       xp.arange(cout * cin + 1), side="left").astype(xp.int32)
         self.packed = ((ci << 16) | (kh << 8) | kw).astype(xp.int32)
         self._arrays = {}
+        self._programs = {}
         self._transposed = None
 
     @classmethod
@@ -91,51 +107,42 @@ class _Taps:
         kh, kw = xp.divmod(rest, k_w)
         return cls(xp, tuple(shape), *(a.astype(xp.int32) for a in (co, ci, kh, kw)))
 
-    def arrays(self, transposed, layout, dil_h):
-        """(ranges, columns, taps, order) of a launch: the index arrays of the "direct" kernel
-        (layout None; columns None) or of the window kernels (layout (q, r)), for this weight
-        or the transposed convolution's; tap t of them is the canonical tap order[t] (order
-        None: the canonical order itself)."""
-        key = (transposed, layout, dil_h if layout else None)
+    def arrays(self, transposed, layout):
+        """(ranges, taps, order) of a launch of a plan with this layout (ConvPlan.layout), for
+        this weight or the transposed convolution's: the "direct" kernel's index arrays, or
+        (None, None, order) for "compiled"; tap t of the launch is the canonical tap order[t]
+        (order None: the canonical order itself)."""
+        key = (transposed, layout)
         arrays = self._arrays.get(key)
         if arrays is None:
             taps, base = self.transposed() if transposed else (self, None)
             if layout is None:
-                ranges, columns, codes, order = taps.ranges, None, taps.packed, None
+                ranges, codes, order = taps.ranges, taps.packed, None
             else:
-                ranges, columns, codes, order = taps._window(*layout, dil_h)
+                ranges, codes = None, None
+                order = self.xp.asarray(taps.program(layout).order)
             if base is not None:
                 order = base if order is None else base[order]
-            arrays = self._arrays[key] = (ranges, columns, codes, order)
+            arrays = self._arrays[key] = (ranges, codes, order)
         return arrays
 
-    def _window(self, q, r, dil_h):
-        """The window kernels' layout for groups of q output channels and windows of r input
-        rows: (ranges, columns, codes, order). Columns are sorted by (group, ci, band, kw), with
-        band = kh * dil_h // r; ranges[g * Cin + ci] is the first column of (group g, ci);
-        columns[c] = (ci, kw, band * r, first tap), plus one past the last; codes[t] =
-        (co % q) * r + kh * dil_h % r; tap t is the canonical tap order[t]."""
-        xp = self.xp
-        k_h, k_w, cin, cout = self.shape
-        groups = -(-cout // q)
-        bands = (k_h - 1) * dil_h // r + 1
-        offset = self.kh.astype(xp.int64) * dil_h
-        band, row = offset // r, offset % r
-        group, channel = self.co // q, self.co % q
-        column = ((group.astype(xp.int64) * cin + self.ci) * bands + band) * k_w + self.kw
-        order = xp.argsort(column * (q * r) + channel * r + row, kind="stable")
-        column = column[order]
-        starts = xp.flatnonzero(xp.concatenate([xp.ones(min(self.nnz, 1), bool),
-                                                column[1:] != column[:-1]]))
-        first = order[starts]
-        columns = xp.stack([self.ci[first], self.kw[first], (band[first] * r).astype(xp.int32),
-                            starts.astype(xp.int32)], axis=1)
-        columns = xp.concatenate([columns, xp.asarray([[0, 0, 0, self.nnz]], dtype=xp.int32)])
-        group_ci = group[first].astype(xp.int64) * cin + self.ci[first]
-        ranges = xp.searchsorted(group_ci, xp.arange(groups * cin + 1), side="left")
-        codes = (channel * r + row)[order]
-        return (ranges.astype(xp.int32), xp.ascontiguousarray(columns.astype(xp.int32)),
-                codes.astype(xp.int32), order)
+    def program(self, layout):
+        """The _Program of this weight for a "compiled" plan's layout (built on first use)."""
+        program = self._programs.get(layout)
+        if program is None:
+            host = [a if self.xp is numpy else a.get()
+                    for a in (self.co, self.ci, self.kh, self.kw)]
+            program = self._programs[layout] = _program(*host, self.shape, *layout)
+        return program
+
+    def function(self, transposed, plan, dtype, device):
+        """Address of the kernel that runs `plan` (made with `device`) for this weight or the
+        transposed convolution's: the plan's, or for "compiled" the weight's own (compiled on
+        first use)."""
+        if plan.strategy != "compiled":
+            return plan.function
+        taps = self.transposed()[0] if transposed else self
+        return taps.program(plan.layout).function(dtype, device)
 
     def transposed(self):
         """(_Taps of the transposed convolution's weight, order): w_t[kh, kw, co, ci] =
@@ -150,6 +157,137 @@ class _Taps:
                          kw[order])
             self._transposed = (taps, order)
         return self._transposed
+
+
+# --- the compiled kernel's programs -------------------------------------------------------
+
+_Column = namedtuple("_Column", ["offset", "quads", "first", "taps"])
+_Column.__doc__ = """A column (input channel, kw) of a group's taps: its window's word offset
+from the thread's first window word, the window's 4-word quads that its taps read (quad i:
+rows 4i..4i+3), its first tap's index in the group's run of values, and its taps as (q, row)
+pairs, q the output channel in the group, row = kh * DH the first window row the tap reads; the
+column's taps are values first, first + 1, ... of the run."""
+
+
+class _Program:
+    """A weight's mask as code: the Program struct that sparse_kernel_conv_compiled<T,
+    Program> runs, for one layout (P, Q, tile columns, pitch, chunk, DH, DW).
+
+    Attributes:
+        groups: per group of Q output channels, (first, count, chunks): its run of values
+            [first, first + count) in the launch's order, and its columns by chunk of input
+            channels as (ci0, [_Column]) (chunks without taps left out).
+        order: int64 [nnz]: the canonical tap of each value of the launch's order.
+    """
+
+    def __init__(self, p, q, groups, order):
+        self.p, self.q, self.groups, self.order = p, q, groups, order
+        self._code = None
+        self._functions = {}
+
+    @property
+    def name(self):
+        """The struct's name: P, Q and a digest of its code (a profiler trace names the mask)."""
+        return self._build()[0]
+
+    @property
+    def source(self):
+        """C++ source of the Program struct (placed after kernels/sparse_kernel_conv.cu)."""
+        return self._build()[1]
+
+    def _build(self):
+        if self._code is None:
+            lines = []
+            for g, (first, count, chunks) in enumerate(self.groups):
+                if not chunks:
+                    continue  # no taps: the outputs are the bias
+                lines.append(f"        case {g}:")
+                for c, (ci0, columns) in enumerate(chunks):
+                    lines.append(f"            f.chunk({ci0});" if c else
+                                 f"            f.begin({first}, {count}, {ci0});")
+                    lines += [self._column_source(column) for column in columns]
+                lines.append("            break;")
+            digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()[:12]
+            name = f"Program_p{self.p}q{self.q}_{digest}"
+            accumulators = [f"a{q}_{p}" for q in range(self.q) for p in range(self.p)]
+            self._code = (name, "\n".join([
+                f"struct {name} {{",
+                f"    static constexpr int P = {self.p}, Q = {self.q};",
+                "    template <class Frame, typename Acc>",
+                "    static __device__ __forceinline__ void run(const Frame& f, int g, "
+                "Acc (&acc)[Q][P], const Acc* s) {",
+                # Named accumulators, not acc[q][p]: NVRTC takes half the time on them.
+                "        Acc " + ", ".join(f"{a} = 0" for a in accumulators) + ";",
+                "        switch (g) {", *lines, "        }",
+                "        " + " ".join(f"acc[{q}][{p}] = a{q}_{p};" for q in range(self.q)
+                                      for p in range(self.p)),
+                "    }", "};", ""]))
+        return self._code
+
+    def _column_source(self, column):
+        """One column: load its window quads (w<i>: rows 4i..4i+3) and its values' quads (v<i>:
+        values 4i..4i+3 of the group's run), then P FMAs a tap: a<q>_<p> += v * window[row + p]."""
+        v0, v1 = column.first // 4, (column.first + len(column.taps) - 1) // 4 + 1
+        loads = ([f"w{i} = ld4(s + {column.offset + 4 * i})" for i in column.quads]
+                 + [f"v{i} = ld4(f.vals + {4 * i})" for i in range(v0, v1)])
+        fmas = []
+        for t, (q, row) in enumerate(column.taps, column.first):
+            v = f"v{t // 4}.v[{t % 4}]"
+            fmas += [f"a{q}_{p} = fma_acc({v}, w{(row + p) // 4}.v[{(row + p) % 4}], a{q}_{p});"
+                     for p in range(self.p)]
+        return ("            { const vec_t<Acc, 4> " + ", ".join(loads) + "; " + " ".join(fmas)
+                + " }")
+
+    def kernel_name(self, dtype):
+        """The name expression of the kernel running this program on `dtype` data."""
+        return _kernels.name_expression("sparse_kernel_conv_compiled",
+                                        _kernels.ARITHMETIC_CTYPES[dtype], self.name)
+
+    def module_source(self):
+        """kernels/sparse_kernel_conv.cu (after common.cuh) followed by the Program."""
+        return _kernels.kernel_source("sparse_kernel_conv") + "\n" + self.source
+
+    def function(self, dtype, device):
+        """Address of sparse_kernel_conv_compiled<T, Program> on `device` (compiled on first
+        use, by NVRTC or from CuPy's disk cache)."""
+        key = (dtype, device)
+        entry = self._functions.get(key)
+        if entry is None:
+            import cupy
+
+            name = self.kernel_name(dtype)
+            with cupy.cuda.Device(device):
+                module = cupy.RawModule(code=self.module_source(), options=_kernels.COMPILE_OPTIONS,
+                                        name_expressions=(name,))
+                compiled = module.get_function(name)
+            entry = self._functions[key] = (compiled.ptr, module, compiled)  # keeps it loaded
+        return entry[0]
+
+
+def _program(co, ci, kh, kw, shape, p, q, cols, pitch, chunk, dil_h, dil_w):
+    """The _Program of the taps (host int arrays, canonical order) of a weight of `shape` for a
+    "compiled" layout: per group, a column per (ci, kw) in that order, its taps by (kh, co)."""
+    groups_count = -(-shape[3] // q)
+    group = co // q
+    order = numpy.lexsort((co, kh, kw, ci, group))  # the last key sorts first
+    group, ci, kw = group[order], ci[order], kw[order]
+    q_of, row_of = (co % q)[order], (kh * dil_h)[order]
+    new_column = numpy.ones(len(order), bool)
+    new_column[1:] = (group[1:] != group[:-1]) | (ci[1:] != ci[:-1]) | (kw[1:] != kw[:-1])
+    starts = numpy.flatnonzero(new_column).tolist() + [len(order)]
+    bounds = numpy.searchsorted(group, numpy.arange(groups_count + 1)).tolist()
+    groups = [(bounds[g], bounds[g + 1] - bounds[g], []) for g in range(groups_count)]
+    for a, b in zip(starts[:-1], starts[1:]):
+        g, c, w = int(group[a]), int(ci[a]), int(kw[a])
+        first, _, chunks = groups[g]
+        ci0 = c // chunk * chunk
+        if not chunks or chunks[-1][0] != ci0:
+            chunks.append((ci0, []))
+        rows = row_of[a:b].tolist()
+        quads = sorted({i for r in rows for i in range(r // 4, (r + p - 1) // 4 + 1)})
+        chunks[-1][1].append(_Column(((c - ci0) * cols + w * dil_w) * pitch, quads, a - first,
+                                     list(zip(q_of[a:b].tolist(), rows))))
+    return _Program(p, q, groups, order)
 
 
 class SparseKernel:
@@ -173,7 +311,7 @@ class SparseKernel:
     def __init__(self, taps, values, dtype):
         """Internal: use from_dense or with_values."""
         self._taps, self.values, self.dtype = taps, values, dtype
-        self._ordered = {}  # values in the order of a launch's taps, by its arrays' key
+        self._ordered = {}  # values in the order of a launch's taps, by (transposed, layout)
 
     @classmethod
     def from_dense(cls, w, *, dtype=None):
@@ -247,14 +385,14 @@ class SparseKernel:
         return (f"SparseKernel(shape={self.shape}, dtype={self.dtype}, nnz={self.nnz}, "
                 f"density={self.density:.3g}, device={where})")
 
-    def _launch_arrays(self, transposed, layout, dil_h):
-        """(ranges, columns, taps, values) of a launch (see _Taps.arrays), values in its order."""
-        ranges, columns, codes, order = self._taps.arrays(transposed, layout, dil_h)
-        key = (transposed, layout, dil_h if layout else None)
+    def _launch_arrays(self, transposed, layout):
+        """(ranges, taps, values) of a launch (see _Taps.arrays), values in its order."""
+        ranges, codes, order = self._taps.arrays(transposed, layout)
+        key = (transposed, layout)
         values = self._ordered.get(key)
         if values is None:
             values = self._ordered[key] = self.values if order is None else self.values[order]
-        return ranges, columns, codes, values
+        return ranges, codes, values
 
 
 def _data_dtype(name, a, dtype):
@@ -378,7 +516,7 @@ def sparse_kernel_conv2d(x, kernel, *, strides=(1, 1), padding="SAME", dilations
         padding: "SAME" or "VALID" (TensorFlow's rules), (pad_h, pad_w) for symmetric zero
             padding (PyTorch's), or ((top, bottom), (left, right)).
         bias: optional [Cout] array of x's dtype.
-        strategy: None (choose_strategy's rule), "taps", "patches" or "direct" (CuPy only; the
+        strategy: None (choose_strategy's rule), "compiled" or "direct" (CuPy only; the
             NumPy backend has one path).
         out: optional C-contiguous [N, OH, OW, Cout] array of x's dtype to write into (no
             allocation, so the call can be captured in a CUDA graph).
@@ -427,7 +565,7 @@ def sparse_kernel_conv2d_grad_input(dy, kernel, input_shape, *, strides=(1, 1), 
         kernel: the SparseKernel of the forward call.
         input_shape: (N, H, W, Cin) of the forward call's x.
         strides, padding, dilations: those of the forward call.
-        strategy: as for sparse_kernel_conv2d; "taps" and "patches" need unit strides.
+        strategy: as for sparse_kernel_conv2d; "compiled" needs unit strides.
 
     Returns:
         dx [N, H, W, Cin] of dy's dtype::
@@ -589,12 +727,13 @@ def _grad_values_numpy(x, dy, kernel, strides, dilations, pads):
 
 # --- CuPy backend --------------------------------------------------------------------------
 
-ConvPlan = namedtuple("ConvPlan", ["function", "kernel", "template", "grid", "block", "smem",
-                                   "ints", "layout"])
-ConvPlan.__doc__ = """Launch of a forward kernel: the compiled function (None in a plan made
-without a device), name and template arguments, grid, block, shared-memory bytes, the int
-fields of ConvArgs, and the layout (q, r) of the window kernels' index arrays (None for
-"direct")."""
+ConvPlan = namedtuple("ConvPlan", ["strategy", "function", "kernel", "template", "grid", "block",
+                                   "smem", "ints", "layout"])
+ConvPlan.__doc__ = """Launch of a forward kernel: the strategy, the compiled function ("direct" in
+a plan made with a device; else None: a "compiled" kernel belongs to a weight's mask, see
+_Taps.function), the kernel's name and template arguments ("compiled": the dtype's), grid,
+block, shared-memory bytes, the int fields of ConvArgs, and the layout: None for "direct", the
+program's (P, Q, tile columns, pitch, chunk, DH, DW) for "compiled"."""
 
 
 def _round_up(value, multiple):
@@ -603,39 +742,83 @@ def _round_up(value, multiple):
 
 @functools.lru_cache(maxsize=1024)
 def conv_plan(strategy, dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
-              input_dilation, device=None):
+              input_dilation, nnz, device=None):
     """The ConvPlan of a convolution of an [n, *in_hw, cin] input (with input_dilation - 1
-    zeros between its pixels) into [n, *out_hw, cout] by a kernel_hw weight, padded by pads
-    (top, left); strategy None applies choose_strategy. With a device, the plan carries the
+    zeros between its pixels) into [n, *out_hw, cout] by a kernel_hw weight of nnz taps, padded
+    by pads (top, left); strategy None applies choose_strategy (and "direct" where the rule's
+    "compiled" finds no room in shared memory). With a device, a "direct" plan carries the
     compiled kernel."""
+    rule = strategy is None
+    if rule:
+        strategy = choose_strategy(dtype, cin, cout, kernel_hw, strides, dilations,
+                                   input_dilation, nnz)
+    if strategy == "compiled":
+        try:
+            return _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides,
+                                  dilations, pads, input_dilation, nnz)
+        except ValueError:
+            if not rule:
+                raise
+    return _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
+                        input_dilation, device)
+
+
+def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
+                   input_dilation, nnz):
+    (k_h, k_w), (sh, sw), (dh, dw) = kernel_hw, strides, dilations
+    if sh != 1 or tuple(input_dilation) != (1, 1):
+        raise ValueError(f"strategy 'compiled' needs unit vertical strides (and, for the input "
+                         f"gradient, unit strides), got strides {strides}")
+    if dtype == "float64":
+        raise TypeError("strategy 'compiled' computes in float32: float64 runs 'direct'")
+    if nnz > COMPILED_MAX_TAPS:
+        raise ValueError(f"strategy 'compiled' takes kernels of at most {COMPILED_MAX_TAPS} "
+                         f"non-zero taps, got {nnz}")
+    q, p = next((t for t in _COMPILED_TILES if t[0] >= min(cout, 16)), _COMPILED_TILES[-1])
+    groups = -(-cout // q)
+    warps_y = max(1, min(_COMPILED_WARPS, -(-out_hw[0] // p)))
+    window = _round_up(p + (k_h - 1) * dh, 4)  # rows of the quads a thread may load
+    cols = 31 * sw + (k_w - 1) * dw + 1
+    # Room for the largest run of values a group can have, after the tile.
+    value_bytes = 4 * _round_up(max(min(nnz, q * k_h * k_w * cin), 1), 4)
+    while True:
+        rows = (warps_y - 1) * p + window
+        pitch = _round_up(rows, 4)
+        pitch += 4 if pitch % 8 == 0 else 0  # 4 (mod 8) words: 8 lanes' loads cover the banks
+        channel_bytes = cols * pitch * 4
+        if channel_bytes + value_bytes <= _SMEM_LIMIT or warps_y == 1:
+            break
+        warps_y = 1
+    chunk = min(cin, max(_SMEM_LIMIT - value_bytes, 0) // channel_bytes) if cin else 1
+    if chunk == 0:
+        raise ValueError(f"strategy 'compiled' needs an input tile and values larger than the "
+                         f"GPU kernels' shared memory ({channel_bytes} bytes a channel, "
+                         f"{value_bytes} of values) with a {k_h}x{k_w} kernel, dilations "
+                         f"{dilations}")
+    row_bytes = 32 * (q | 1) * 4
+    store_rows = min(warps_y * p, _SMEM_LIMIT // row_bytes)
+    grid = (-(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // (warps_y * p))),
+            _checks.grid_dim("x (batch x channel groups)", groups * n))
+    ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, 1, 1, rows, cols, pitch,
+            chunk, warps_y, 1, groups, store_rows)
+    smem = max(chunk * channel_bytes + value_bytes, store_rows * row_bytes)
+    return ConvPlan("compiled", None, "sparse_kernel_conv_compiled",
+                    (_kernels.ARITHMETIC_CTYPES[dtype],), grid, (32 * warps_y, 1, 1), smem, ints,
+                    (p, q, cols, pitch, chunk, dh, dw))
+
+
+def _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
+                 input_dilation, device):
     acc_size = 8 if dtype == "float64" else 4
     (k_h, k_w), (sh, sw), (dh, dw) = kernel_hw, strides, dilations
-    strategy = strategy or choose_strategy(dtype, cin, cout, kernel_hw, strides, dilations,
-                                           input_dilation)
-    if strategy == "direct":
-        p, q, r = _DIRECT_P, _DIRECT_Q, None
-    else:
-        if sh != 1 or tuple(input_dilation) != (1, 1):
-            raise ValueError(f"strategy {strategy!r} needs unit vertical strides (and, for the "
-                             f"input gradient, unit strides), got strides {strides}")
-        if dtype == "float64":
-            raise TypeError(f"strategy {strategy!r} computes in float32: float64 runs 'direct'")
-        extent = (k_h - 1) * dh + 1
-        p = _WINDOW_P
-        q, r = ((_TAPS_Q, next((w for w in _TAPS_WINDOWS if w >= extent), _TAPS_WINDOWS[-1]))
-                if strategy == "taps" else (_PATCHES_Q, _PATCHES_R))
+    p, q = _DIRECT_P, _DIRECT_Q
     groups = -(-cout // q)
-    warps_q = max(1, min(groups, _WARPS[strategy]))
-    warps_y = max(1, min(_WARPS[strategy] // warps_q, -(-out_hw[0] // p)))
+    warps_q = max(1, min(groups, _DIRECT_WARPS))
+    warps_y = max(1, min(_DIRECT_WARPS // warps_q, -(-out_hw[0] // p)))
     cols = 31 * sw + (k_w - 1) * dw + 1
     while True:
-        if r is None:  # odd pitch: lanes a column apart hit different banks
-            rows = (warps_y * p - 1) * sh + (k_h - 1) * dh + 1
-            pitch = rows | 1
-        else:  # 16-byte loads; pitch = 4 (mod 8) words spreads 8 lanes' loads over the banks
-            rows = warps_y * p + ((k_h - 1) * dh // r + 1) * r
-            pitch = _round_up(rows, 4)
-            pitch += 4 if pitch % 8 == 0 else 0
+        rows = (warps_y * p - 1) * sh + (k_h - 1) * dh + 1
+        pitch = rows | 1  # odd: lanes a column apart hit different banks
         channel_bytes = cols * pitch * acc_size
         if channel_bytes <= _SMEM_LIMIT or warps_y == 1:
             break
@@ -651,40 +834,39 @@ def conv_plan(strategy, dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, 
             _checks.grid_dim("x (batch x channel groups)", n * -(-groups // warps_q)))
     ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, *input_dilation, rows, cols,
             pitch, chunk, warps_y, warps_q, groups, store_rows)
-    ctype = _kernels.ARITHMETIC_CTYPES[dtype]
-    if r is None:
-        kernel, template, layout = "sparse_kernel_conv_direct", (ctype, p, q), None
-    else:
-        kernel, template, layout = "sparse_kernel_conv_window", (ctype, p, q, r), (q, r)
-    function = (None if device is None
-                else _launch.function(device, "sparse_kernel_conv", kernel, *template))
-    return ConvPlan(function, kernel, template, grid, (32 * warps_y * warps_q, 1, 1),
-                    max(chunk * channel_bytes, store_rows * row_bytes), ints, layout)
+    template = (_kernels.ARITHMETIC_CTYPES[dtype], p, q)
+    function = (None if device is None else
+                _launch.function(device, "sparse_kernel_conv", "sparse_kernel_conv_direct",
+                                 *template))
+    return ConvPlan("direct", function, "sparse_kernel_conv_direct", template, grid,
+                    (32 * warps_y * warps_q, 1, 1),
+                    max(chunk * channel_bytes, store_rows * row_bytes), ints, None)
 
 
 def instantiations():
-    """Name expressions of every kernel the plans can ask for (the compile check builds them)."""
+    """Name expressions of every kernel the plans can ask for, but the compiled kernel: its
+    Program is generated per mask (tests/test_sparse_kernel_conv.py compiles some)."""
     names = []
-    for dtype, ctype in _kernels.ARITHMETIC_CTYPES.items():
+    for ctype in _kernels.ARITHMETIC_CTYPES.values():
         names.append(_kernels.name_expression("sparse_kernel_conv_direct", ctype, _DIRECT_P,
                                               _DIRECT_Q))
         names.append(_kernels.name_expression("sparse_kernel_conv_grad_values", ctype, _GRAD_P))
-        if dtype != "float64":
-            names += [_kernels.name_expression("sparse_kernel_conv_window", ctype, _WINDOW_P,
-                                               _TAPS_Q, r) for r in _TAPS_WINDOWS]
-            names.append(_kernels.name_expression("sparse_kernel_conv_window", ctype, _WINDOW_P,
-                                                   _PATCHES_Q, _PATCHES_R))
     return names
 
 
-def launch_conv(device, stream, plan, x, out, bias, ranges, columns, taps, values):
-    """Launch a ConvPlan (made with this device) on raw addresses: x and out C-contiguous NHWC,
-    bias 0 for none, the index arrays and values of _Taps.arrays for plan.layout (columns 0 for
-    "direct"). Nothing to do for an empty output."""
+def launch_conv(device, stream, plan, function, x, out, bias, ranges, taps, values):
+    """Launch a ConvPlan (made with this device) by `function` (_Taps.function) on raw
+    addresses: x and out C-contiguous NHWC, bias 0 for none, the index arrays (0 for None) and
+    values of _Taps.arrays for plan.layout. Nothing to do for an empty output."""
     if plan.grid[0] * plan.grid[1] * plan.grid[2] == 0:
         return
-    _launch.launch(device, stream, plan.function, plan.grid, plan.block, plan.smem, _CONV_ARGS,
-                   (x, out, bias, ranges, columns, taps, values, *plan.ints))
+    _launch.launch(device, stream, function, plan.grid, plan.block, plan.smem, _CONV_ARGS,
+                   (x, out, bias, ranges, taps, values, *plan.ints))
+
+
+def address(a):
+    """The device address of CuPy array `a`, 0 for None."""
+    return 0 if a is None else a.data.ptr
 
 
 def _conv_cupy(x, kernel, transposed, out, strides, dilations, pads, input_dilation, bias,
@@ -696,14 +878,14 @@ def _conv_cupy(x, kernel, transposed, out, strides, dilations, pads, input_dilat
         cin, cout = cout, cin
     device = x.data.device_id
     plan = conv_plan(strategy, kernel.dtype, x.shape[0], x.shape[1:3], cin, out.shape[1:3], cout,
-                     (k_h, k_w), strides, dilations, pads, input_dilation, device)
-    ranges, columns, taps, values = kernel._launch_arrays(transposed, plan.layout, dilations[0])
+                     (k_h, k_w), strides, dilations, pads, input_dilation, kernel.nnz, device)
+    ranges, taps, values = kernel._launch_arrays(transposed, plan.layout)
+    function = kernel._taps.function(transposed, plan, kernel.dtype, device)
     x = x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
     if bias is not None and not bias.flags.c_contiguous:
         bias = cupy.ascontiguousarray(bias)
-    launch_conv(device, cupy.cuda.get_current_stream().ptr, plan, x.data.ptr, out.data.ptr,
-                0 if bias is None else bias.data.ptr, ranges.data.ptr,
-                0 if columns is None else columns.data.ptr, taps.data.ptr, values.data.ptr)
+    launch_conv(device, cupy.cuda.get_current_stream().ptr, plan, function, x.data.ptr,
+                out.data.ptr, address(bias), address(ranges), address(taps), address(values))
 
 
 GradValuesPlan = namedtuple("GradValuesPlan", ["function", "template", "grid", "block", "smem",
@@ -746,7 +928,7 @@ def grad_values_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dil
 def launch_grad_values(device, stream, plan, x, dy, ranges, taps, grad):
     """Launch a GradValuesPlan (made with this device) on raw addresses: grad is a zeroed
     float32 (float64 for float64) array of the kernel's nnz, which the kernel adds to; ranges
-    and taps those of _Taps.arrays(False, None, ...)."""
+    and taps those of _Taps.arrays(False, None)."""
     if plan.grid[0] * plan.grid[1] * plan.grid[2] == 0:
         return
     _launch.launch(device, stream, plan.function, plan.grid, plan.block, plan.smem,
@@ -760,7 +942,7 @@ def _grad_values_cupy(x, dy, kernel, strides, dilations, pads):
     device = x.data.device_id
     plan = grad_values_plan(kernel.dtype, x.shape[0], x.shape[1:3], cin, dy.shape[1:3], cout,
                             (k_h, k_w), strides, dilations, pads, device)
-    ranges, _, taps, _ = kernel._launch_arrays(False, None, dilations[0])
+    ranges, taps, _ = kernel._launch_arrays(False, None)
     grad = cupy.zeros(kernel.nnz, _acc_dtype(kernel.dtype))
     if kernel.nnz and x.size:
         x = x if x.flags.c_contiguous else cupy.ascontiguousarray(x)

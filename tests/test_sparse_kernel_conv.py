@@ -5,7 +5,7 @@ import numpy
 import pytest
 
 import sbnet_cupy
-from sbnet_cupy import SparseKernel, sparse_kernel_conv as skc
+from sbnet_cupy import SparseKernel, _kernels, sparse_kernel_conv as skc
 from axes import random_array
 from conftest import cupy, require, requires_gpu, to_numpy
 
@@ -79,12 +79,13 @@ def assert_close(got, expected, dtype, scale):
                                     tol * (scale + 1e-30) + 1e-30)
 
 
-def _strategies(xp, window, dtype=numpy.float32):
-    """Strategies to run: the rule (None) and, on CuPy, each one that applies; `window`: the
-    window kernels apply to the geometry (unit vertical stride, no input dilation)."""
+def _strategies(xp, compiled, dtype=numpy.float32, nnz=0):
+    """Strategies to run: the rule (None) and, on CuPy, each one that applies; `compiled`: the
+    compiled kernel applies to the geometry (unit vertical stride, no input dilation)."""
     if xp is numpy:
         return [None]
-    return [None] + _emulated_strategies(window, numpy.dtype(dtype).name)
+    compiled = compiled and nnz <= skc.COMPILED_MAX_TAPS
+    return [None] + _emulated_strategies(compiled, numpy.dtype(dtype).name)
 
 
 @pytest.mark.parametrize("density", DENSITIES)
@@ -96,7 +97,7 @@ def test_sweep_shapes_match_reference(xp, rng, name, x_shape, w_shape, density):
     kernel = SparseKernel.from_dense(xp.asarray(w))
     expected = reference(x, w, (1, 1), "SAME", (1, 1), bias)
     scale = reference(numpy.abs(x), numpy.abs(w), (1, 1), "SAME", (1, 1), numpy.abs(bias))
-    for strategy in _strategies(xp, True):
+    for strategy in _strategies(xp, True, nnz=kernel.nnz):
         out = sbnet_cupy.sparse_kernel_conv2d(xp.asarray(x), kernel, bias=xp.asarray(bias),
                                               strategy=strategy)
         assert out.shape == expected.shape and out.dtype == numpy.float32
@@ -238,6 +239,56 @@ def test_bfloat16(rng):
         rtol=1.6e-2, atol=1)
 
 
+# The compiled kernel's own cases: (x shape, w shape, density, strides, padding, dilations,
+# dtype): a partial last group (Cout = 20, Q = 16), batch 2 with columns and rows past a CTA's
+# tile, Q = 8 and Q = 4 groups, one tap, every tap, no taps, a chunked input with dilations, a
+# horizontal stride with explicit padding.
+COMPILED_CASES = [
+    ((1, 13, 21, 3), (11, 11, 3, 20), 0.1, (1, 1), "SAME", (1, 1), numpy.float32),
+    ((2, 37, 70, 3), (11, 11, 3, 64), 0.1, (1, 1), "SAME", (1, 1), numpy.float16),
+    ((1, 9, 33, 5), (3, 3, 5, 7), "one", (1, 1), "VALID", (1, 1), "bfloat16"),
+    ((1, 20, 40, 2), (5, 5, 2, 3), 1.0, (1, 1), "SAME", (1, 1), numpy.float32),
+    ((2, 16, 35, 6), (3, 5, 6, 9), "zero", (1, 1), "SAME", (1, 1), numpy.float32),
+    ((1, 30, 40, 40), (5, 3, 40, 19), 0.05, (1, 1), "SAME", (3, 2), numpy.float16),
+    ((2, 19, 45, 4), (4, 3, 4, 10), 0.3, (1, 2), ((2, 1), (0, 3)), (1, 1), numpy.float32),
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=str)
+def test_compiled_matches_reference(rng, case):
+    """Forward (with bias) and, at unit strides, input gradient of the compiled kernel against
+    the definition; float32 exactly (the test values make every sum exact), float16 and
+    bfloat16 within one rounding."""
+    x_shape, w_shape, density, strides, padding, dilations, dtype = case
+    x = random_array(rng, x_shape, numpy.float32)
+    w = pruned_weight(rng, w_shape, density)
+    bias = random_array(rng, (w_shape[3],), numpy.float32)
+    if dtype == "bfloat16":
+        device = lambda a: skc.float32_to_bfloat16_bits(cupy.asarray(a))
+        host = lambda a: (cupy.asnumpy(a).astype(numpy.uint32) << 16).view(numpy.float32)
+        kernel = SparseKernel.from_dense(device(w), dtype="bfloat16")
+    else:
+        device = lambda a: cupy.asarray(a.astype(dtype))
+        host = lambda a: cupy.asnumpy(a).astype(numpy.float32)
+        kernel = SparseKernel.from_dense(device(w))
+    kw = dict(strides=strides, padding=padding, dilations=dilations)
+    expected = reference(x, w, bias=bias, **kw)
+    scale = reference(numpy.abs(x), numpy.abs(w), bias=numpy.abs(bias), **kw)
+    out = sbnet_cupy.sparse_kernel_conv2d(device(x), kernel, bias=device(bias),
+                                          strategy="compiled", **kw)
+    assert_close(host(out), expected, dtype if dtype == "bfloat16" else numpy.dtype(dtype).type,
+                 scale)
+    if strides == (1, 1):
+        dy = random_array(rng, expected.shape, numpy.float32)
+        expected_dx, _ = reference_gradients(x, w, dy, **kw)
+        scale_dx, _ = reference_gradients(numpy.abs(x), numpy.abs(w), numpy.abs(dy), **kw)
+        dx = sbnet_cupy.sparse_kernel_conv2d_grad_input(device(dy), kernel, x_shape,
+                                                        strategy="compiled", **kw)
+        assert_close(host(dx), expected_dx, dtype if dtype == "bfloat16"
+                     else numpy.dtype(dtype).type, scale_dx)
+
+
 def test_from_dense(xp, rng):
     w = pruned_weight(rng, (3, 2, 4, 5), 0.3)
     w[0, 0, 0, 0] = -0.0  # a pruned tap too
@@ -345,11 +396,29 @@ def test_kernel_of_another_backend_or_device(rng):
 
 
 def test_rule():
-    assert skc.choose_strategy("float32", 3, 64, (11, 11), (1, 1), (1, 1)) == "taps"
-    assert skc.choose_strategy("float16", 64, 64, (3, 3), (1, 2), (1, 1)) == "patches"
-    assert skc.choose_strategy("float32", 3, 64, (3, 3), (2, 2), (1, 1)) == "direct"
-    assert skc.choose_strategy("float64", 3, 64, (3, 3), (1, 1), (1, 1)) == "direct"
-    assert skc.choose_strategy("float32", 3, 64, (3, 3), (1, 1), (1, 1), (2, 2)) == "direct"
+    rule = skc.choose_strategy
+    assert rule("float32", 3, 64, (11, 11), (1, 1), (1, 1), nnz=2323) == "compiled"
+    assert rule("float16", 64, 64, (3, 3), (1, 2), (1, 1), nnz=4000) == "compiled"
+    most = skc.COMPILED_MAX_TAPS
+    assert rule("bfloat16", 32, 64, (11, 11), (1, 1), (1, 1), nnz=most) == "compiled"
+    assert rule("float32", 32, 64, (11, 11), (1, 1), (1, 1), nnz=most + 1) == "direct"
+    assert rule("float32", 3, 64, (3, 3), (2, 2), (1, 1), nnz=100) == "direct"
+    assert rule("float64", 3, 64, (3, 3), (1, 1), (1, 1), nnz=100) == "direct"
+    assert rule("float32", 3, 64, (3, 3), (1, 1), (1, 1), (2, 2), nnz=100) == "direct"
+    assert rule("float32", 3, 64, (3, 3), (1, 1), (17, 1), nnz=100) == "direct"  # 35 rows
+
+
+def test_rule_falls_back_where_compiled_finds_no_room():
+    """Chosen by the rule, "compiled" gives way to "direct" when its tile and values overflow
+    shared memory (8192 taps: 32 KB of values; a tile 232 columns wide); asked for, it
+    refuses."""
+    args = ("float32", 1, (300, 300), 64, (300, 300), 64, (11, 11), (1, 1), (1, 20), (5, 100),
+            (1, 1), 8192)
+    assert skc.conv_plan(None, *args).strategy == "direct"
+    with pytest.raises(ValueError, match="strategy 'compiled' needs an input tile"):
+        skc.conv_plan("compiled", *args)
+    with pytest.raises(ValueError, match="at most 8192 non-zero taps"):
+        skc.conv_plan("compiled", *args[:-1], 8193)
 
 
 # --- The CUDA kernels, transliterated -------------------------------------------------------
@@ -407,14 +476,15 @@ def _store(smem, out, acc, a, n, oy0, ox0, co0, q_per_warp, bias):
         out[n, oy[ok], ox[ok], co[ok]] = v + (0 if bias is None else bias[co[ok]])
 
 
-def emulate_conv(plan, x, out_shape, arrays, bias=None):
-    """sparse_kernel_conv_window or _direct, as kernels/sparse_kernel_conv.cu runs `plan`."""
+def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
+    """sparse_kernel_conv_direct, or _compiled running `program`, as
+    kernels/sparse_kernel_conv.cu runs `plan`."""
+    if plan.strategy == "compiled":
+        return emulate_compiled(plan, program, x, out_shape, arrays[2], bias)
     a = dict(zip(CONV_FIELDS, plan.ints))
-    ranges, columns, taps, values = (None if v is None else to_numpy(v) for v in arrays)
+    ranges, taps, values = (to_numpy(v) for v in arrays)
     values = values.astype(numpy.float64)
-    window = plan.kernel == "sparse_kernel_conv_window"
     p_rows, q_per_warp = plan.template[1:3]
-    r_rows = plan.template[3] if window else None
     out = numpy.full(out_shape, numpy.nan)
     smem = numpy.empty(plan.smem // (8 if plan.template[0] == "double" else 4))
     lanes = numpy.arange(32)
@@ -432,34 +502,69 @@ def emulate_conv(plan, x, out_shape, arrays, bias=None):
                 g = g0 + wq
                 if g >= a["groups"]:
                     continue
-                if window:
-                    lane_base = lanes * a["str_w"] * a["pitch"] + wy * p_rows
-                    for c in range(ranges[g * a["cin"] + ci0], ranges[g * a["cin"] + ci0 + nci]):
-                        ci, kw, row0, first = columns[c]
-                        last = columns[c + 1][3]
-                        src = lane_base + ((ci - ci0) * a["tile_cols"] + kw * a["dil_w"]) * a["pitch"] + row0
-                        assert (src % 4 == 0).all(), "window loads must be 16-byte aligned"
-                        win = _read(smem, src[:, None] + numpy.arange(p_rows + r_rows))
-                        q, r = taps[first:last] // r_rows, taps[first:last] % r_rows
-                        rows = win[:, r[:, None] + numpy.arange(p_rows)]  # [32, T, P]
-                        numpy.add.at(acc[wq, wy], q,
-                                     (values[first:last, None] * rows).transpose(1, 2, 0))
-                else:
-                    lane_base = lanes * a["str_w"] * a["pitch"] + wy * p_rows * a["str_h"]
-                    for q in range(q_per_warp):
-                        co = g * q_per_warp + q
-                        if co >= a["cout"]:
-                            break
-                        first = ranges[co * a["cin"] + ci0]
-                        last = ranges[co * a["cin"] + ci0 + nci]
-                        tap = taps[first:last]
-                        src = (((tap >> 16) - ci0) * a["tile_cols"] + (tap & 255) * a["dil_w"]) * a["pitch"] \
-                            + ((tap >> 8) & 255) * a["dil_h"]
-                        index = (src[:, None, None] + lane_base[:, None]
-                                 + numpy.arange(p_rows) * a["str_h"])  # [T, 32, P]
-                        acc[wq, wy, q] += numpy.einsum("t,tlp->pl", values[first:last],
-                                                       _read(smem, index))
+                lane_base = lanes * a["str_w"] * a["pitch"] + wy * p_rows * a["str_h"]
+                for q in range(q_per_warp):
+                    co = g * q_per_warp + q
+                    if co >= a["cout"]:
+                        break
+                    first = ranges[co * a["cin"] + ci0]
+                    last = ranges[co * a["cin"] + ci0 + nci]
+                    tap = taps[first:last]
+                    src = (((tap >> 16) - ci0) * a["tile_cols"] + (tap & 255) * a["dil_w"]) * a["pitch"] \
+                        + ((tap >> 8) & 255) * a["dil_h"]
+                    index = (src[:, None, None] + lane_base[:, None]
+                             + numpy.arange(p_rows) * a["str_h"])  # [T, 32, P]
+                    acc[wq, wy, q] += numpy.einsum("t,tlp->pl", values[first:last],
+                                                   _read(smem, index))
         _store(smem, out, acc, a, n, oy0, ox0, g0 * q_per_warp, q_per_warp,
+               None if bias is None else bias.astype(numpy.float64))
+    assert not numpy.isnan(out).any(), "outputs left unwritten"
+    return out
+
+
+def emulate_compiled(plan, program, x, out_shape, values, bias=None):
+    """sparse_kernel_conv_compiled<T, Program> running `program` (its groups and columns, which
+    the generated code spells out) as kernels/sparse_kernel_conv.cu runs `plan`."""
+    a = dict(zip(CONV_FIELDS, plan.ints))
+    p_rows, q_per_warp = program.p, program.q
+    assert (a["warps_q"], plan.block[0]) == (1, 32 * a["warps_y"])
+    assert a["tile_rows"] <= a["pitch"] and a["pitch"] % 8 == 4, "pitch: 16-byte loads, banks"
+    values = to_numpy(values).astype(numpy.float64)
+    out = numpy.full(out_shape, numpy.nan)
+    smem = numpy.empty(plan.smem // 4)
+    vals_at = a["chunk"] * a["tile_cols"] * a["pitch"]
+    lanes = numpy.arange(32)
+    assert plan.grid[2] == a["groups"] * a["n"]
+    for bz, by, bx in itertools.product(*(range(g) for g in plan.grid[::-1])):
+        g, n = bz // a["n"], bz % a["n"]
+        oy0, ox0 = by * a["warps_y"] * p_rows, bx * 32
+        y0, x0 = oy0 - a["pad_h"], ox0 * a["str_w"] - a["pad_w"]
+        acc = numpy.zeros((1, a["warps_y"], q_per_warp, p_rows, 32))
+        first, count, chunks = program.groups[g] if g < len(program.groups) else (0, 0, [])
+        smem[:] = numpy.nan
+        for c, (ci0, columns) in enumerate(chunks):
+            if c == 0:  # frame.begin: the group's values, zeros to a multiple of 4
+                padded = -(-count // 4) * 4
+                assert vals_at + padded <= smem.size, "values beyond shared memory"
+                smem[vals_at:vals_at + padded] = numpy.concatenate(
+                    [values[first:first + count], numpy.zeros(padded - count)])
+            smem[:vals_at] = numpy.nan
+            _stage(smem, x, n, a, y0, x0, ci0, min(a["chunk"], a["cin"] - ci0))
+            for wy in range(a["warps_y"]):
+                s = lanes * a["str_w"] * a["pitch"] + wy * p_rows
+                for column in columns:
+                    window = {}
+                    for i in column.quads:
+                        start = s + column.offset + 4 * i
+                        assert (start % 4 == 0).all(), "window loads must be 16-byte aligned"
+                        assert (start + 4 <= vals_at).all(), "window load beyond the tile"
+                        quad = _read(smem, start[:, None] + numpy.arange(4))  # [32, 4]
+                        window.update({4 * i + e: quad[:, e] for e in range(4)})
+                    for t, (q, row) in enumerate(column.taps, column.first):
+                        v = _read(smem, numpy.array([vals_at + t]))[0]
+                        for p in range(p_rows):
+                            acc[0, wy, q, p] += v * window[row + p]  # KeyError: not loaded
+        _store(smem, out, acc, a, n, oy0, ox0, g * q_per_warp, q_per_warp,
                None if bias is None else bias.astype(numpy.float64))
     assert not numpy.isnan(out).any(), "outputs left unwritten"
     return out
@@ -506,8 +611,22 @@ EMULATED = [s for s in SWEEPS if s[0] in ("k3", "k11", "cin1", "cin33", "cout65"
                                           "batch")]
 
 
-def _emulated_strategies(window, dtype):
-    return ["direct"] + (["taps", "patches"] if window and dtype != "float64" else [])
+def _emulated_strategies(compiled, dtype):
+    return ["direct"] + (["compiled"] if compiled and dtype != "float64" else [])
+
+
+def _emulate(kernel, strategy, transposed, x, out_shape, dtype, n, in_hw, cin, out_hw, cout,
+             strides, dilations, pads, input_dilation=(1, 1), bias=None):
+    """The plan of `strategy` and the emulated kernel's output."""
+    plan = skc.conv_plan(strategy, dtype, n, in_hw, cin, out_hw, cout, kernel.shape[:2], strides,
+                         dilations, pads, input_dilation, kernel.nnz)
+    assert plan.strategy == strategy
+    program = None
+    if strategy == "compiled":
+        taps = kernel._taps.transposed()[0] if transposed else kernel._taps
+        program = taps.program(plan.layout)
+    return emulate_conv(plan, x, out_shape, kernel._launch_arrays(transposed, plan.layout), bias,
+                        program)
 
 
 @pytest.mark.parametrize("name, x_shape, w_shape", EMULATED)
@@ -519,17 +638,16 @@ def test_kernels_transliterated_on_sweep_shapes(rng, name, x_shape, w_shape):
     expected = reference(x, w, (1, 1), "SAME", (1, 1), bias)
     out_hw, pads = _geometry(x_shape[1:3], w_shape[:2], (1, 1), "SAME", (1, 1))
     for strategy in _emulated_strategies(True, "float32"):
-        plan = skc.conv_plan(strategy, "float32", x_shape[0], x_shape[1:3], w_shape[2], out_hw,
-                             w_shape[3], w_shape[:2], (1, 1), (1, 1), pads, (1, 1))
-        arrays = kernel._launch_arrays(False, plan.layout, 1)
-        out = emulate_conv(plan, x, expected.shape, arrays, bias)
+        out = _emulate(kernel, strategy, False, x, expected.shape, "float32", x_shape[0],
+                       x_shape[1:3], w_shape[2], out_hw, w_shape[3], (1, 1), (1, 1), pads,
+                       bias=bias)
         numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
 
 
 @pytest.mark.parametrize("strides, padding, dilations", COMBOS)
 def test_kernels_transliterated_on_every_geometry(rng, strides, padding, dilations):
     """Forward, input gradient (the transposed weight, zeros between dy's pixels) and values
-    gradient, at every stride / padding / dilation, with a kernel taller than one window."""
+    gradient, at every stride / padding / dilation, with a kernel taller than a quad of rows."""
     x = random_array(rng, (2, 19, 37, 5), numpy.float64)
     w = pruned_weight(rng, (9, 4, 5, 6), 0.3, numpy.float64)
     kernel = SparseKernel.from_dense(w)
@@ -538,41 +656,40 @@ def test_kernels_transliterated_on_every_geometry(rng, strides, padding, dilatio
     dy = random_array(rng, expected.shape, numpy.float64)
     expected_dx, expected_dw = reference_gradients(x, w, dy, **kw)
     out_hw, pads = _geometry(x.shape[1:3], w.shape[:2], strides, skc._padding(padding),
-                                     dilations)
+                             dilations)
     cin, cout = w.shape[2:]
     strides_t, pads_t, input_dilation = skc.transposed_geometry(w.shape, strides, dilations, pads)
     for strategy in _emulated_strategies(strides[0] == 1, "float32"):
-        plan = skc.conv_plan(strategy, "float32", 2, x.shape[1:3], cin, out_hw, cout, w.shape[:2],
-                             strides, dilations, pads, (1, 1))
-        out = emulate_conv(plan, x, expected.shape, kernel._launch_arrays(False, plan.layout,
-                                                                          dilations[0]))
+        out = _emulate(kernel, strategy, False, x, expected.shape, "float32", 2, x.shape[1:3],
+                       cin, out_hw, cout, strides, dilations, pads)
         numpy.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12, err_msg=strategy)
     for strategy in _emulated_strategies(strides == (1, 1), "float32"):
-        plan = skc.conv_plan(strategy, "float32", 2, out_hw, cout, x.shape[1:3], cin, w.shape[:2],
-                             strides_t, dilations, pads_t, input_dilation)
-        dx = emulate_conv(plan, dy, x.shape, kernel._launch_arrays(True, plan.layout,
-                                                                   dilations[0]))
+        dx = _emulate(kernel, strategy, True, dy, x.shape, "float32", 2, out_hw, cout,
+                      x.shape[1:3], cin, strides_t, dilations, pads_t, input_dilation)
         numpy.testing.assert_allclose(dx, expected_dx, rtol=1e-12, atol=1e-12, err_msg=strategy)
     plan = skc.grad_values_plan("float64", 2, x.shape[1:3], cin, out_hw, cout, w.shape[:2],
                                 strides, dilations, pads)
-    ranges, _, taps, _ = kernel._launch_arrays(False, None, dilations[0])
+    ranges, taps, _ = kernel._launch_arrays(False, None)
     dv = emulate_grad_values(plan, x, dy, ranges, taps, kernel.nnz)
     numpy.testing.assert_allclose(dv, expected_dw.reshape(-1)[kernel.positions], rtol=1e-12,
                                   atol=1e-12)
 
 
 def test_kernels_transliterated_on_large_dilation(rng):
-    """A kernel spanning several windows and a chunked input (more channels than a tile holds)."""
+    """A kernel spanning several quads of rows, and a chunked input (more channels than a tile
+    holds) whose first chunks have no taps for some groups."""
     x = random_array(rng, (1, 40, 33, 70), numpy.float32)
-    w = pruned_weight(rng, (5, 3, 70, 9), 0.05)
+    w = pruned_weight(rng, (5, 3, 70, 19), 0.05)
+    w[:, :, :20, :16] = 0  # group 0 (Q = 16) starts past the first chunk
     kernel = SparseKernel.from_dense(w)
     expected = reference(x, w, (1, 1), "SAME", (5, 2))
     out_hw, pads = _geometry(x.shape[1:3], w.shape[:2], (1, 1), "SAME", (5, 2))
-    for strategy in ("taps", "patches", "direct"):
-        plan = skc.conv_plan(strategy, "float32", 1, x.shape[1:3], 70, out_hw, 9, w.shape[:2],
-                             (1, 1), (5, 2), pads, (1, 1))
-        assert dict(zip(CONV_FIELDS, plan.ints))["chunk"] < 70
-        out = emulate_conv(plan, x, expected.shape, kernel._launch_arrays(False, plan.layout, 5))
+    for strategy in ("compiled", "direct"):
+        plan = skc.conv_plan(strategy, "float32", 1, x.shape[1:3], 70, out_hw, 19, w.shape[:2],
+                             (1, 1), (5, 2), pads, (1, 1), kernel.nnz)
+        assert dict(zip(CONV_FIELDS, plan.ints))["chunk"] < 20
+        out = _emulate(kernel, strategy, False, x, expected.shape, "float32", 1, x.shape[1:3], 70,
+                       out_hw, 19, (1, 1), (5, 2), pads)
         numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
 
 
@@ -589,11 +706,38 @@ def test_kernels_transliterated_on_edge_densities(rng, density):
     out_hw, pads = _geometry(x.shape[1:3], w.shape[:2], (1, 1), "SAME", (1, 1))
     strides_t, pads_t, input_dilation = skc.transposed_geometry(w.shape, (1, 1), (1, 1), pads)
     for strategy in _emulated_strategies(True, "float32"):
-        plan = skc.conv_plan(strategy, "float32", 2, x.shape[1:3], 6, out_hw, 9, w.shape[:2],
-                             (1, 1), (1, 1), pads, (1, 1))
-        out = emulate_conv(plan, x, expected.shape, kernel._launch_arrays(False, plan.layout, 1))
+        out = _emulate(kernel, strategy, False, x, expected.shape, "float32", 2, x.shape[1:3], 6,
+                       out_hw, 9, (1, 1), (1, 1), pads)
         numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
-        plan = skc.conv_plan(strategy, "float32", 2, out_hw, 9, x.shape[1:3], 6, w.shape[:2],
-                             strides_t, (1, 1), pads_t, input_dilation)
-        dx = emulate_conv(plan, dy, x.shape, kernel._launch_arrays(True, plan.layout, 1))
+        dx = _emulate(kernel, strategy, True, dy, x.shape, "float32", 2, out_hw, 9, x.shape[1:3],
+                      6, strides_t, (1, 1), pads_t, input_dilation)
         numpy.testing.assert_allclose(dx, expected_dx, rtol=1e-9, atol=1e-9, err_msg=strategy)
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_compiled_programs_compile(rng, arch):
+    """Generated Programs compile with NVRTC (no GPU needed): strides and dilations, a chunked
+    input, a partial group, no taps, the transposed weight, every dtype it takes."""
+    from test_kernels_compile import CUPY_OPTIONS, _nvrtc_program_class
+
+    program_class = _nvrtc_program_class()
+    sources, names = [], []
+    for shape, density, strides, dilations, dtype, transposed in [
+            ((3, 4, 5, 6), 0.3, (1, 3), (2, 1), "float32", False),
+            ((3, 4, 5, 6), 0.3, (1, 1), (2, 1), "float32", True),
+            ((5, 3, 70, 19), 0.02, (1, 1), (5, 2), "float16", False),
+            ((11, 11, 3, 20), 0.1, (1, 1), (1, 1), "bfloat16", False),
+            ((3, 3, 4, 3), "zero", (1, 1), (1, 1), "float32", False)]:
+        kernel = SparseKernel.from_dense(pruned_weight(rng, shape, density))
+        cin, cout = shape[2:][::-1] if transposed else shape[2:]
+        plan = skc.conv_plan("compiled", dtype, 1, (40, 50), cin, (40, 50), cout, shape[:2],
+                             strides, dilations, (1, 1), (1, 1), kernel.nnz)
+        taps = kernel._taps.transposed()[0] if transposed else kernel._taps
+        program = taps.program(plan.layout)
+        sources.append(program.source)
+        names.append(program.kernel_name(dtype))
+    source = "\n".join([_kernels.kernel_source("sparse_kernel_conv"), *sources])
+    cubin, mapping = program_class(source, "sparse_kernel_conv.cu", (), (), name_expressions=names,
+                                   method="cubin").compile(
+        _kernels.COMPILE_OPTIONS + CUPY_OPTIONS + (f"-arch=sm_{arch}",))
+    assert len(cubin) > 0 and sorted(mapping) == sorted(names)

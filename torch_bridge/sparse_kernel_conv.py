@@ -81,16 +81,17 @@ def _conv_impl(x, values, positions, bias, kernel_shape, strides, pads, dilation
             bias=None if bias is None else _numpy(_contiguous(bias)), out=_numpy(out))
         return out
     device = x.get_device()
-    plan = _core.conv_plan(strategy or None, _checks.dtype_name(x), n, (height, width), cin,
-                           out_hw, cout, tuple(kernel_shape[:2]), tuple(strides),
-                           tuple(dilations), (pads[0], pads[2]), (1, 1), device)
+    dtype = _checks.dtype_name(x)
+    plan = _core.conv_plan(strategy or None, dtype, n, (height, width), cin, out_hw, cout,
+                           tuple(kernel_shape[:2]), tuple(strides), tuple(dilations),
+                           (pads[0], pads[2]), (1, 1), positions.shape[0], device)
     index = _taps(positions, kernel_shape)
-    ranges, columns, taps, order = index.arrays(False, plan.layout, dilations[0])
+    ranges, taps, order = index.arrays(False, plan.layout)
     ordered = _in_order(values, index, order)
-    _core.launch_conv(device, _raw_stream(device), plan, x.data_ptr(), out.data_ptr(),
-                      0 if bias is None else _contiguous(bias).data_ptr(), ranges.data.ptr,
-                      0 if columns is None else columns.data.ptr, taps.data.ptr,
-                      ordered.data_ptr())
+    _core.launch_conv(device, _raw_stream(device), plan, index.function(False, plan, dtype, device),
+                      x.data_ptr(), out.data_ptr(),
+                      0 if bias is None else _contiguous(bias).data_ptr(), _core.address(ranges),
+                      _core.address(taps), ordered.data_ptr())
     return out
 
 
@@ -143,16 +144,17 @@ def _grad_input_impl(dy, values, positions, kernel_shape, input_shape, strides, 
     dx = dy.new_empty(tuple(input_shape))
     strides_t, pads_t, input_dilation = _core.transposed_geometry(
         kernel_shape, tuple(strides), tuple(dilations), (pads[0], pads[2]))
-    plan = _core.conv_plan(None, _checks.dtype_name(dy), dy.shape[0], tuple(dy.shape[1:3]),
-                           kernel_shape[3], tuple(input_shape[1:3]), kernel_shape[2],
-                           tuple(kernel_shape[:2]), strides_t, tuple(dilations), pads_t,
-                           input_dilation, device)
+    dtype = _checks.dtype_name(dy)
+    plan = _core.conv_plan(None, dtype, dy.shape[0], tuple(dy.shape[1:3]), kernel_shape[3],
+                           tuple(input_shape[1:3]), kernel_shape[2], tuple(kernel_shape[:2]),
+                           strides_t, tuple(dilations), pads_t, input_dilation,
+                           positions.shape[0], device)
     index = _taps(positions, kernel_shape)
-    ranges, columns, taps, order = index.arrays(True, plan.layout, dilations[0])
+    ranges, taps, order = index.arrays(True, plan.layout)
     ordered = _in_order(values, index, order)
-    _core.launch_conv(device, _raw_stream(device), plan, dy.data_ptr(), dx.data_ptr(), 0,
-                      ranges.data.ptr, 0 if columns is None else columns.data.ptr,
-                      taps.data.ptr, ordered.data_ptr())
+    _core.launch_conv(device, _raw_stream(device), plan, index.function(True, plan, dtype, device),
+                      dy.data_ptr(), dx.data_ptr(), 0, _core.address(ranges),
+                      _core.address(taps), ordered.data_ptr())
     return dx
 
 
@@ -181,7 +183,7 @@ def _grad_values_impl(x, dy, positions, kernel_shape, strides, pads, dilations):
     plan = _core.grad_values_plan(dtype, x.shape[0], tuple(x.shape[1:3]), kernel_shape[2],
                                   tuple(dy.shape[1:3]), kernel_shape[3], tuple(kernel_shape[:2]),
                                   tuple(strides), tuple(dilations), (pads[0], pads[2]), device)
-    ranges, _, taps, _ = _taps(positions, kernel_shape).arrays(False, None, dilations[0])
+    ranges, taps, _ = _taps(positions, kernel_shape).arrays(False, None)
     grad = torch.zeros(positions.shape[0], device=x.device,
                        dtype=torch.float64 if dtype == "float64" else torch.float32)
     if x.numel():
