@@ -259,7 +259,7 @@ class _Program:
             with cupy.cuda.Device(device):
                 module = cupy.RawModule(code=self.module_source(), options=_kernels.COMPILE_OPTIONS,
                                         name_expressions=(name,))
-                compiled = module.get_function(name)
+                compiled = module.get_function(name).kernel  # the driver-level function
             entry = self._functions[key] = (compiled.ptr, module, compiled)  # keeps it loaded
         return entry[0]
 
