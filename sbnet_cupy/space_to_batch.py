@@ -14,18 +14,20 @@ from .sparse_conv import conv2d_valid
 DATA_FORMATS = ("NHWC", "NCHW")
 
 # Launch shapes (kernels/space_to_batch.cu). NCHW kernels stage a tile of about _TILE_BYTES in
-# shared memory, a unit row of it at most _ROW_BYTES of padded columns, and cut the tiles small
-# enough to give the GPU at least _MIN_CTAS of them when the tensor allows.
+# shared memory, a row of it at most _ROW_BYTES of padded columns; both kernels cut their work
+# small enough to give the GPU at least _MIN_CTAS CTAs when the tensor allows.
 _THREADS = 256  # THREADS in the kernel source
 _UNROLL = 4  # UNROLL in the kernel source
 _TILE_BYTES = 16 * 1024
 _ROW_BYTES = 8 * 1024
 _MIN_CTAS = 512
+_SECTOR = 32  # bytes: the unit of a memory transaction, which a warp's accesses should fill
+_BANKS = 32
 _INT32_LIMIT = 2**31
 
 # The kernels' argument structs: two pointers, ints, and (d, mul, shift) divisors.
-_NHWC_ARGS = _launch.layout("2P8i" + "i2I" * 2, 72)
-_NCHW_ARGS = _launch.layout("2P12i" + "i2I" * 6, 136)
+_NHWC_ARGS = _launch.layout("2P7i" + "i2I" * 4, 96)
+_NCHW_ARGS = _launch.layout("2P10i" + "i2I" * 6, 128)
 
 
 class Reshape(namedtuple("Reshape", ["x_dims", "y_hw", "block", "margins", "data_format"])):
@@ -415,11 +417,16 @@ def _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, pixel_bytes, align):
         rows, row_words = bh * bw * n * hq, wq * words
     else:
         rows, row_words = n * h, w * words
-    _check_int32(rows=rows, row_words=row_words, padded_width=bw * wq)
     threads_x = min(_THREADS, max(32, 32 * math.ceil(row_words / _UNROLL / 32)))
     threads_y = _THREADS // threads_x
-    values = (n, h, w, hq, wq, bh, top, left, *_divisor(words), *_divisor(bw))
-    return (f"{op}_nhwc", (_kernels.STORAGE_CTYPES[word],), (math.ceil(rows / threads_y), 1, 1),
+    row_ctas = math.ceil(rows / threads_y)
+    chunks = max(1, min(math.ceil(_MIN_CTAS / row_ctas),
+                        math.ceil(row_words / (threads_x * _UNROLL))))
+    chunk = math.ceil(row_words / chunks)
+    _check_int32(rows=rows, row_words=row_words + chunk, padded_width=bw * wq)
+    values = (n, h, w, wq, top, left, chunk, *_divisor(words), *_divisor(bh), *_divisor(bw),
+              *_divisor(hq))
+    return (f"{op}_nhwc", (_kernels.STORAGE_CTYPES[word],), (row_ctas, chunks, 1),
             (threads_x, threads_y, 1), 0, _NHWC_ARGS, values)
 
 
@@ -427,26 +434,67 @@ def _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align):
     vector = next(v for v in (16, 8, 4, 2, 1)
                   if v * itemsize <= min(16, align) and w % v == 0 and wq % v == 0
                   and left % v == 0 and v * itemsize * bw <= _ROW_BYTES)
-    vectors = wq // vector
-    per_row = max(1, _ROW_BYTES // (vector * itemsize * bw))  # vectors of y a unit row holds
-    column_tiles = math.ceil(vectors / per_row)
-    tile_vectors = math.ceil(vectors / column_tiles)
-    padded_columns = tile_vectors * vector * bw
-    # Shared memory: a pad of max(4, itemsize) bytes after every 128 bytes of a unit row.
-    skew_log2, skew = (128 // itemsize).bit_length() - 1, max(4, itemsize) // itemsize
-    pitch = padded_columns + ((padded_columns - 1) >> skew_log2) * skew
-    unit_rows = hq * bh if op == "space_to_batch" else h
-    units = n * c * unit_rows
-    tile_units = max(1, min(_TILE_BYTES // (pitch * itemsize),
-                            units * column_tiles // _MIN_CTAS, units))
-    _check_int32(units=units + _UNROLL * _THREADS, padded_height=hq * bh,
-                 padded_width=wq * bw)
-    grid = (math.ceil(units / tile_units), _checks.grid_dim("columns", column_tiles), 1)
-    values = (n, h, w, hq, wq, top, left, units, tile_units, pitch, skew_log2, skew,
-              *_divisor(c), *_divisor(bh), *_divisor(bw), *_divisor(unit_rows),
-              *_divisor(tile_vectors), *_divisor(tile_vectors * bw))
+    # Columns of y a tile takes: all of them unless a padded row would pass _ROW_BYTES.
+    most = _ROW_BYTES // (bw * itemsize) // vector * vector
+    column_tiles = math.ceil(wq / most)
+    tile_cols = -(-math.ceil(wq / column_tiles) // vector) * vector
+    row_vectors = tile_cols * bw // vector
+    words = -(-tile_cols * bw * itemsize // 4)
+    row_bytes = 4 * (words + (words - 1) // 32)  # with its pad words
+    tile_rows = bh if bh * row_bytes <= _TILE_BYTES else max(1, _TILE_BYTES // row_bytes)
+    row_tiles = math.ceil(bh / tile_rows)
+    bands = n * c * hq
+    tile_bands = max(1, min(_TILE_BYTES // (tile_rows * row_bytes), bands,
+                            bands * row_tiles * column_tiles // _MIN_CTAS))
+    if column_tiles == 1:
+        # A whole number of sectors in each (i, j)'s run of y, tile_bands * out_w elements.
+        per_sector = _SECTOR // math.gcd(_SECTOR, wq * itemsize)
+        if tile_bands > per_sector:
+            tile_bands -= tile_bands % per_sector
+    row_words, band_words = _tile_pitches(words, tile_rows, tile_bands, tile_cols // vector,
+                                          row_vectors, bw, vector, itemsize)
+    _check_int32(bands=bands + 16 * _THREADS, padded_height=hq * bh, padded_width=wq * bw)
+    grid = (math.ceil(bands / tile_bands), _checks.grid_dim("block rows", row_tiles),
+            _checks.grid_dim("columns", column_tiles))
+    values = (h, w, wq, bh, bands, top, left, tile_cols, row_words, band_words,
+              *_divisor(hq), *_divisor(bw), *_divisor(tile_rows), *_divisor(tile_bands),
+              *_divisor(row_vectors), *_divisor(tile_cols // vector))
     return (f"{op}_nchw", (_kernels.STORAGE_CTYPES[itemsize], vector), grid, (_THREADS, 1, 1),
-            tile_units * pitch * itemsize, _NCHW_ARGS, values)
+            tile_bands * band_words * 4, _NCHW_ARGS, values)
+
+
+def _tile_pitches(words, tile_rows, tile_bands, col_vectors, row_vectors, bw, vector, itemsize):
+    """(row_words, band_words) of the NCHW tile: the pitches of its rows and bands in shared
+    memory, `words` and their pad words plus the extra pads (up to 1 a row, 31 a band) on which
+    the first warps' accesses conflict least on the banks, taken in the orders of the kernel's
+    x_vector and y_vector (the first word of each access: the others shift every thread alike)."""
+    t = numpy.arange(4 * 32)
+    # y's side: vector qv of tile row (g, ii), sub-lattice column j; qv fastest, then g.
+    qv, r = t % col_vectors, t // col_vectors
+    g, ij = r % tile_bands, r // tile_bands
+    y_bytes = [(qv * vector * bw + ij % bw + e * bw) * itemsize for e in range(vector)]
+    # x's side: vector k of tile row (g, ii); k fastest.
+    r = t // row_vectors
+    x_bytes = [t % row_vectors * vector * itemsize]
+    pads = numpy.arange(2)[:, None, None], numpy.arange(32)[None, :, None]
+    row_words = words + (words - 1) // 32 + pads[0]
+    band_words = tile_rows * row_words + pads[1]
+    accesses = [(ij // bw) * row_words + g * band_words + b // 4 + b // 128 for b in y_bytes]
+    accesses += [r % tile_rows * row_words + r // tile_rows * band_words + b // 4
+                 + b // 128 for b in x_bytes]
+    # Wavefronts of an access: the most distinct words that a warp asks of one bank.
+    warps = numpy.stack(numpy.broadcast_arrays(*accesses)).reshape(len(accesses), 4, 32, -1, 32)
+    warps = numpy.sort(warps, axis=-1)
+    distinct = numpy.ones(warps.shape, bool)
+    distinct[..., 1:] = warps[..., 1:] != warps[..., :-1]
+    per_bank = numpy.zeros(warps.shape[:-1] + (_BANKS,), numpy.int64)
+    index = numpy.indices(warps.shape[:-1] + (1,), sparse=True)[:-1]
+    numpy.add.at(per_bank, (*index, warps % _BANKS), distinct.astype(numpy.int64))
+    cost = per_bank.max(axis=-1).sum(axis=(0, 3)).reshape(-1)  # by (row pad, band pad)
+    best = int(numpy.argmin(cost))  # the first of the cheapest: the smallest pads
+    row_pad, band_pad = divmod(best, 32)
+    rows = words + (words - 1) // 32 + row_pad
+    return rows, tile_rows * rows + band_pad
 
 
 def _check_int32(**counts):
