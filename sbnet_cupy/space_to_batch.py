@@ -483,7 +483,8 @@ def _tile_pitches(words, tile_rows, tile_bands, col_vectors, row_vectors, bw, ve
     accesses += [r % tile_rows * row_words + r // tile_rows * band_words + b // 4
                  + b // 128 for b in x_bytes]
     # Wavefronts of an access: the most distinct words that a warp asks of one bank.
-    warps = numpy.stack(numpy.broadcast_arrays(*accesses)).reshape(len(accesses), 4, 32, -1, 32)
+    warps = numpy.stack(numpy.broadcast_arrays(*accesses))
+    warps = warps.reshape(*warps.shape[:-1], -1, 32)
     warps = numpy.sort(warps, axis=-1)
     distinct = numpy.ones(warps.shape, bool)
     distinct[..., 1:] = warps[..., 1:] != warps[..., :-1]
