@@ -44,7 +44,7 @@ from torch_bridge import dilated
 CONFIGS = ([(128, 3, 128, size, 2) for size in (64, 32, 16)]
            + [(n, c, c, 64, r) for n, c in ((64, 64), (16, 256), (8, 512)) for r in (2, 4, 8)]
            + [(1, 2048, 256, 64, 12)])
-QUICK_CONFIGS = [(128, 3, 128, 64, 2), (16, 256, 256, 64, 4)]
+QUICK_CONFIGS = [(128, 3, 128, 64, 2), (16, 256, 256, 64, 8), (1, 2048, 256, 64, 12)]
 PRECISIONS = {"tf32": torch.float32, "fp16": torch.float16}
 PASSES = ("forward", "backward_input", "backward_weight")
 ROUTES = ("ours", "torch", "native")
@@ -52,7 +52,9 @@ TOLERANCE = {"tf32": 1e-2, "fp16": 2e-2}  # largest error / largest value, again
 # (N, C, H = W, rate) of the reshape kernels alone, each in both precisions and layouts.
 RESHAPES = [(n, c, 64, r) for n, c, r in ((128, 3, 2), (128, 128, 2), (64, 64, 2), (64, 64, 8),
                                           (16, 256, 4), (8, 512, 8), (1, 2048, 12))]
-QUICK_RESHAPES = [(128, 128, 64, 2), (8, 512, 64, 8)]
+# The quick run's: one large rate-2 case, rate 8 (fp16 NCHW was the slowest) and the DeepLab
+# case (64 px padded to 72, 6-pixel sub-lattices).
+QUICK_RESHAPES = [(128, 128, 64, 2), (64, 64, 64, 8), (1, 2048, 64, 12)]
 
 
 # --- the routes -----------------------------------------------------------------------------
@@ -137,6 +139,14 @@ def _pass_call(route, pass_name, x, w, gy):
     return make_call
 
 
+def _auto(x, w, r, pass_name):
+    """What method="auto" picks for the forward that `pass_name` times."""
+    xg = x.detach().requires_grad_(pass_name == "backward_input")
+    wg = w.detach().requires_grad_(pass_name == "backward_weight")
+    with torch.set_grad_enabled(pass_name != "forward"):
+        return dilated.choose_method(xg, wg, (r, r))
+
+
 def _check(routes, x, w, gy, precision):
     """Forward and both gradients of every route against the native one."""
     results = {}
@@ -167,9 +177,7 @@ def run_config(config, precision, modes, repeats):
             for name, route in routes.items():
                 row[f"{name}_{mode}_ms"] = _time(_pass_call(route, pass_name, x, w, gy), mode,
                                                  repeats)
-            training = pass_name != "forward"
-            row[f"auto_{mode}"] = dilated.choose_method(
-                x, w.detach().requires_grad_(training), (r, r))
+            row[f"auto_{mode}"] = _auto(x, w, r, pass_name)
             fastest = min(row[f"ours_{mode}_ms"], row[f"native_{mode}_ms"])
             picked = row[f"{'ours' if row[f'auto_{mode}'] == 'reshape' else 'native'}_{mode}_ms"]
             row[f"auto_{mode}_vs_best"] = picked / fastest
@@ -334,7 +342,7 @@ def plot(rows, reshape_rows, modes, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
-    parser.add_argument("--quick", action="store_true", help="two configurations, few repeats")
+    parser.add_argument("--quick", action="store_true", help="three configurations and reshapes (the slowest kinds), few repeats")
     parser.add_argument("--modes", nargs="+", default=["eager", "graph"],
                         choices=["eager", "graph"])
     parser.add_argument("--repeats", type=int, default=10)

@@ -1,6 +1,8 @@
 """torch_bridge.dilated: the reshapes as torch ops (values, layouts, gradients, compile) and
 dilated_conv2d against F.conv2d(dilation=), on the CPU and, where there is one, the GPU."""
 
+import csv
+import pathlib
 import zlib
 
 import numpy
@@ -179,6 +181,51 @@ def test_bad_arguments(call, error, match):
 def test_auto_on_cpu_is_native():
     assert dilated.choose_method(torch.ones(1, 512, 8, 8), torch.ones(512, 512, 3, 3),
                                  (4, 4)) == "native"
+
+
+BENCH_CSV = pathlib.Path(__file__).parent.parent / "bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv"
+PRECISION_DTYPES = {"tf32": "float32", "fp16": "float16"}
+PASS_GRADS = {"forward": None, "backward_input": "input", "backward_weight": "weight"}
+
+
+def test_auto_rule_matches_the_benchmark():
+    """method="auto" on every row of the committed H100 run: within 5% of the faster of reshape
+    and native in both timings, eager and CUDA graphs; where no route is (eager host time
+    reverses the GPU's order), within 5% in the graph timing."""
+    with open(BENCH_CSV) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 78
+    for row in rows:
+        n, c, k, size, rate = (int(row[key]) for key in ("N", "C", "K", "size", "rate"))
+        method = "ours" if dilated.reshape_wins(
+            PRECISION_DTYPES[row["precision"]], c, k, rate, n * size * size,
+            PASS_GRADS[row["pass_"]]) else "native"
+        ratios = {}
+        for mode in ("eager", "graph"):
+            times = {route: float(row[f"{route}_{mode}_ms"]) for route in ("ours", "native")}
+            ratios[mode] = {route: t / min(times.values()) for route, t in times.items()}
+        possible = [route for route in ("ours", "native")
+                    if all(ratios[mode][route] <= 1.05 for mode in ratios)]
+        modes = ("eager", "graph") if possible else ("graph",)
+        for mode in modes:
+            assert ratios[mode][method] <= 1.05, (row, mode, method)
+
+
+def test_choose_method_reads_the_call(monkeypatch):
+    """The gradients recorded and the shapes reach the rule (as on a CUDA tensor)."""
+    seen = []
+    monkeypatch.setattr(dilated, "reshape_wins", lambda *args: seen.append(args) or True)
+
+    class Cuda(torch.Tensor):
+        is_cuda = True
+
+    x = torch.ones(8, 512, 6, 5).as_subclass(Cuda)
+    w = torch.ones(256, 512, 3, 3, requires_grad=True)
+    assert dilated.choose_method(x, w, (8, 12)) == "reshape"
+    with torch.no_grad():
+        dilated.choose_method(x, w, (8, 12))
+    assert seen == [("float32", 512, 256, 8, 8 * 6 * 5, "weight"),
+                    ("float32", 512, 256, 8, 8 * 6 * 5, None)]
 
 
 # --- GPU --------------------------------------------------------------------------------------

@@ -182,18 +182,40 @@ def batch_to_space(y, block, crops=0):
 
 # --- dilated convolution --------------------------------------------------------------------
 
-def choose_method(x, weight, dilation):
-    """The route that "auto" takes: "reshape" or "native".
+# Where the reshape route was faster than the native dilation on the H100, by precision and the
+# gradients that autograd records (bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv, GPU time:
+# each of its rows picked by reshape_wins is within 5% of the faster route): conditions
+# (in-channels, out-channels, rate, N*H*W), each a lower bound. Only weight gradients on wide
+# layers gain: there the sub-lattices' plain convolution beats cuDNN's dilated one by more than
+# the two reshapes cost; the forward and the input gradient never do.
+RESHAPE_WINS = {
+    ("float32", "weight"): ((512, 512, 2, 0), (256, 256, 4, 16384)),
+    ("float32", "both"): ((512, 512, 2, 0),),  # the two gradients' times summed
+    ("float16", "weight"): ((512, 256, 8, 0),),
+}
 
-    A first guess from the anchors measured with a reshape route built of torch's own ops
-    (the issue's H100 numbers): the native dilation won everywhere except the gradient wrt the
-    weights with 512 channels at rate 4 in float32. To be replaced by the rule that
-    bench/dilated.py measures with these kernels (bench/README.md)."""
-    if not x.is_cuda or x.dtype != torch.float32:
+
+def reshape_wins(dtype, in_channels, out_channels, rate, pixels, grads):
+    """Whether RESHAPE_WINS picks the reshape route: dtype a name ("float32", ...), rate the
+    smaller of the two, pixels N*H*W, grads None (no autograd), "input", "weight" or "both"."""
+    return any(in_channels >= c and out_channels >= k and rate >= r and pixels >= p
+               for c, k, r, p in RESHAPE_WINS.get((dtype, grads), ()))
+
+
+def choose_method(x, weight, dilation):
+    """The route that "auto" takes for F.conv2d(x, weight, dilation=dilation) on this call:
+    "reshape" or "native", by reshape_wins (CPU tensors: native)."""
+    if not x.is_cuda:
         return "native"
-    wide = min(weight.shape[0], weight.shape[1]) >= 512
-    training = torch.is_grad_enabled() and weight.requires_grad
-    return "reshape" if wide and min(dilation) >= 4 and training else "native"
+    grads = None
+    if torch.is_grad_enabled():
+        grads = {(True, True): "both", (True, False): "input", (False, True): "weight",
+                 (False, False): None}[(x.requires_grad, weight.requires_grad)]
+    n, c, h, w = x.shape
+    pixels = n * h * w
+    wins = reshape_wins(str(x.dtype).removeprefix("torch."), c, weight.shape[0], min(dilation),
+                        pixels, grads)
+    return "reshape" if wins else "native"
 
 
 def _conv_padding(padding, kernel, dilation):
