@@ -123,6 +123,12 @@ __global__ void batch_to_space_nhwc(const nhwc_args a) {
 // shared-memory accesses. V divides width, out_w, off_w and tile_cols, and the pointers are
 // aligned to it.
 //
+// CL = true: y is NHWC, [block_h * block_w * n, out_h, out_w, channels], x still NCHW (the
+// channels move last in the same pass, for a convolution in channels_last). The bands run
+// through the channels fastest, band = (b * out_h + hq) * channels + c, a tile's bands lie in
+// one (b, hq) (tile_bands divides channels), and y's vectors run along the channels: V
+// consecutive bands at one column. V divides width, off_w, tile_cols, tile_bands and channels.
+//
 // Shared memory is 32-bit words: tile row (g, ii) starts at word g * band_words + ii * row_words,
 // and in a row a pad word follows every 32, so that vectors and every block_w-th element spread
 // over the banks; the host picks the pads of row_words and band_words that a warp's accesses
@@ -132,14 +138,15 @@ __global__ void batch_to_space_nhwc(const nhwc_args a) {
 struct nchw_args {
     void* x;
     void* y;
-    int height, width;                // x: [planes, height, width]
-    int out_w, block_h, bands;        // y: [block_h * block_w, bands = planes * out_h, out_w]
-    int off_h, off_w, tile_cols;
+    int height, width;          // x: [n * channels, height, width]
+    int out_w, block_h, bands;  // bands: n * channels * out_h
+    int off_h, off_w;
     int row_words, band_words;
-    divisor out_h, block_w, tile_rows, tile_bands;
-    divisor row_vectors, col_vectors;  // vectors of a padded tile row, of a tile row of y
+    divisor out_h, block_w, channels, tile_rows, tile_bands, tile_cols;
+    divisor row_vectors;   // vectors of a padded tile row
+    divisor col_vectors;   // vectors of a tile row of y (CL: of a tile column's tile_bands)
 };
-static_assert(sizeof(nchw_args) == 128, "nchw_args: sbnet_cupy/space_to_batch.py, _NCHW_ARGS");
+static_assert(sizeof(nchw_args) == 152, "nchw_args: sbnet_cupy/space_to_batch.py, _NCHW_ARGS");
 
 // Vectors a thread loads before it stores any: 32 to 64 bytes in flight for 4 to 16-byte vectors.
 template <int BYTES> struct loads_in_flight {
@@ -192,7 +199,7 @@ struct nchw_tile {
         bands = min(a.tile_bands.d, a.bands - band0);
         i0 = blockIdx.y * a.tile_rows.d;
         rows = min(a.tile_rows.d, a.block_h - i0);
-        q0 = blockIdx.z * a.tile_cols;
+        q0 = blockIdx.z * a.tile_cols.d;
         w0 = q0 * a.block_w.d - a.off_w;
     }
 };
@@ -205,39 +212,64 @@ struct x_vector {
     bool inside;
 };
 
-template <int V, int SIZE>
+template <int V, int SIZE, bool CL>
 static __device__ __forceinline__ x_vector locate_x(const nchw_args& a, const nchw_tile& c, int t) {
     const int r = a.row_vectors.div(t), k = t - r * a.row_vectors.d;
     const int g = a.tile_rows.div(r), ii = r - g * a.tile_rows.d;
-    const int band = c.band0 + g, plane = a.out_h.div(band);
-    const int h = (band - plane * a.out_h.d) * a.block_h + c.i0 + ii - a.off_h;
+    const int band = c.band0 + g;
+    int plane, hq;
+    if (CL) {
+        const int bq = a.channels.div(band), b = a.out_h.div(bq);
+        plane = b * a.channels.d + band - bq * a.channels.d;
+        hq = bq - b * a.out_h.d;
+    } else {
+        plane = a.out_h.div(band);
+        hq = band - plane * a.out_h.d;
+    }
+    const int h = hq * a.block_h + c.i0 + ii - a.off_h;
     const int w = c.w0 + k * V;
     return {((i64)plane * a.height + h) * a.width + w,
             tile_at(g * a.band_words + ii * a.row_words, k * V * SIZE),
             ii < c.rows && h >= 0 && h < a.height && w >= 0 && w < a.width};
 }
 
-// Vector qv of row (g, ii) of sub-lattice column j on y's side, for thread t of the rows *
-// block_w * tile_bands * col_vectors (qv fastest, then g): y's offset (valid when `inside`), the
-// tile row's first word and the vector's first padded column in it.
+// A vector on y's side: y's offset (valid when `inside`), and element e's place in the tile,
+// row + e * row_step (a tile row's first word) and column + e * column_step (padded column).
 struct y_vector {
     i64 offset;
-    int row, column;
+    int row, column, row_step, column_step;
     bool inside;
 };
 
-template <int V>
-static __device__ __forceinline__ y_vector locate_y(const nchw_args& a, const nchw_tile& c, int t) {
-    const int r = a.col_vectors.div(t), qv = t - r * a.col_vectors.d;
-    const int ij = a.tile_bands.div(r), g = r - ij * a.tile_bands.d;
-    const int ii = a.block_w.div(ij), j = ij - ii * a.block_w.d;
-    const int q = c.q0 + qv * V;
-    return {((i64)((c.i0 + ii) * a.block_w.d + j) * a.bands + c.band0 + g) * a.out_w + q,
-            g * a.band_words + ii * a.row_words, qv * V * a.block_w.d + j,
-            g < c.bands && q < a.out_w};
+// Vectors on y's side, for thread t of y_vectors(): NCHW, vector qv of row (g, ii) of
+// sub-lattice column j (qv fastest, then g), V elements along the row; CL, vector gv of the
+// bands at tile column qo of row ii, sub-lattice column j (gv fastest, then qo), V bands.
+template <bool CL>
+static __device__ __forceinline__ int y_vectors(const nchw_args& a, const nchw_tile& c) {
+    return c.rows * a.block_w.d * a.col_vectors.d * (CL ? a.tile_cols.d : a.tile_bands.d);
 }
 
-template <typename E, int V>
+template <int V, bool CL>
+static __device__ __forceinline__ y_vector locate_y(const nchw_args& a, const nchw_tile& c, int t) {
+    const int r = a.col_vectors.div(t), v = t - r * a.col_vectors.d;
+    const divisor& outer = CL ? a.tile_cols : a.tile_bands;
+    const int ij = outer.div(r), o = r - ij * outer.d;
+    const int ii = a.block_w.div(ij), j = ij - ii * a.block_w.d;
+    const i64 sub_lattice = (i64)((c.i0 + ii) * a.block_w.d + j) * a.bands * a.out_w;
+    if (CL) {  // v: vector of channels, o: tile column
+        const int q = c.q0 + o, bq = a.channels.div(c.band0);
+        const int channel = c.band0 - bq * a.channels.d + v * V;
+        return {sub_lattice + ((i64)bq * a.out_w + q) * a.channels.d + channel,
+                v * V * a.band_words + ii * a.row_words, o * a.block_w.d + j, a.band_words, 0,
+                q < a.out_w};
+    }
+    const int q = c.q0 + v * V;  // v: vector of the row, o: band
+    return {sub_lattice + (i64)(c.band0 + o) * a.out_w + q,
+            o * a.band_words + ii * a.row_words, v * V * a.block_w.d + j, 0, a.block_w.d,
+            o < c.bands && q < a.out_w};
+}
+
+template <typename E, int V, bool CL>
 __global__ void __launch_bounds__(THREADS, 4) space_to_batch_nchw(const nchw_args a) {
     typedef vec_t<E, V> Vec;
     constexpr int LOADS = loads_in_flight<sizeof(Vec)>::value;
@@ -253,7 +285,7 @@ __global__ void __launch_bounds__(THREADS, 4) space_to_batch_nchw(const nchw_arg
         int at[LOADS];
 #pragma unroll
         for (int s = 0; s < LOADS; ++s) {  // all loads first, so several are in flight
-            const x_vector p = locate_x<V, (int)sizeof(E)>(a, c, t0 + s * THREADS);
+            const x_vector p = locate_x<V, (int)sizeof(E), CL>(a, c, t0 + s * THREADS);
             at[s] = p.at;
             v[s] = Vec{};
             if (t0 + s * THREADS < n_in && p.inside)
@@ -265,20 +297,21 @@ __global__ void __launch_bounds__(THREADS, 4) space_to_batch_nchw(const nchw_arg
     }
     __syncthreads();
 
-    // The tile into y's rows, gathering every block_w-th element.
-    const int n_out = c.rows * a.block_w.d * a.tile_bands.d * a.col_vectors.d;
+    // The tile into y, gathering every block_w-th element of a row (CL: one of each row).
+    const int n_out = y_vectors<CL>(a, c);
     for (int t = threadIdx.x; t < n_out; t += THREADS) {
-        const y_vector p = locate_y<V>(a, c, t);
+        const y_vector p = locate_y<V, CL>(a, c, t);
         if (!p.inside) continue;
         Vec v;
 #pragma unroll
         for (int e = 0; e < V; ++e)
-            v.v[e] = tile_load<E>(tile, tile_at(p.row, (p.column + e * a.block_w.d) * (int)sizeof(E)));
+            v.v[e] = tile_load<E>(tile, tile_at(p.row + e * p.row_step,
+                                                (p.column + e * p.column_step) * (int)sizeof(E)));
         *reinterpret_cast<Vec*>(y + p.offset) = v;
     }
 }
 
-template <typename E, int V>
+template <typename E, int V, bool CL>
 __global__ void __launch_bounds__(THREADS, 4) batch_to_space_nchw(const nchw_args a) {
     typedef vec_t<E, V> Vec;
     constexpr int LOADS = loads_in_flight<sizeof(Vec)>::value;
@@ -287,14 +320,15 @@ __global__ void __launch_bounds__(THREADS, 4) batch_to_space_nchw(const nchw_arg
     E* __restrict__ x = static_cast<E*>(a.x);
     const nchw_tile c(a);
 
-    // y's rows into the tile, spreading every block_w-th element.
-    const int n_in = c.rows * a.block_w.d * a.tile_bands.d * a.col_vectors.d;
+    // y into the tile, spreading every block_w-th element of a row (CL: one to each row).
+    const int n_in = y_vectors<CL>(a, c);
+    const int row_step = CL ? a.band_words : 0, column_step = CL ? 0 : a.block_w.d;
     for (int t0 = threadIdx.x; t0 < n_in; t0 += LOADS * THREADS) {
         Vec v[LOADS];
         int row[LOADS], column[LOADS];  // row -1: nothing loaded
 #pragma unroll
         for (int s = 0; s < LOADS; ++s) {  // all loads first, so several are in flight
-            const y_vector p = locate_y<V>(a, c, t0 + s * THREADS);
+            const y_vector p = locate_y<V, CL>(a, c, t0 + s * THREADS);
             row[s] = t0 + s * THREADS < n_in && p.inside ? p.row : -1;
             column[s] = p.column;
             if (row[s] >= 0) v[s] = *reinterpret_cast<const Vec*>(y + p.offset);
@@ -304,7 +338,8 @@ __global__ void __launch_bounds__(THREADS, 4) batch_to_space_nchw(const nchw_arg
             if (row[s] >= 0) {
 #pragma unroll
                 for (int e = 0; e < V; ++e)
-                    tile_store(tile, tile_at(row[s], (column[s] + e * a.block_w.d) * (int)sizeof(E)),
+                    tile_store(tile, tile_at(row[s] + e * row_step,
+                                             (column[s] + e * column_step) * (int)sizeof(E)),
                                v[s].v[e]);
             }
         }
@@ -314,7 +349,7 @@ __global__ void __launch_bounds__(THREADS, 4) batch_to_space_nchw(const nchw_arg
     // The tile into x's rows; padded rows and columns in the crops are dropped.
     const int n_out = c.bands * a.tile_rows.d * a.row_vectors.d;
     for (int t = threadIdx.x; t < n_out; t += THREADS) {
-        const x_vector p = locate_x<V, (int)sizeof(E)>(a, c, t);
+        const x_vector p = locate_x<V, (int)sizeof(E), CL>(a, c, t);
         if (p.inside) *reinterpret_cast<Vec*>(x + p.offset) = tile_load<Vec>(tile, p.at);
     }
 }
