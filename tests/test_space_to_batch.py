@@ -90,6 +90,32 @@ def test_matches_tensorflow(xp, rng, size, block):
     numpy.testing.assert_array_equal(to_numpy(out), expected.transpose(0, 3, 1, 2))
 
 
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32, numpy.float64])
+@pytest.mark.parametrize("name", RESHAPES)
+def test_batch_format_nhwc_moves_channels_last(xp, rng, name, dtype):
+    """data_format NCHW with batch_format NHWC: the NCHW result, its channels last."""
+    dims, block, paddings = RESHAPES[name]
+    x = random_array(rng, dims, dtype)
+    y = sbnet_cupy.space_to_batch(xp.asarray(x), block, paddings, data_format="NCHW",
+                                  batch_format="NHWC")
+    expected = reference.space_to_batch(x, _pair(block), paddings, True).transpose(0, 2, 3, 1)
+    assert y.shape == expected.shape and y.flags.c_contiguous
+    numpy.testing.assert_array_equal(to_numpy(y), expected)
+    back = sbnet_cupy.batch_to_space(y, block, paddings, data_format="NCHW", batch_format="NHWC")
+    assert back.shape == x.shape
+    numpy.testing.assert_array_equal(to_numpy(back), x)
+
+
+def test_batch_format_checks(xp):
+    x = xp.ones((2, 3, 8, 6), xp.float32)
+    with pytest.raises(ValueError, match="batch_format must be None, data_format"):
+        sbnet_cupy.space_to_batch(x, 2, data_format="NHWC", batch_format="NCHW")
+    with pytest.raises(ValueError, match="batch_format must be None, data_format"):
+        sbnet_cupy.batch_to_space(x, 1, batch_format="CHWN")
+    y = sbnet_cupy.space_to_batch(x, 2, data_format="NCHW", batch_format="NCHW")
+    assert y.shape == (8, 3, 4, 3)
+
+
 @pytest.mark.parametrize("data_format", FORMATS)
 def test_out_and_non_contiguous_input(xp, rng, data_format):
     base = random_array(rng, (2, 9, 12, 6), numpy.float32)
@@ -281,6 +307,51 @@ def test_large_shapes_match_numpy(rng, data_format, dims, block, paddings, dtype
     numpy.testing.assert_array_equal(cupy.asnumpy(y), expected)
     back = sbnet_cupy.batch_to_space(y, block, paddings, data_format=data_format)
     numpy.testing.assert_array_equal(cupy.asnumpy(back), x)
+
+
+# (x layout, y layout): the three kernel families.
+LAYOUTS = [("NHWC", "NHWC"), ("NCHW", "NCHW"), ("NCHW", "NHWC")]
+
+
+@requires_gpu
+@pytest.mark.parametrize("layouts", LAYOUTS, ids="-".join)
+@pytest.mark.parametrize("rate", range(1, 13))
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32, numpy.float64, numpy.int8,
+                                   numpy.complex128])
+def test_rates_and_odd_sizes_match_numpy(rng, layouts, rate, dtype):
+    """Every kernel path at rates 1 to 12, on sizes no rate but 1 divides and paddings that do
+    not split evenly: the tiles' vector widths (16 bytes down to one element), column and row
+    ends, bands of many planes, channels in tiles."""
+    data_format, batch_format = layouts
+    if data_format != batch_format and numpy.dtype(dtype).itemsize not in (2, 4, 8):
+        pytest.skip("the NCHW -> NHWC kernels move 2, 4 and 8-byte elements")
+    for dims, top, left in [((3, 16, 23, 37), rate // 2, rate - 1), ((2, 8, 64, 64), 0, 0),
+                            ((1, 24, 13, 48), rate, 2 * rate)]:
+        (n, c, h, w), (bh, bw) = dims, (rate, rate)
+        paddings = ((top, (-h - top) % bh), (left, (-w - left) % bw))
+        shape = _shape(dims, data_format)
+        x = random_array(rng, shape, dtype)
+        expected = sbnet_cupy.space_to_batch(x, rate, paddings, data_format=data_format,
+                                             batch_format=batch_format)
+        y = sbnet_cupy.space_to_batch(cupy.asarray(x), rate, paddings, data_format=data_format,
+                                      batch_format=batch_format)
+        numpy.testing.assert_array_equal(cupy.asnumpy(y), expected)
+        back = sbnet_cupy.batch_to_space(y, rate, paddings, data_format=data_format,
+                                         batch_format=batch_format)
+        numpy.testing.assert_array_equal(cupy.asnumpy(back), x)
+        crops = ((top + 1, 0), (0, left)) if h > 1 else paddings  # crops past the padding
+        numpy.testing.assert_array_equal(
+            cupy.asnumpy(sbnet_cupy.batch_to_space(y, rate, crops, data_format=data_format,
+                                                   batch_format=batch_format)),
+            sbnet_cupy.batch_to_space(expected, rate, crops, data_format=data_format,
+                                      batch_format=batch_format))
+
+
+@requires_gpu
+def test_batch_format_needs_a_kernel_size():
+    x = cupy.ones((1, 2, 4, 4), cupy.int8)
+    with pytest.raises(ValueError, match="needs elements of 2, 4 or 8 bytes"):
+        sbnet_cupy.space_to_batch(x, 2, data_format="NCHW", batch_format="NHWC")
 
 
 @requires_gpu

@@ -74,6 +74,29 @@ def test_reshape_gradients(gen, name):
     assert torch.autograd.gradgradcheck(lambda x: tb.space_to_batch(x, block, paddings), (x,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", RESHAPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_reshapes_move_channels_last(gen, device, name, dtype):
+    """mixed=True: NCHW x, channels_last y, the same values; gradients through both."""
+    dims, block, paddings = RESHAPES[name]
+    x = _random(dims, dtype, device, gen)
+    y = tb.space_to_batch(x, block, paddings, mixed=True)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(y, tb.space_to_batch(x, block, paddings))
+    back = tb.batch_to_space(y, block, paddings, mixed=True)
+    assert back.is_contiguous() and torch.equal(back, x)
+    # An NCHW y is made channels_last first.
+    assert torch.equal(tb.batch_to_space(y.contiguous(), block, paddings, mixed=True), x)
+    if dtype == torch.float64 and device == "cpu":
+        x.requires_grad_(True)
+        assert torch.autograd.gradcheck(
+            lambda x: tb.space_to_batch(x, block, paddings, mixed=True), (x,))
+        y = y.detach().requires_grad_(True)
+        assert torch.autograd.gradcheck(
+            lambda y: tb.batch_to_space(y, block, paddings, mixed=True), (y,))
+
+
 # (N, C, H, W), K, (KH, KW)
 CONVS = [((2, 3, 11, 13), 4, (3, 3)), ((1, 5, 9, 8), 3, (2, 4))]
 
@@ -106,6 +129,44 @@ def test_dilated_conv2d_gradients(gen, dilation, padding):
     assert torch.autograd.gradcheck(
         lambda x, w, b: tb.dilated_conv2d(x, w, b, dilation=dilation, padding=padding,
                                           method="reshape"), (x, w, b))
+
+
+@pytest.mark.parametrize("dilation, padding", [(2, 2), ((3, 2), "same")])
+def test_dilated_conv2d_mixed_route(gen, monkeypatch, dilation, padding):
+    """The route with its convolution in channels_last (what CUDA tensors of 8k channels take),
+    forced on the CPU: values and gradcheck in float64, and under torch.compile."""
+    monkeypatch.setattr(dilated, "conv_channels_last", lambda x, weight: True)
+    x = _random((2, 8, 9, 10), torch.float64, "cpu", gen).requires_grad_(True)
+    w = _random((8, 8, 3, 3), torch.float64, "cpu", gen).requires_grad_(True)
+    b = _random((8,), torch.float64, "cpu", gen).requires_grad_(True)
+
+    def route(x, w, b):
+        return tb.dilated_conv2d(x, w, b, dilation=dilation, padding=padding, method="reshape")
+
+    out = route(x, w, b)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, F.conv2d(x, w, b, padding=padding, dilation=dilation),
+                               rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(route, (x, w, b))
+    torch._dynamo.reset()
+    compiled = torch.compile(route, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, w, b), out, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+
+
+def test_conv_channels_last_rule():
+    x, w = torch.ones(2, 16, 8, 8), torch.ones(24, 16, 3, 3)
+    assert not dilated.conv_channels_last(x, w)  # the CPU
+
+    class Cuda(torch.Tensor):
+        is_cuda = True
+
+    cuda = x.as_subclass(Cuda)
+    assert dilated.conv_channels_last(cuda, w)
+    assert not dilated.conv_channels_last(cuda[:, :12], w)  # 12 channels
+    assert not dilated.conv_channels_last(cuda, w[:20])
+    assert not dilated.conv_channels_last(cuda.double(), w)
+    assert not dilated.conv_channels_last(cuda.to(memory_format=torch.channels_last), w)
 
 
 def test_dilated_conv2d_channels_last(gen):
