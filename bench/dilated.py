@@ -12,9 +12,9 @@ pixel_unshuffle and a permute before, a permute and pixel_shuffle after: the rou
 issue's anchors); "native" = F.conv2d(dilation=r). Three passes: forward (no grad), backward wrt
 the input alone, backward wrt the weights alone (each from a forward recorded once). TF32
 (float32, TF32 allowed) and fp16, NCHW tensors, cudnn.benchmark on. Every route is checked
-against the native one before it is timed. Timing: CUDA events around each call (mode "eager", what a Python caller sees, host time
-included) or around the replay of a CUDA graph of the call ("graph": GPU time), median of
---repeats after warm-up. "auto" is what method="auto" picks (torch_bridge.dilated.choose_method),
+against the native one before it is timed. Timing: CUDA events around each call (mode
+"eager", what a Python caller sees, host time included) or around the replay of a CUDA graph
+of the call ("graph": GPU time), median of --repeats after warm-up. "auto" is what method="auto" picks (torch_bridge.dilated.choose_method),
 scored with the times measured here.
 
 The reshape kernels alone run in CUDA graphs, a launch on its own buffers each (so the L2
