@@ -14,8 +14,8 @@ the input alone, backward wrt the weights alone (each from a forward recorded on
 (float32, TF32 allowed) and fp16, NCHW tensors, cudnn.benchmark on. Every route is checked
 against the native one before it is timed. Timing: CUDA events around each call (mode
 "eager", what a Python caller sees, host time included) or around the replay of a CUDA graph
-of the call ("graph": GPU time), median of --repeats after warm-up. "auto" is what method="auto" picks (torch_bridge.dilated.choose_method),
-scored with the times measured here.
+of the call ("graph": GPU time), median of --repeats after warm-up. "auto" is what
+method="auto" picks (torch_bridge.dilated.choose_method), scored with the times measured here.
 
 The reshape kernels alone run in CUDA graphs, a launch on its own buffers each (so the L2
 cache does not hold the data between launches), against a 1 GiB device-to-device copy measured
