@@ -1,8 +1,11 @@
+import itertools
+
 import numpy
 import pytest
 
 import sbnet_cupy
-from sbnet_cupy.space_to_batch import _divisor, dilated_conv_geometry, same_padding
+from sbnet_cupy.space_to_batch import (_divisor, _shape_plan, dilated_conv_geometry, same_padding,
+                                       space_to_batch_reshape)
 from axes import MOVE_DTYPES, random_array
 from conftest import cupy, require, requires_gpu, to_numpy
 import reference
@@ -200,6 +203,36 @@ def test_kernel_division_is_exact():
                                d * rng.integers(0, 2**31 // d, 200),
                                d * rng.integers(1, 2**31 // d, 200) - 1]).astype(object)
         assert all((v * mul) >> shift == v // d for v in n)
+
+
+@pytest.mark.parametrize("layouts", [("NHWC", "NHWC"), ("NCHW", "NCHW"), ("NCHW", "NHWC")],
+                         ids="-".join)
+def test_launch_plans_fit_the_kernels(layouts):
+    """The plans (no GPU needed) on shapes around the benchmark's and odd ones: arguments that
+    pack into the kernels' structs, shared memory under the 48 KiB a launch gets without opting
+    in, vectors the pointers' alignment allows, channels-last tiles within one band row."""
+    data_format, batch_format = layouts
+    rng = numpy.random.default_rng(0)
+    shapes = [(64, 64, 64, 64), (1, 2048, 64, 64), (16, 256, 64, 64), (3, 24, 23, 37)]
+    shapes += [tuple(int(v) for v in rng.integers(1, 40, 4)) for _ in range(12)]
+    for (n, c, h, w), rate, itemsize, align in itertools.product(
+            shapes, (1, 2, 3, 5, 8, 12), (1, 2, 4, 8, 16), (16, 4, 2)):
+        if data_format != batch_format and (itemsize not in (2, 4, 8) or align < itemsize):
+            continue
+        paddings = ((rate // 2, (-h - rate // 2) % rate), (rate - 1, (-w - rate + 1) % rate))
+        shape = (n, c, h, w) if data_format == "NCHW" else (n, h, w, c)
+        g = space_to_batch_reshape(shape, (rate, rate), paddings, data_format, batch_format)
+        for op in ("space_to_batch", "batch_to_space"):
+            kernel, template, grid, block, smem, arguments, values = _shape_plan(
+                op, g, itemsize, align)
+            arguments.pack(0, 0, *values)
+            assert smem <= 48 * 1024 and max(grid[1:]) < 2**16 and numpy.prod(block) <= 1024
+            if kernel.endswith("_nchw"):
+                vector, channels_last = template[1:]
+                assert vector * itemsize <= align and channels_last == (batch_format == "NHWC")
+                if channels_last:
+                    tile_bands = values[9 + 3 * 4]
+                    assert c % tile_bands == 0 and tile_bands % vector == 0
 
 
 # --- atrous_conv2d --------------------------------------------------------------------------
