@@ -120,14 +120,15 @@ __global__ void batch_to_space_nhwc(const nhwc_args a) {
 // thread, with the threads of one (i, j) on consecutive vectors of y: for a given (i, j) the
 // tile is one run of y (tile_bands * out_w elements when tile_cols = out_w), so a warp's
 // accesses cover whole sectors whatever out_w is. The stride of block_w elements lies in the
-// shared-memory accesses. V divides width, out_w, off_w and tile_cols, and the pointers are
-// aligned to it.
+// shared-memory accesses. V divides width, out_w, off_w and the column tiles' first columns
+// (tile_cols, when there are several), and the pointers are aligned to it.
 //
 // CL = true: y is NHWC, [block_h * block_w * n, out_h, out_w, channels], x still NCHW (the
 // channels move last in the same pass, for a convolution in channels_last). The bands run
 // through the channels fastest, band = (b * out_h + hq) * channels + c, a tile's bands lie in
 // one (b, hq) (tile_bands divides channels), and y's vectors run along the channels: V
-// consecutive bands at one column. V divides width, off_w, tile_cols, tile_bands and channels.
+// consecutive bands at one column. V divides width, off_w, the column tiles' first columns,
+// tile_bands and channels.
 //
 // Shared memory is 32-bit words: tile row (g, ii) starts at word g * band_words + ii * row_words,
 // and in a row a pad word follows every 32, so that vectors and every block_w-th element spread
