@@ -87,6 +87,10 @@ def torch_calls(mask, x, counts, indices, blocks):
     y = x.clone()
     weight = torch.randn(16, 16, 3, 3, device="cuda")
     x_nchw = x.permute(0, 3, 1, 2)
+    # The modules on the fused block convolutions (inference; their block geometry is GEOMETRY's).
+    conv = tb.SparseConv2d(16, 16, bsize_out=8).cuda().eval()
+    unit = tb.SparseResBlockBottleneck(16, 8, bsize_out=8).cuda().fold_batchnorm()
+    found = sbnet_cupy.ReduceMask(indices, counts)
     return {
         "reduce_mask(capacity)": lambda: tb.reduce_mask(mask, (4, 4), capacity=16, **GEOMETRY),
         "sparse_gather": lambda: tb.sparse_gather(x, counts, indices, **GEOMETRY),
@@ -98,6 +102,8 @@ def torch_calls(mask, x, counts, indices, blocks):
                                                          atomic=True, **GEOMETRY),
         "sparse_scatter_var(add)": lambda: tb.sparse_scatter_var(
             blocks, counts, indices, y, add=True, atomic=True, **GEOMETRY),
+        "SparseConv2d (module, fused)": lambda: conv(x, found),
+        "SparseResBlockBottleneck (module, fused)": lambda: unit(x, found),
         "torch: x + x": lambda: x + x,
         "torch: x.clone()": lambda: x.clone(),
         "torch: conv2d 16->16 3x3": lambda: torch.nn.functional.conv2d(x_nchw, weight,
@@ -111,7 +117,18 @@ def cupy_calls(mask, x, counts, indices, blocks):
     mask, x, counts, indices, blocks = (cupy.asarray(t) for t in (mask, x, counts, indices,
                                                                   blocks))
     y = x.copy()
+    rng = numpy.random.default_rng(0)
+    w = cupy.asarray(rng.standard_normal((3, 3, 16, 16)), dtype=cupy.float32)
+    folded = {k: tuple(cupy.asarray(a) for a in v) if isinstance(v, tuple) else cupy.asarray(v)
+              for k, v in sbnet_cupy.fold_batchnorm(
+                  sbnet_cupy.random_bottleneck_weights(rng, 16, 8)).items()}
+    params = sbnet_cupy.calc_block_params((32, 32), (10, 10), (3, 3))
     return {
+        "sparse_conv2d(method=fused)": lambda: sbnet_cupy.sparse_conv2d(
+            x, w, counts, indices, params, method="fused"),
+        "sparse_res_block_bottleneck(method=fused)": lambda: (
+            sbnet_cupy.sparse_res_block_bottleneck(x, counts, indices, params, folded,
+                                                   method="fused")),
         "reduce_mask(capacity)": lambda: sbnet_cupy.reduce_mask(mask, (4, 4), capacity=16,
                                                                 **GEOMETRY),
         "sparse_gather": lambda: sbnet_cupy.sparse_gather(x, counts, indices, **GEOMETRY),

@@ -42,6 +42,7 @@ constexpr int THREADS = 128;  // a warp group: 4 warps as 2 x 2, each 32 pixels 
 constexpr int BM = 64;        // output pixels of one block per tile
 constexpr int WORDS = 32;     // 32-bit words of the reduction per pipeline stage
 constexpr int PITCH = WORDS + 4;  // padded rows: fragment loads hit 32 different banks
+constexpr int SLOTS = 3;      // shared-memory stages of a warp group: loads in flight
 }  // namespace block_conv_tile
 
 // Each warp group waits only for its own warps (barrier 0 is __syncthreads).
@@ -54,41 +55,6 @@ static __device__ __forceinline__ unsigned to_tf32(float v) {
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(v));
     return bits;
 }
-
-// One m16n8k8 (TF32) or m16n8k16 (fp16, bf16) MMA with fp32 accumulation; a and b are the
-// fragments of PTX's mma.sync layouts, which take the same 32-bit words of a [row][k] tile
-// for all three types (8 words of k a step).
-template <typename T> struct block_mma;
-template <> struct block_mma<float> {
-    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
-                                               const unsigned (&b)[2]) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-template <> struct block_mma<half_t> {
-    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
-                                               const unsigned (&b)[2]) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-template <> struct block_mma<bfloat16_t> {
-    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
-                                               const unsigned (&b)[2]) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
 
 // V elements of T as they sit in shared memory: TF32 bit patterns for float (one a word), the
 // raw 16-bit patterns otherwise (two a word, the lower k in the low half).
@@ -125,23 +91,29 @@ static __device__ __forceinline__ side_origin side_of(const BlockSide& s, int m,
 // channels) of the first *count listed blocks, so rows past the count cost nothing. A CTA is
 // k_groups warp groups of THREADS threads: group g reduces stages g, g + k_groups, ... of the
 // tile into its own accumulators, which group 0 sums before the epilogue, so that few tiles with
-// a long reduction (deep layers, few blocks) still keep many loads in flight. Dynamic shared
-// memory: k_groups * 2 * (BM + BN) * PITCH words. T is float (TF32), half_t or bfloat16_t; V
-// elements (dividing cin, pointers aligned to them) are read as one access; Op (common.cuh)
-// writes or adds the output.
+// a long reduction (deep layers, few blocks) still keep many loads in flight. A group's stages
+// stream through SLOTS shared-memory slots with cp.async (16-byte vectors, no prologue: SLOTS - 1
+// stages in flight), or through registers into two slots (the prologue's affine and ReLU, or
+// narrower vectors: one stage in flight). TF32 MMAs read the float32 bits as they are (the
+// tensor cores ignore the low mantissa bits) on the cp.async path and rounded ones on the other.
+// Dynamic shared memory: k_groups * SLOTS * (BM + BN) * PITCH words. T is float (TF32), half_t or
+// bfloat16_t; V elements (dividing cin, pointers aligned to them) are read as one access; Op
+// (common.cuh) writes or adds the output.
 template <typename T, int BN, int V, typename Op>
 __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const BlockConvArgs a) {
     using namespace block_conv_tile;
     constexpr int PER_WORD = 4 / sizeof(T);
     constexpr int BK = WORDS * PER_WORD;  // reduction elements a stage
-    constexpr int SLOTS = BK / V;         // vectors a tile row
-    constexpr int ROWS_PER_PASS = THREADS / SLOTS;
+    constexpr int VECTORS = BK / V;       // vectors a tile row
+    constexpr int ROWS_PER_PASS = THREADS / VECTORS;
     constexpr int A_PASSES = BM / ROWS_PER_PASS, B_PASSES = BN / ROWS_PER_PASS;
     constexpr int NT = BN / 16;           // n8 tiles of a warp
-    static_assert(THREADS % SLOTS == 0 && BM % ROWS_PER_PASS == 0 && BN % ROWS_PER_PASS == 0,
+    static_assert(THREADS % VECTORS == 0 && BM % ROWS_PER_PASS == 0 && BN % ROWS_PER_PASS == 0,
                   "tile shape");
     static_assert(A_PASSES <= 32, "the load mask is one word");
-    constexpr int GROUP_WORDS = 2 * (BM + BN) * PITCH;
+    constexpr int SLOT_WORDS = (BM + BN) * PITCH;
+    constexpr int GROUP_WORDS = block_conv_tile::SLOTS * SLOT_WORDS;
+    constexpr bool ASYNC = V * sizeof(T) == 16;  // cp.async moves 16 bytes
     constexpr int ACC = 2 * NT * 4;       // accumulators a thread
     static_assert(ACC * THREADS <= GROUP_WORDS, "a group's partial sums fit in its tiles");
     typedef vec_t<T, V> Vec;
@@ -155,17 +127,16 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     const int per_block = (pixels + BM - 1) / BM * n_tiles;
     const int ktotal = a.kh * a.kw * a.cin;
     const int stages = (ktotal + BK - 1) / BK;
-    const i64 tiles = (i64)min(max(*a.count, 0), a.rows) * per_block;
+    const int tiles = min(max(*a.count, 0), a.rows) * per_block;  // < 2**31: checked at launch
     const int group = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
     const int lane = tid & 31, warp = tid >> 5;
     const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
-    const int slot = tid % SLOTS, row0 = tid / SLOTS;
-    unsigned* tile_a[2] = {block_conv_smem + group * GROUP_WORDS,
-                           block_conv_smem + group * GROUP_WORDS + BM * PITCH};
-    unsigned* tile_b[2] = {tile_a[1] + BM * PITCH, tile_a[1] + BM * PITCH + BN * PITCH};
+    const int vec = tid % VECTORS, row0 = tid / VECTORS;
+    // Slot i of this group: the A tile [BM][PITCH], then the B tile [BN][PITCH].
+    unsigned* const slots = block_conv_smem + group * GROUP_WORDS;
 
-    for (i64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m = (int)(tile / per_block), rest = (int)(tile % per_block);
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m = tile / per_block, rest = tile % per_block;
         const int p0 = rest / n_tiles * BM, n0 = rest % n_tiles * BN;
         const int* row = a.indices + 3 * (i64)m;
         if (row[0] < 0 || row[0] >= a.n_batch) continue;  // reads zeros, writes nothing
@@ -187,7 +158,7 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
         unsigned a_loaded = 0;
         int channel = 0;
         auto load = [&](int stage) {
-            const int r = stage * BK + slot * V;
+            const int r = stage * BK + vec * V;
             const int tap = r / a.cin, dy = tap / a.kw;
             channel = r - tap * a.cin;
             const int dx = tap - dy * a.kw;
@@ -230,21 +201,42 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
             }
 #pragma unroll
             for (int i = 0; i < A_PASSES; ++i)
-                store_tile(tile_a[buffer] + (row0 + i * ROWS_PER_PASS) * PITCH, slot * V, va[i]);
+                store_tile(slots + buffer * SLOT_WORDS + (row0 + i * ROWS_PER_PASS) * PITCH,
+                           vec * V, va[i]);
 #pragma unroll
             for (int j = 0; j < B_PASSES; ++j)
-                store_tile(tile_b[buffer] + (row0 + j * ROWS_PER_PASS) * PITCH, slot * V, vb[j]);
+                store_tile(slots + buffer * SLOT_WORDS + (BM + row0 + j * ROWS_PER_PASS) * PITCH,
+                           vec * V, vb[j]);
         };
-
+        // The cp.async path's load and store in one: stage -> slot `buffer`.
+        auto copy = [&](int stage, int buffer) {
+            const int r = stage * BK + vec * V;
+            const int tap = r / a.cin, dy = tap / a.kw;
+            const int c = r - tap * a.cin, dx = tap - dy * a.kw;
+            unsigned* tile = slots + buffer * SLOT_WORDS;
+#pragma unroll
+            for (int i = 0; i < A_PASSES; ++i) {
+                const int h = a_h[i] + dy, w = a_w[i] + dx;
+                const bool valid = r < ktotal && (a_rows >> i & 1) && h >= 0 &&
+                                   h < a.in.height && w >= 0 && w < a.in.width;
+                copy_async16(tile + (row0 + i * ROWS_PER_PASS) * PITCH + vec * V / PER_WORD,
+                             valid ? src + ((in.n * a.in.height + h) * a.in.width + w) * a.cin + c
+                                   : src,
+                             valid);
+            }
+#pragma unroll
+            for (int j = 0; j < B_PASSES; ++j) {
+                const int co = n0 + row0 + j * ROWS_PER_PASS;
+                const bool valid = r < ktotal && co < a.cout;
+                copy_async16(tile + (BM + row0 + j * ROWS_PER_PASS) * PITCH + vec * V / PER_WORD,
+                             valid ? weight + (i64)co * ktotal + r : weight, valid);
+            }
+        };
         float acc[2][NT][4] = {};
-        if (group < stages) load(group);
-        int buffer = 0;
-        for (int stage = group; stage < stages; stage += a.k_groups, buffer ^= 1) {
-            store(buffer);
-            group_sync(group);
-            if (stage + a.k_groups < stages) load(stage + a.k_groups);  // in flight during the MMAs
-            const unsigned* ta = tile_a[buffer];
-            const unsigned* tb = tile_b[buffer];
+        // The MMAs of one stage, from slot `buffer`.
+        auto multiply = [&](int buffer) {
+            const unsigned* ta = slots + buffer * SLOT_WORDS;
+            const unsigned* tb = ta + BM * PITCH;
 #pragma unroll
             for (int ks = 0; ks < WORDS / 8; ++ks) {
                 unsigned af[2][4], bf[NT][2];
@@ -265,7 +257,36 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) block_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
+                    for (int nt = 0; nt < NT; ++nt)
+                        tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
+            }
+        };
+
+        // This group's stages: group, group + k_groups, ...
+        const int mine = stages > group ? (stages - group + a.k_groups - 1) / a.k_groups : 0;
+        if (ASYNC && a.scale == nullptr) {
+            constexpr int AHEAD = block_conv_tile::SLOTS - 1;
+#pragma unroll
+            for (int i = 0; i < AHEAD; ++i) {
+                if (i < mine) copy(group + i * a.k_groups, i);
+                copy_async_commit();  // empty groups too: the wait below counts groups
+            }
+            for (int i = 0; i < mine; ++i) {
+                copy_async_wait<AHEAD - 1>();  // this thread's copies of stage i have landed
+                group_sync(group);             // everyone's, and slot (i - 1) is free again
+                if (i + AHEAD < mine)
+                    copy(group + (i + AHEAD) * a.k_groups, (i + AHEAD) % block_conv_tile::SLOTS);
+                copy_async_commit();
+                multiply(i % block_conv_tile::SLOTS);
+            }
+            copy_async_wait<0>();
+        } else {
+            if (mine > 0) load(group);
+            for (int i = 0; i < mine; ++i) {
+                store(i & 1);
+                group_sync(group);
+                if (i + 1 < mine) load(group + (i + 1) * a.k_groups);  // in flight during the MMAs
+                multiply(i & 1);
             }
         }
         __syncthreads();  // every group is done with its tiles: they hold the partial sums now

@@ -14,11 +14,16 @@ from .sparse_kernel_conv import (SparseKernel, sparse_kernel_conv2d,
                                  sparse_kernel_conv2d_grad_input,
                                  sparse_kernel_conv2d_grad_values)
 from .sparse_scatter import sparse_scatter, sparse_scatter_var
+from . import submanifold
+from .submanifold import (Rulebook, SparseTensorData, rulebook_conv, strided_rulebook,
+                          submanifold_conv, submanifold_rulebook)
 
 __all__ = [
     "BlockParams",
     "ReduceMask",
+    "Rulebook",
     "SparseKernel",
+    "SparseTensorData",
     "atrous_conv2d",
     "batch_to_space",
     "calc_block_params",
@@ -29,6 +34,7 @@ __all__ = [
     "random_bottleneck_weights",
     "reduce_mask",
     "res_block_bottleneck",
+    "rulebook_conv",
     "space_to_batch",
     "sparse_conv2d",
     "sparse_gather",
@@ -38,6 +44,10 @@ __all__ = [
     "sparse_res_block_bottleneck",
     "sparse_scatter",
     "sparse_scatter_var",
+    "strided_rulebook",
+    "submanifold",
+    "submanifold_conv",
+    "submanifold_rulebook",
 ]
 
 __version__ = "0.1.0"

@@ -126,6 +126,7 @@ def all_instantiations():
                for ctype, size in arithmetic for v in vectors(size, 8) for op in adds]),
         "sparse_kernel_conv": _sparse_kernel_conv_instantiations(),
         "block_conv": _block_conv_instantiations(),
+        "submanifold": _submanifold_instantiations(),
     }
 
 
@@ -139,6 +140,12 @@ def _block_conv_instantiations():
     from . import block_conv
 
     return block_conv.instantiations()
+
+
+def _submanifold_instantiations():
+    from . import submanifold
+
+    return submanifold.instantiations()
 
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}

@@ -19,7 +19,9 @@ from . import _kernels, _launch
 
 # kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 4 ints.
 BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i4i", 168)
-THREADS, TILE_PIXELS, TILE_WORDS, PITCH = 128, 64, 32, 36  # as block_conv_tile in the kernel
+# As block_conv_tile in the kernel: threads of a warp group, output pixels a tile, words of the
+# reduction a stage, words a shared-memory tile row, stages a warp group keeps in shared memory.
+THREADS, TILE_PIXELS, TILE_WORDS, PITCH, SLOTS = 128, 64, 32, 36, 3
 TILE_CHANNELS = (32, 64)  # output channels a tile: the kernel's BN choices
 MAX_K_GROUPS = 4  # warp groups that may split a tile's reduction (the kernel's launch bounds)
 DTYPES = ("float32", "float16", "bfloat16")  # float32 runs as TF32
@@ -29,7 +31,8 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # of a list must not overlap, which reduce_mask's lists of stride-1 geometry never do).
 OPS = ("Assign", "Add")
 
-# ctas[g - 1]: CTAs of g warp groups that the GPU holds at once.
+# ctas[g - 1]: CTAs of g warp groups that the GPU holds at once (as many entries as the shared
+# memory allows groups).
 BlockConvPlan = namedtuple("BlockConvPlan", ["function", "tile_channels", "group_bytes", "ctas"])
 
 
@@ -79,14 +82,17 @@ def _plan(device, dtype_name, cin, cout, alignment, op):
     function = _launch.function(device, "block_conv", "block_conv",
                                 _kernels.ARITHMETIC_CTYPES[dtype_name], tile_channels, vector, op)
     driver, runtime = _launch.driver, _launch.runtime
-    group_bytes = 2 * (TILE_PIXELS + tile_channels) * PITCH * 4
+    group_bytes = SLOTS * (TILE_PIXELS + tile_channels) * PITCH * 4
+    shared_limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                              device)
+    max_groups = max(1, min(MAX_K_GROUPS, shared_limit // group_bytes))
     driver.funcSetAttribute(function,
                             driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            MAX_K_GROUPS * group_bytes)
+                            max_groups * group_bytes)
     sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
     ctas = tuple(sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
         function, THREADS * groups, groups * group_bytes))
-        for groups in range(1, MAX_K_GROUPS + 1))
+        for groups in range(1, max_groups + 1))
     return BlockConvPlan(function, tile_channels, group_bytes, ctas)
 
 
@@ -94,7 +100,7 @@ def k_groups(tiles, stages, ctas):
     """Warp groups to split each tile's reduction over: enough that `tiles` tiles fill the GPU
     (ctas: the plan's CTAs by group count), no more than the reduction has stages."""
     groups = 1
-    while groups < min(MAX_K_GROUPS, stages) and tiles * groups < ctas[0] // 2:
+    while groups < min(len(ctas), stages) and tiles * groups < ctas[0] // 2:
         groups += 1
     return groups
 
@@ -118,7 +124,7 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
         alignment = min(alignment, address & -address or 16)
     plan = _plan(device, dtype_name, cin, cout, alignment, op)
     per_block = math.ceil(oh * ow / TILE_PIXELS) * math.ceil(cout / plan.tile_channels)
-    if rows >= 2**31:
+    if rows * per_block >= 2**31:  # the kernels count tiles in int
         raise ValueError(f"active_block_indices has too many rows: {rows}")
     itemsize = _ITEMSIZE[dtype_name]
     paired = cout % 2 == 0 and (dst & -dst or 16) % (2 * itemsize) == 0

@@ -35,6 +35,7 @@ __all__ = [
     "sparse_res_block_bottleneck",
     "sparse_scatter",
     "sparse_scatter_var",
+    "submanifold_conv",
 ]
 
 
@@ -239,3 +240,4 @@ def sparse_res_block_bottleneck(x, indices, block_params, weights, *, use_var=Fa
 # Op families in modules of their own use the helpers above.
 from .dilated import atrous_conv2d, batch_to_space, space_to_batch  # noqa: E402
 from .sparse_kernel_conv import SparseKernel, sparse_kernel_conv2d  # noqa: E402
+from .submanifold import submanifold_conv  # noqa: E402

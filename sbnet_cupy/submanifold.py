@@ -1,0 +1,793 @@
+"""Submanifold and strided sparse convolution (SparseConvNet; spconv's SubMConv, SparseConv and
+SparseInverseConv) on lists of active sites.
+
+A sparse tensor (SparseTensorData) is a list of N active sites: int32 coordinates [N, 1 + D]
+(batch index, then D spatial coordinates, D = 1..4) and features [N, C], with the spatial shape
+and the batch size. A convolution runs through a Rulebook (kernel map), built once per active
+set and kernel geometry and shared by every layer that has them in common:
+
+    neighbors[k, o]   = row of the input site that kernel tap k of output site o reads, or -1
+    neighbors_t[k, i] = row of the output site that input site i feeds through tap k, or -1
+
+with the taps k = 0..K-1 in row-major order over kernel_size (the order of the weight's kernel
+axes). Per spatial axis, tap k of output coordinate o reads input coordinate
+
+    strided:     i = o * stride - padding + k * dilation
+    submanifold: i = o + (k - kernel // 2) * dilation      (stride 1, padding kernel//2 * dilation)
+
+A submanifold convolution's output sites are its input sites; a strided one's are every o in
+[0, out) (out = (in + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1) that reads at
+least one active site, sorted by (batch, coordinates); an inverse convolution runs a strided
+convolution's rulebook backwards (Rulebook.inverse), back to the strided convolution's input
+sites.
+
+The weight is spconv 2.x's default layout ("KRSC"): [Cout, *kernel_size, Cin], so spconv
+checkpoints load unchanged. The convolution, as NumPy::
+
+    taps = weight.reshape(Cout, K * Cin)                       # [Cout, K*Cin]
+    g = x[neighbors.T]                                         # [N_out, K, Cin]
+    g[neighbors.T < 0] = 0                                     # absent neighbours read zero
+    y = g.reshape(N_out, K * Cin) @ taps.T + bias              # [N_out, Cout]
+
+Its gradients are the same gather and one matrix product each (no atomics, so deterministic):
+dx = rulebook_conv(dy, rulebook.inverse(), transposed_weight(weight)) and
+dw = (dy.T @ g).reshape(weight.shape).
+
+The CUDA rulebook (kernels/submanifold.cu) keeps the coordinates in an open-addressing hash table
+(linearised int64 keys, linear probing, at most `capacity` probes, so a full table reports
+failure instead of hanging); a strided convolution finds its output sites by hashing every
+candidate and compacting the table. The rulebook is a dense [K, N_out] map (-1 for absent
+neighbours) rather than per-tap pair lists: building it needs no host sync for per-tap sizes,
+both convolution algorithms index it directly, and a tile of output sites reads its neighbours
+of one tap contiguously. The convolution (rulebook_conv's `algo`) either gathers [N_out, K*Cin]
+through the map and multiplies once with cuBLAS ("gemm"), or gathers rows tile by tile into
+shared memory and multiplies them on tensor cores with mma.sync in one kernel, skipping the
+taps that no site of a tile has ("fused"). NumPy arrays run a vectorised NumPy backend (sorted
+keys and searchsorted): the reference, and the CPU path.
+"""
+
+import functools
+import math
+from collections import namedtuple
+
+import numpy
+
+from . import _checks, _kernels, _launch, block_conv
+
+_MAX_DIMS = 4  # spatial axes the kernels' argument structs have room for
+_DTYPES = ("float16", "float32", "float64")
+# Flags the insert kernels raise (kernels/submanifold.cu).
+_FLAG_DUPLICATE, _FLAG_FULL, _FLAG_OUTSIDE = 1, 2, 4
+_THREADS = 256
+_MAX_BLOCKS = 65535 * 16  # grid-stride loops beyond this
+_RULE_ARGS = _launch.layout("8P2q27i", 192)
+_GATHER_ARGS = _launch.layout("3Pq2i", 40)
+_FUSED_ARGS = _launch.layout("5Pq3i", 64)
+_FUSED_TILE, _FUSED_THREADS = 64, 128  # output sites and channels a CTA; its threads
+ALGOS = ("gemm", "fused")
+
+
+SparseTensorData = namedtuple("SparseTensorData",
+                              ["features", "coords", "spatial_shape", "batch_size"])
+SparseTensorData.__doc__ = """A sparse tensor: features [N, C] of the N active sites at int32
+coords [N, 1 + D] (batch index first), in a grid of batch_size x spatial_shape (D ints)."""
+
+
+class Rulebook:
+    """The kernel map of one convolution between two active sets (see the module's docstring).
+
+    Attributes:
+        neighbors: int32 [K, N_out], the input row tap k of output site o reads (-1: none).
+        neighbors_t: int32 [K, N_in], the output row input site i feeds through tap k (-1).
+        in_coords, out_coords: int32 [N_in, 1 + D] and [N_out, 1 + D] (out_coords is
+            in_coords for a submanifold rulebook).
+        in_shape, out_shape: the spatial shapes (tuples of D ints); batch_size.
+        kernel_size, stride, padding, dilation: tuples of D ints (padding of a submanifold
+            rulebook is kernel // 2 * dilation).
+        subm: whether output sites are the input sites.
+        inverted: whether this is inverse() of a strided rulebook (outputs are its inputs).
+    """
+
+    def __init__(self, neighbors, neighbors_t, in_coords, out_coords, in_shape, out_shape,
+                 batch_size, kernel_size, stride, padding, dilation, subm, inverted=False):
+        self.neighbors, self.neighbors_t = neighbors, neighbors_t
+        self.in_coords, self.out_coords = in_coords, out_coords
+        self.in_shape, self.out_shape, self.batch_size = in_shape, out_shape, batch_size
+        self.kernel_size, self.stride = kernel_size, stride
+        self.padding, self.dilation = padding, dilation
+        self.subm, self.inverted = subm, inverted
+
+    @property
+    def num_taps(self):
+        return math.prod(self.kernel_size)
+
+    def inverse(self):
+        """The rulebook of the inverse convolution: outputs and inputs swapped, same taps."""
+        return Rulebook(self.neighbors_t, self.neighbors, self.out_coords, self.in_coords,
+                        self.out_shape, self.in_shape, self.batch_size, self.kernel_size,
+                        self.stride, self.padding, self.dilation, self.subm, not self.inverted)
+
+    def __repr__(self):
+        kind = "submanifold" if self.subm else "inverse" if self.inverted else "strided"
+        return (f"Rulebook({kind}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, "
+                f"sites {self.in_coords.shape[0]} -> {self.out_coords.shape[0]}, "
+                f"shape {self.in_shape} -> {self.out_shape})")
+
+
+# --- checks -------------------------------------------------------------------------------
+
+def _ints(name, value, dims, minimum):
+    """D ints from an int or a sequence of D ints, each at least `minimum`."""
+    if isinstance(value, (int, numpy.integer)) and not isinstance(value, bool):
+        values = (int(value),) * dims
+    else:
+        try:
+            values = tuple(value)
+        except TypeError:
+            raise TypeError(f"{name} must be an int or {dims} ints, got {value!r}") from None
+        if len(values) != dims or not all(isinstance(v, (int, numpy.integer))
+                                          and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{name} must be an int or {dims} ints, got {value!r}")
+        values = tuple(int(v) for v in values)
+    if min(values) < minimum:
+        raise ValueError(f"{name} must be ints >= {minimum}, got {values}")
+    return values
+
+
+def check_grid(coords, spatial_shape, batch_size):
+    """Checks coords' shape and dtype, spatial_shape and batch_size; returns (shape, batch).
+    The coordinates' values are checked where the rulebook is built."""
+    try:
+        shape = tuple(spatial_shape)
+    except TypeError:
+        raise TypeError(f"spatial_shape must be a sequence of ints, got {spatial_shape!r}") from None
+    if not 1 <= len(shape) <= _MAX_DIMS:
+        raise ValueError(f"spatial_shape must have 1 to {_MAX_DIMS} axes, got {shape}")
+    shape = _ints("spatial_shape", shape, len(shape), 1)
+    batch = _ints("batch_size", batch_size, 1, 1)[0]
+    if batch * math.prod(shape) >= 2**62:
+        raise ValueError(f"batch_size x spatial_shape must have fewer than 2**62 sites, got "
+                         f"{batch} x {shape}")
+    if coords.ndim != 2 or coords.shape[1] != 1 + len(shape):
+        raise ValueError(f"coords must be [N, {1 + len(shape)}] (batch index, then "
+                         f"{len(shape)} coordinates), got shape {tuple(coords.shape)}")
+    if _checks.dtype_name(coords) != "int32":
+        raise TypeError(f"coords must be int32, got {_checks.dtype_name(coords)}")
+    return shape, batch
+
+
+def _geometry(shape, kernel_size, stride, padding, dilation):
+    dims = len(shape)
+    kernel = _ints("kernel_size", kernel_size, dims, 1)
+    stride = _ints("stride", stride, dims, 1)
+    padding = _ints("padding", padding, dims, 0)
+    dilation = _ints("dilation", dilation, dims, 1)
+    return kernel, stride, padding, dilation
+
+
+def conv_output_shape(shape, kernel_size, stride, padding, dilation):
+    """Spatial shape of a strided convolution's output (as spconv's and torch's conv)."""
+    out = tuple((s + 2 * p - d * (k - 1) - 1) // st + 1
+                for s, k, st, p, d in zip(shape, kernel_size, stride, padding, dilation))
+    if min(out) < 1:
+        raise ValueError(f"kernel_size {kernel_size} with dilation {dilation} and padding "
+                         f"{padding} does not fit spatial_shape {shape}")
+    return out
+
+
+def check_conv(features, rulebook, weight, bias):
+    """Checks rulebook_conv's arguments (arrays or tensors)."""
+    if not isinstance(rulebook, Rulebook):
+        raise TypeError(f"rulebook must be a Rulebook, got {type(rulebook).__name__}")
+    dtype = _checks.dtype_name(features)
+    if features.ndim != 2 or features.shape[0] != rulebook.in_coords.shape[0]:
+        raise ValueError(f"features must be [N, C] with N = {rulebook.in_coords.shape[0]} (the "
+                         f"rulebook's input sites), got shape {tuple(features.shape)}")
+    check_weight(weight, rulebook.kernel_size, features.shape[1], dtype)
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],)
+                             or _checks.dtype_name(bias) != dtype):
+        raise ValueError(f"bias must be a {dtype} array of shape ({weight.shape[0]},), got "
+                         f"{_checks.dtype_name(bias)} {tuple(bias.shape)}")
+
+
+def check_weight(weight, kernel_size, channels, dtype):
+    """Checks a weight [Cout, *kernel_size, Cin] of features' dtype."""
+    if (weight.ndim != 2 + len(kernel_size) or tuple(weight.shape[1:-1]) != tuple(kernel_size)
+            or weight.shape[-1] != channels):
+        raise ValueError(f"weight must be [Cout, {', '.join(map(str, kernel_size))}, "
+                         f"{channels}] (spconv's layout, Cin = features' channels), got shape "
+                         f"{tuple(weight.shape)}")
+    if dtype not in _DTYPES and dtype != "bfloat16":
+        raise TypeError(f"features must be float16, bfloat16, float32 or float64, got {dtype}")
+    if _checks.dtype_name(weight) != dtype:
+        raise TypeError(f"weight must have features' dtype {dtype}, got "
+                        f"{_checks.dtype_name(weight)}")
+
+
+# --- sparse tensors -----------------------------------------------------------------------
+
+def from_dense(x):
+    """The sparse tensor of the sites of x [B, *spatial, C] (channels last) where some channel
+    is non-zero, in row-major order."""
+    xp = _checks.array_module(x=x)
+    if x.ndim < 3:
+        raise ValueError(f"x must be [B, *spatial, C] with 1 to {_MAX_DIMS} spatial axes, got "
+                         f"shape {x.shape}")
+    with _checks.on_device(x):
+        return from_mask(xp.any(x != 0, axis=-1), x)
+
+
+def from_mask(mask, x):
+    """The sparse tensor of the sites of x [B, *spatial, C] where mask [B, *spatial] (bool) is
+    true, in row-major order: features x[mask], coords the mask's true positions."""
+    xp = _checks.array_module(mask=mask, x=x)
+    if mask.dtype != bool or mask.shape != x.shape[:-1] or not 2 <= mask.ndim <= 1 + _MAX_DIMS:
+        raise ValueError(f"mask must be bool [B, *spatial] matching x's {x.shape[:-1]}, got "
+                         f"{mask.dtype} {mask.shape}")
+    with _checks.on_device(x):
+        coords = xp.stack(xp.nonzero(mask), axis=1).astype(xp.int32)
+        features = x[mask]
+    return SparseTensorData(features, coords, tuple(mask.shape[1:]), mask.shape[0])
+
+
+def to_dense(t):
+    """The dense tensor [B, *spatial, C] (channels last) of a SparseTensorData: its features at
+    its sites, zeros elsewhere."""
+    features, coords, shape, batch = t
+    xp = _checks.array_module(features=features, coords=coords)
+    check_grid(coords, shape, batch)
+    with _checks.on_device(features):
+        out = xp.zeros((batch, *shape, features.shape[1]), dtype=features.dtype)
+        out[tuple(coords.T)] = features
+    return out
+
+
+# --- rulebooks ----------------------------------------------------------------------------
+
+def submanifold_rulebook(coords, spatial_shape, batch_size, kernel_size, dilation=1, *,
+                         check=True):
+    """The rulebook of a submanifold convolution on the active sites `coords`.
+
+    Args:
+        coords: int32 [N, 1 + D], distinct rows (batch index, then D coordinates) inside
+            batch_size x spatial_shape; numpy or cupy.
+        spatial_shape: D ints; batch_size: int.
+        kernel_size, dilation: an int or D ints (any size, even ones included: tap k of site
+            o reads o + (k - kernel // 2) * dilation).
+
+    Raises ValueError naming coords for duplicate or out-of-range rows (the CUDA path reads
+    one flag back from the device for it: one host sync). check=False skips that check and its
+    sync, for coordinates known to be distinct and inside the grid (a rulebook's out_coords);
+    with rows that are not, the maps are wrong but every index in them is a valid row.
+    """
+    shape, batch = check_grid(coords, spatial_shape, batch_size)
+    kernel, _, _, dilation = _geometry(shape, kernel_size, 1, 0, dilation)
+    padding = tuple(k // 2 * d for k, d in zip(kernel, dilation))
+    stride = (1,) * len(shape)
+    xp = _checks.array_module(coords=coords)
+    with _checks.on_device(coords):
+        coords = xp.ascontiguousarray(coords)
+        geometry = (kernel, stride, padding, dilation)
+        if xp is numpy:  # the NumPy backend checks always: it costs no sync
+            table = _NumpyTable(_keys_numpy(coords, shape, batch, "coords"))
+            neighbors = _query_numpy(table, coords, shape, *geometry, transposed=False)
+            neighbors_t = _query_numpy(table, coords, shape, *geometry, transposed=True)
+        else:
+            table = _table_from_coords(coords, shape, batch, check)
+            neighbors = _query_cupy(table, coords, shape, shape, batch, geometry, False)
+            neighbors_t = _query_cupy(table, coords, shape, shape, batch, geometry, True)
+    return Rulebook(neighbors, neighbors_t, coords, coords, shape, shape, batch, kernel, stride,
+                    padding, dilation, True)
+
+
+def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, padding=0,
+                     dilation=1, *, check=True):
+    """The rulebook of a strided (regular) sparse convolution; its output sites are every site
+    of the output grid that reads an active input, sorted by (batch, coordinates).
+
+    Args: as submanifold_rulebook's, with stride (>= 1) and padding (>= 0): ints or D ints.
+    The CUDA path syncs with the host once for the number of output sites, and once more for
+    the check of the coordinates unless check=False.
+    """
+    shape, batch = check_grid(coords, spatial_shape, batch_size)
+    geometry = _geometry(shape, kernel_size, stride, padding, dilation)
+    out_shape = conv_output_shape(shape, *geometry)
+    xp = _checks.array_module(coords=coords)
+    with _checks.on_device(coords):
+        coords = xp.ascontiguousarray(coords)
+        if xp is numpy:
+            table = _NumpyTable(_keys_numpy(coords, shape, batch, "coords"))
+            candidates = _targets_numpy(coords, out_shape, *geometry)
+            out_keys = numpy.unique(candidates[candidates >= 0])
+            out_coords = _decode(numpy, out_keys, out_shape)
+            out_table = _NumpyTable(out_keys, presorted=True)
+            neighbors = _query_numpy(table, out_coords, shape, *geometry, transposed=False)
+            neighbors_t = _query_numpy(out_table, coords, out_shape, *geometry, transposed=True)
+        else:
+            table = _table_from_coords(coords, shape, batch, check)
+            out_keys = _output_keys_cupy(coords, shape, out_shape, batch, geometry)
+            out_coords = _decode_cupy(out_keys, out_shape)
+            out_table = _table_from_keys(out_keys)
+            neighbors = _query_cupy(table, out_coords, out_shape, shape, batch, geometry, False)
+            neighbors_t = _query_cupy(out_table, coords, shape, out_shape, batch, geometry,
+                                      True)
+    return Rulebook(neighbors, neighbors_t, coords, out_coords, shape, out_shape, batch,
+                    *geometry, False)
+
+
+def _keys_numpy(coords, shape, batch, name):
+    """Linearised int64 keys of checked coords ((b * S0 + c0) * S1 + c1 ...), refusing rows
+    outside the grid and duplicates."""
+    limits = numpy.array((batch, *shape))
+    outside = numpy.any((coords < 0) | (coords >= limits), axis=1)
+    if outside.any():
+        row = int(numpy.flatnonzero(outside)[0])
+        raise ValueError(f"{name} row {row} = {tuple(coords[row].tolist())} is outside "
+                         f"batch_size x spatial_shape = {batch} x {shape}")
+    keys = _linearise(numpy, coords, shape)
+    ordered = numpy.sort(keys)
+    repeated = numpy.flatnonzero(ordered[1:] == ordered[:-1])
+    if repeated.size:
+        site = _decode(numpy, ordered[repeated[:1]], shape)[0]
+        raise ValueError(f"{name} has duplicate rows, e.g. {tuple(site.tolist())}")
+    return keys
+
+
+def _linearise(xp, coords, shape):
+    keys = coords[:, 0].astype(xp.int64)
+    for axis, size in enumerate(shape):
+        keys = keys * size + coords[:, 1 + axis]
+    return keys
+
+
+def _decode(xp, keys, shape):
+    """int32 coords [len(keys), 1 + D] of linearised keys."""
+    columns = []
+    for size in reversed(shape):
+        keys, c = xp.divmod(keys, size)
+        columns.append(c)
+    columns.append(keys)
+    return xp.stack(columns[::-1], axis=1).astype(xp.int32).reshape(-1, 1 + len(shape))
+
+
+def _taps(kernel):
+    """[K, D] kernel offsets in row-major order (the weight's kernel axes)."""
+    return numpy.indices(kernel).reshape(len(kernel), -1).T
+
+
+class _NumpyTable:
+    """Sorted keys and their rows: the NumPy backend's stand-in for the hash table."""
+
+    def __init__(self, keys, presorted=False):
+        self.order = numpy.arange(keys.size) if presorted else numpy.argsort(keys, kind="stable")
+        self.sorted = keys[self.order]
+
+    def find(self, keys):
+        """Row of each key, -1 where absent."""
+        pos = numpy.searchsorted(self.sorted, keys)
+        pos = numpy.minimum(pos, max(self.sorted.size - 1, 0))
+        if self.sorted.size == 0:
+            return numpy.full(keys.shape, -1, numpy.int32)
+        found = self.sorted[pos] == keys
+        return numpy.where(found, self.order[pos], -1).astype(numpy.int32)
+
+
+def _query_numpy(table, sites, query_shape, kernel, stride, padding, dilation, transposed):
+    """[K, N] rows (in `table`, a set of sites of query_shape) that tap k connects to each of
+    `sites`: forward, input sites of output sites; transposed, output sites of input sites."""
+    taps = _taps(kernel)[:, None, :]
+    s, p, d = (numpy.array(v) for v in (stride, padding, dilation))
+    base = sites[None, :, 1:].astype(numpy.int64)
+    if transposed:
+        num = base + p - taps * d
+        q, rem = numpy.divmod(num, s)
+        valid = numpy.all((rem == 0) & (q >= 0) & (q < numpy.array(query_shape)), axis=2)
+    else:
+        q = base * s - p + taps * d
+        valid = numpy.all((q >= 0) & (q < numpy.array(query_shape)), axis=2)
+    keys = sites[None, :, 0].astype(numpy.int64)
+    for axis, size in enumerate(query_shape):
+        keys = keys * size + numpy.clip(q[:, :, axis], 0, size - 1)
+    return numpy.where(valid, table.find(keys), -1).astype(numpy.int32)
+
+
+def _targets_numpy(coords, out_shape, kernel, stride, padding, dilation):
+    """[K, N] keys of the output sites input site i feeds through tap k (-1: none)."""
+    taps = _taps(kernel)[:, None, :]
+    s, p, d = (numpy.array(v) for v in (stride, padding, dilation))
+    q, rem = numpy.divmod(coords[None, :, 1:].astype(numpy.int64) + p - taps * d, s)
+    valid = numpy.all((rem == 0) & (q >= 0) & (q < numpy.array(out_shape)), axis=2)
+    keys = numpy.broadcast_to(coords[None, :, 0].astype(numpy.int64), valid.shape)
+    for axis, size in enumerate(out_shape):
+        keys = keys * size + q[:, :, axis]
+    return numpy.where(valid, keys, -1)
+
+
+# --- CUDA rulebook ------------------------------------------------------------------------
+
+def table_capacity(n):
+    """Slots of a hash table for n keys: a power of two, at least 2n (load <= 1/2)."""
+    return 1 << max(4, (2 * max(n, 1) - 1).bit_length())
+
+
+class HashTable:
+    """An open-addressing hash table of linearised int64 keys on a CUDA device (CuPy arrays):
+    keys [capacity] (-1 marks an empty slot) and vals int32 [capacity], the row each key was
+    inserted from. Linear probing from a 64-bit mix of the key; an insert or a lookup probes at
+    most `capacity` slots, so a full table fails instead of looping."""
+
+    def __init__(self, keys, vals):
+        self.keys, self.vals = keys, vals
+
+    @property
+    def capacity(self):
+        return int(self.keys.shape[0])
+
+
+def hash_table(keys, capacity=None):
+    """The HashTable of distinct int64 keys [n] (a cupy array): key keys[r] has value r.
+
+    capacity: slots, a power of two (default table_capacity(n)). Raises ValueError if the keys
+    do not fit, repeat or are negative (one host sync to read the kernel's flags)."""
+    import cupy
+
+    n = int(keys.shape[0])
+    capacity = table_capacity(n) if capacity is None else capacity
+    if capacity < 1 or capacity & (capacity - 1):
+        raise ValueError(f"capacity must be a power of two, got {capacity}")
+    table, flags = _new_table(keys.data.device_id, capacity)
+    _launch_rule("insert_keys", keys.data.device_id, n, keys=cupy.ascontiguousarray(keys,
+                 dtype=cupy.int64), table=table, flags=flags)
+    raised = int(flags.get()[0])
+    if raised & _FLAG_FULL:
+        raise ValueError(f"capacity {capacity} is too small for {n} keys")
+    if raised & _FLAG_DUPLICATE:
+        raise ValueError("keys has duplicates")
+    if raised & _FLAG_OUTSIDE:
+        raise ValueError("keys must be >= 0")
+    return table
+
+
+def _new_table(device, capacity):
+    """An empty HashTable and its int32 [2] flags and counter (zero): one allocation and one
+    launch, which cost less host time than CuPy's full and zeros."""
+    import cupy
+
+    memory = cupy.cuda.alloc(capacity * 12 + 8)
+    table = HashTable(cupy.ndarray((capacity,), cupy.int64, memory),
+                      cupy.ndarray((capacity,), cupy.int32, memory + capacity * 8))
+    flags = cupy.ndarray((2,), cupy.int32, memory + capacity * 12)
+    _launch_rule("clear_table", device, capacity, table=table, flags=flags)
+    return table, flags
+
+
+def _rule_ints(n, capacity, batch, taps, transposed, coords_shape=(), query_shape=(),
+               geometry=((), (), (), ())):
+    def pad(values):
+        return tuple(values) + (1,) * (_MAX_DIMS - len(values))
+
+    return (capacity - 1, n, batch, taps, int(transposed), *pad(coords_shape),
+            *pad(query_shape), *(v for g in geometry for v in pad(g)))
+
+
+def _launch_rule(kernel, device, items, *, coords=None, keys=None, table=None, flags=None,
+                 out_map=None, out_keys=None, n=None, batch=1, taps=1, transposed=False,
+                 coords_shape=(), query_shape=(), geometry=((), (), (), ())):
+    """One launch of a rulebook kernel of kernels/submanifold.cu over `items` threads' work
+    (its template argument: the number of spatial axes, 1 where it plays no part)."""
+    import cupy
+
+    if items == 0:
+        return
+    dims = len(coords_shape) or len(query_shape) or 1
+    function = _launch.function(device, "submanifold", kernel, dims)
+
+    def pointer(a):
+        return 0 if a is None else a.data.ptr
+
+    ints = _rule_ints(items if n is None else n, 1 if table is None else table.capacity, batch,
+                      taps, transposed, coords_shape, query_shape, geometry)
+    _launch.launch(device, cupy.cuda.get_current_stream().ptr, function, _grid(items),
+                   (_THREADS, 1, 1), 0, _RULE_ARGS,
+                   (pointer(coords), pointer(keys), 0 if table is None else table.keys.data.ptr,
+                    0 if table is None else table.vals.data.ptr, pointer(flags),
+                    pointer(out_map), pointer(out_keys),
+                    0 if flags is None else flags.data.ptr + 4, *ints))
+
+
+def _grid(items):
+    return (max(1, min(-(-items // _THREADS), _MAX_BLOCKS)), 1, 1)
+
+
+def _table_from_coords(coords, shape, batch, check):
+    """HashTable of coords; with check, rows outside the grid or repeated raise ValueError
+    (without, they are left out or inserted once)."""
+    n = int(coords.shape[0])
+    table, flags = _new_table(coords.data.device_id, table_capacity(n))
+    _launch_rule("insert_coords", coords.data.device_id, n, coords=coords, table=table,
+                 flags=flags, batch=batch, coords_shape=shape)
+    if not check:
+        return table
+    raised = int(flags[0].get())  # the one host sync of a submanifold rulebook
+    if raised & (_FLAG_OUTSIDE | _FLAG_DUPLICATE):
+        _keys_numpy(coords.get(), shape, batch, "coords")  # raises, naming the first bad row
+    if raised:
+        raise AssertionError(f"hash table insert failed (flags {raised})")  # a library bug
+    return table
+
+
+def _table_from_keys(keys):
+    """HashTable of distinct keys, without reading its flags back (no sync)."""
+    table, flags = _new_table(keys.data.device_id, table_capacity(int(keys.shape[0])))
+    _launch_rule("insert_keys", keys.data.device_id, int(keys.shape[0]), keys=keys,
+                 table=table, flags=flags)
+    return table
+
+
+def _output_keys_cupy(coords, shape, out_shape, batch, geometry):
+    """Sorted keys of a strided convolution's output sites: every (input, tap) target hashed
+    into a table, the table compacted, the keys sorted (one host sync, for their number)."""
+    import cupy
+
+    n, taps = int(coords.shape[0]), math.prod(geometry[0])
+    bound = min(n * taps, batch * math.prod(out_shape))
+    device = coords.data.device_id
+    table, flags = _new_table(device, table_capacity(bound))
+    _launch_rule("insert_targets", device, n * taps, coords=coords, table=table, flags=flags,
+                 n=n, batch=batch, taps=taps, transposed=True, coords_shape=shape,
+                 query_shape=out_shape, geometry=geometry)
+    out_keys = cupy.empty(table.capacity, dtype=cupy.int64)
+    _launch_rule("compact_table", device, table.capacity, table=table, flags=flags,
+                 out_keys=out_keys)
+    raised, count = (int(v) for v in flags.get())
+    if raised:
+        raise AssertionError(f"hash table insert failed (flags {raised})")  # a library bug
+    return cupy.sort(out_keys[:count])
+
+
+def _decode_cupy(keys, shape):
+    """_decode on the device, in one launch."""
+    import cupy
+
+    n = int(keys.shape[0])
+    coords = cupy.empty((n, 1 + len(shape)), dtype=cupy.int32)
+    _launch_rule("decode_keys", keys.data.device_id, n, keys=keys, out_map=coords,
+                 query_shape=shape)
+    return coords
+
+
+def _query_cupy(table, sites, sites_shape, query_shape, batch, geometry, transposed):
+    """int32 [K, N] map (see _query_numpy) through the HashTable of the sites of query_shape."""
+    import cupy
+
+    n, taps = int(sites.shape[0]), math.prod(geometry[0])
+    out_map = cupy.empty((taps, n), dtype=cupy.int32)
+    _launch_rule("query_map", sites.data.device_id, n * taps, coords=sites, table=table,
+                 out_map=out_map, n=n, batch=batch, taps=taps, transposed=transposed,
+                 coords_shape=sites_shape, query_shape=query_shape, geometry=geometry)
+    return out_map
+
+
+# --- the convolution ----------------------------------------------------------------------
+
+def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
+    """Sparse convolution through a rulebook (see the module's docstring for the formula).
+
+    Args:
+        features: [N_in, Cin] float16, float32 or float64 (numpy or cupy, the rulebook's).
+        rulebook: a Rulebook (submanifold_rulebook, strided_rulebook, or .inverse() of one).
+        weight: [Cout, *kernel_size, Cin] of features' dtype (spconv's KRSC layout).
+        bias: None or [Cout].
+        algo: the CUDA path's algorithm (None: choose_algo's): "gemm", the gather into
+            [N_out, K * Cin] and one cuBLAS product; "fused", one kernel that gathers rows into
+            shared memory and multiplies on tensor cores (float16, bfloat16, and float32 as
+            TF32), skipping the taps that no site of a 64-site tile has. NumPy ignores it.
+
+    Returns:
+        [N_out, Cout] features of rulebook.out_coords, features' dtype (float32 arithmetic for
+        float16). Deterministic: no atomics.
+    """
+    check_conv(features, rulebook, weight, bias)
+    xp = _checks.array_module(features=features, neighbors=rulebook.neighbors, weight=weight)
+    dtype = _checks.dtype_name(features)
+    if dtype not in _DTYPES:
+        raise TypeError("bfloat16 runs through torch_bridge.submanifold (CUDA tensors)")
+    if algo is None:
+        algo = "gemm" if xp is numpy else choose_algo(dtype, block_conv.tf32_allowed())
+    if algo not in ALGOS or (algo == "fused" and dtype == "float64"):
+        raise ValueError(f"algo must be None or one of {ALGOS} ('fused' for float16, bfloat16 "
+                         f"or float32), got {algo!r} for {dtype}")
+    with _checks.on_device(features):
+        return conv_arrays(xp, features, rulebook.neighbors, weight, bias, algo)
+
+
+def choose_algo(dtype, tf32):
+    """The algorithm rulebook_conv uses when none is given: "fused" for float16 and bfloat16, and
+    for float32 where the caller's framework lets products run as TF32 (`tf32`); "gemm"
+    otherwise (exact float32, float64). Measured on an H100 (bench.submanifold, SECOND's encoder,
+    batch 1 and 4): "fused" took 6.3-8.5 ms a forward against 8.5-10.1 ms for "gemm" and
+    1.4-2.2 ms against 1.9-3.5 ms with cached rulebooks, eagerly; graphed, gemm was ahead at
+    batch 1 (0.52-1.00 against 0.63-1.06 ms) and fused at batch 4 (1.10-1.82 against
+    1.64-3.00 ms)."""
+    return "fused" if dtype in ("float16", "bfloat16") or (dtype == "float32" and tf32) else "gemm"
+
+
+def conv_arrays(xp, features, neighbors, weight, bias, algo="gemm"):
+    """rulebook_conv on checked arrays of module xp, through the map `neighbors` alone."""
+    if xp is not numpy and algo == "fused":
+        features, weight = xp.ascontiguousarray(features), xp.ascontiguousarray(weight)
+        out = xp.empty((neighbors.shape[1], weight.shape[0]), dtype=features.dtype)
+        launch_fused(features.data.device_id, xp.cuda.get_current_stream().ptr,
+                     features.data.ptr, weight.data.ptr, 0 if bias is None else
+                     xp.ascontiguousarray(bias).data.ptr, neighbors.data.ptr, out.data.ptr,
+                     neighbors.shape[1], features.shape[1], weight.shape[0], neighbors.shape[0],
+                     features.dtype.name)
+        return out
+    g = gather(features, neighbors)
+    cout = weight.shape[0]
+    if xp is numpy:
+        acc = _acc_dtype(features.dtype)
+        y = g.astype(acc) @ weight.reshape(cout, -1).astype(acc).T
+        if bias is not None:
+            y += bias.astype(acc)
+        return y.astype(features.dtype)
+    y = g @ xp.ascontiguousarray(weight).reshape(cout, -1).T
+    if bias is not None:
+        y += bias
+    return y
+
+
+def rulebook_conv_grad_features(dy, rulebook, weight):
+    """Gradient of rulebook_conv with respect to features: the same convolution of dy [N_out,
+    Cout] through rulebook.inverse() with transposed_weight(weight)."""
+    return rulebook_conv(dy, rulebook.inverse(), transposed_weight(weight))
+
+
+def rulebook_conv_grad_weight(features, dy, rulebook):
+    """Gradient of rulebook_conv with respect to the weight, [Cout, *kernel_size, Cin]:
+    dy.T @ gather(features, rulebook.neighbors), one matrix product (deterministic)."""
+    xp = _checks.array_module(features=features, dy=dy, neighbors=rulebook.neighbors)
+    n_out = rulebook.out_coords.shape[0]
+    if dy.ndim != 2 or dy.shape[0] != n_out or dy.dtype != features.dtype:
+        raise ValueError(f"dy must be a {features.dtype} array [{n_out}, Cout], got "
+                         f"{dy.dtype} {dy.shape}")
+    if features.ndim != 2 or features.shape[0] != rulebook.in_coords.shape[0]:
+        raise ValueError(f"features must be [{rulebook.in_coords.shape[0]}, Cin], got "
+                         f"{features.shape}")
+    shape = (dy.shape[1], *rulebook.kernel_size, features.shape[1])
+    with _checks.on_device(features):
+        return grad_weight_arrays(xp, features, dy, rulebook.neighbors, shape)
+
+
+def grad_weight_arrays(xp, features, dy, neighbors, shape):
+    """rulebook_conv_grad_weight on checked arrays of module xp: the weight's `shape`."""
+    g = gather(features, neighbors)
+    if xp is numpy:
+        acc = _acc_dtype(features.dtype)
+        return (dy.astype(acc).T @ g.astype(acc)).astype(features.dtype).reshape(shape)
+    return (dy.T @ g).reshape(shape)
+
+
+def transposed_weight(weight):
+    """w_t[ci, *k, co] = w[co, *k, ci]: the weight of the features' gradient."""
+    xp = _checks.array_module(weight=weight)
+    return xp.ascontiguousarray(xp.swapaxes(weight, 0, -1))
+
+
+def _acc_dtype(dtype):
+    return numpy.float64 if dtype == numpy.float64 else numpy.float32
+
+
+def gather(features, neighbors):
+    """[N_out, K * C]: row o is features[neighbors[k, o]] for k = 0..K-1 side by side, zeros
+    where neighbors is -1 (features [N_in, C], neighbors int32 [K, N_out])."""
+    xp = _checks.array_module(features=features, neighbors=neighbors)
+    taps, n_out = neighbors.shape
+    channels = features.shape[1]
+    if xp is numpy:
+        padded = numpy.concatenate([features, numpy.zeros((1, channels), features.dtype)])
+        rows = numpy.where(neighbors.T < 0, features.shape[0], neighbors.T)
+        return padded[rows].reshape(n_out, taps * channels)
+    features = xp.ascontiguousarray(features)
+    out = xp.empty((n_out, taps * channels), dtype=features.dtype)
+    launch_gather(features.data.device_id, xp.cuda.get_current_stream().ptr,
+                  features.data.ptr, out.data.ptr, neighbors.data.ptr, n_out, taps,
+                  channels * features.itemsize)
+    return out
+
+
+def launch_gather(device, stream, features, out, neighbors, n_out, taps, row_bytes):
+    """gather() on raw addresses: C-contiguous features [N_in, C] into out [n_out, taps * C],
+    rows of row_bytes bytes, through int32 neighbors [taps, n_out]."""
+    total = n_out * taps
+    if total == 0 or row_bytes == 0:
+        return
+    word = _kernels.widest_access(row_bytes, _checks.alignment(features, out))
+    function = _launch.function(device, "submanifold", "submanifold_gather",
+                                _kernels.STORAGE_CTYPES[word])
+    words = row_bytes // word
+    _launch.launch(device, stream, function, _grid(total * words), (_THREADS, 1, 1), 0,
+                   _GATHER_ARGS, (features, out, neighbors, n_out, taps, words))
+
+
+def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, cin, cout,
+                 taps, dtype):
+    """The fused convolution on raw addresses: C-contiguous features [N_in, cin], weight
+    [cout, taps, cin], bias [cout] (0: none), int32 neighbors [taps, n_out], into out
+    [n_out, cout]; dtype "float16", "bfloat16" or "float32" (TF32)."""
+    if n_out == 0 or cout == 0:
+        return
+    itemsize = 4 if dtype == "float32" else 2
+    vector = (cin * itemsize) % 32 == 0 and _checks.alignment(features, weight) == 16
+    function, grid = _fused_plan(device, dtype, vector, n_out, cout)
+    _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
+                   (features, weight, bias, neighbors, out, n_out, cin, cout, taps))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fused_plan(device, dtype, vector, n_out, cout):
+    function = _launch.function(device, "submanifold", "submanifold_fused",
+                                _kernels.ARITHMETIC_CTYPES[dtype], vector)
+    grid = (_checks.grid_dim("output sites", -(-n_out // _FUSED_TILE), 2**31 - 1),
+            _checks.grid_dim("output channels", -(-cout // _FUSED_TILE)), 1)
+    return function, grid
+
+
+def instantiations():
+    """Name expressions of every kernel this op can ask for (the compile check builds them)."""
+    rules = ["clear_table", "insert_coords", "insert_keys", "insert_targets", "compact_table",
+             "decode_keys", "query_map"]
+    return [_kernels.name_expression(rule, dims) for rule in rules
+            for dims in range(1, _MAX_DIMS + 1)] + [
+        _kernels.name_expression("submanifold_fused", _kernels.ARITHMETIC_CTYPES[dtype], vector)
+        for dtype in ("float16", "bfloat16", "float32") for vector in (False, True)] + [_kernels.name_expression("submanifold_gather", word)
+                    for word in _kernels.STORAGE_CTYPES.values()]
+
+
+# --- on sparse tensors --------------------------------------------------------------------
+
+def _check_tensor(name, x):
+    if not isinstance(x, SparseTensorData):
+        raise TypeError(f"{name} must be a SparseTensorData, got {type(x).__name__}")
+
+
+def submanifold_conv(x, weight, bias=None, *, dilation=1, rulebook=None):
+    """Submanifold convolution of a SparseTensorData: the output has x's sites.
+
+    weight: [Cout, *kernel_size, Cin] (spconv's layout; its kernel axes give kernel_size).
+    rulebook: a submanifold rulebook of x's sites to reuse (default: built here).
+    """
+    _check_tensor("x", x)
+    if rulebook is None:
+        rulebook = submanifold_rulebook(x.coords, x.spatial_shape, x.batch_size,
+                                        tuple(weight.shape[1:-1]), dilation)
+    elif not rulebook.subm:
+        raise ValueError(f"rulebook must be a submanifold rulebook, got {rulebook!r}")
+    y = rulebook_conv(x.features, rulebook, weight, bias)
+    return SparseTensorData(y, rulebook.out_coords, rulebook.out_shape, rulebook.batch_size)
+
+
+def sparse_conv(x, weight, bias=None, *, stride=1, padding=0, dilation=1, rulebook=None):
+    """Strided sparse convolution of a SparseTensorData (output sites: see strided_rulebook).
+    rulebook: a strided rulebook of x's sites to reuse (default: built here)."""
+    _check_tensor("x", x)
+    if rulebook is None:
+        rulebook = strided_rulebook(x.coords, x.spatial_shape, x.batch_size,
+                                    tuple(weight.shape[1:-1]), stride, padding, dilation)
+    elif rulebook.subm or rulebook.inverted:
+        raise ValueError(f"rulebook must be a strided rulebook, got {rulebook!r}")
+    y = rulebook_conv(x.features, rulebook, weight, bias)
+    return SparseTensorData(y, rulebook.out_coords, rulebook.out_shape, rulebook.batch_size)
+
+
+def inverse_conv(x, weight, bias=None, *, rulebook):
+    """Inverse of a strided sparse convolution: x holds the output sites of the strided
+    `rulebook`; the result holds its input sites (spconv's SparseInverseConv). weight:
+    [Cout, *kernel_size, Cin], tap k connecting the same sites as in the strided convolution."""
+    _check_tensor("x", x)
+    if not isinstance(rulebook, Rulebook) or rulebook.subm or rulebook.inverted:
+        raise ValueError(f"rulebook must be the strided rulebook that made x, got {rulebook!r}")
+    inverse = rulebook.inverse()
+    y = rulebook_conv(x.features, inverse, weight, bias)
+    return SparseTensorData(y, inverse.out_coords, inverse.out_shape, inverse.batch_size)

@@ -1,0 +1,392 @@
+"""Submanifold, strided and inverse sparse convolution (sbnet_cupy.submanifold) against a plain
+loop over the definition, a dense convolution (torch CPU) of the zero-filled input, and the
+adjoint identities of its gradients; rulebook hash table on the GPU under collisions."""
+
+import itertools
+
+import numpy
+import pytest
+from conftest import require, requires_gpu, to_numpy
+from axes import random_array
+
+from sbnet_cupy import submanifold as sm
+
+TOLERANCE = {numpy.float16: 2e-2, numpy.float32: 1e-5, numpy.float64: 1e-12}
+
+
+def random_sites(rng, batch, shape, n, *, border=True):
+    """n distinct random coords [n, 1 + D] in batch x shape, in random order, the grid's
+    first and last corners among them when border is set."""
+    total = batch * int(numpy.prod(shape))
+    inner = rng.permutation(numpy.arange(1, total - 1))
+    ends = [0, total - 1] if border else list(rng.choice([0, total - 1], 2, replace=False))
+    ids = rng.permutation(numpy.concatenate([ends, inner])[:min(n, total)])
+    coords = numpy.stack(numpy.unravel_index(ids, (batch, *shape)), axis=1)
+    return coords.astype(numpy.int32).reshape(-1, 1 + len(shape))
+
+
+def loop_rulebook(coords, shape, kernel, stride, padding, dilation, subm):
+    """(output coords, list of (tap, input row, output row)) from the definition, by loops."""
+    rows = {tuple(c): r for r, c in enumerate(coords.tolist())}
+    taps = list(itertools.product(*(range(k) for k in kernel)))
+    if subm:
+        padding = tuple(k // 2 * d for k, d in zip(kernel, dilation))
+        stride = (1,) * len(shape)
+        out_shape = shape
+        outputs = [tuple(c) for c in coords.tolist()]
+    else:
+        out_shape = tuple((s + 2 * p - d * (k - 1) - 1) // st + 1
+                          for s, k, st, p, d in zip(shape, kernel, stride, padding, dilation))
+        found = set()
+        for site in rows:
+            for tap in taps:
+                o = []
+                for axis in range(len(shape)):
+                    num = site[1 + axis] + padding[axis] - tap[axis] * dilation[axis]
+                    if num % stride[axis] or not 0 <= num // stride[axis] < out_shape[axis]:
+                        break
+                    o.append(num // stride[axis])
+                else:
+                    found.add((site[0], *o))
+        outputs = sorted(found)
+    pairs = []
+    for o_row, o in enumerate(outputs):
+        for k, tap in enumerate(taps):
+            i = (o[0], *(o[1 + a] * stride[a] - padding[a] + tap[a] * dilation[a]
+                         for a in range(len(shape))))
+            if i in rows:
+                pairs.append((k, rows[i], o_row))
+    return numpy.array(outputs, numpy.int32).reshape(-1, 1 + len(shape)), pairs, out_shape
+
+
+def loop_conv(x, w, bias, pairs, n_out):
+    """y[o] = bias + sum over pairs (k, i, o) of w[:, k, :] @ x[i], in float64."""
+    cout, cin = w.shape[0], w.shape[-1]
+    taps = w.reshape(cout, -1, cin).astype(numpy.float64)
+    y = numpy.zeros((n_out, cout)) + (0 if bias is None else bias.astype(numpy.float64))
+    for k, i, o in pairs:
+        y[o] += taps[:, k] @ x[i].astype(numpy.float64)
+    return y
+
+
+def close(actual, expected, dtype):
+    actual = to_numpy(actual).astype(numpy.float64)
+    scale = max(numpy.abs(expected).max(initial=0), 1)
+    numpy.testing.assert_allclose(actual, expected, atol=TOLERANCE[dtype] * scale,
+                                  rtol=TOLERANCE[dtype])
+
+
+# (batch, spatial shape, sites, kernel, stride, padding, dilation)
+CASES = {
+    "2d-3x3": (2, (9, 11), 40, (3, 3), (1, 1), (1, 1), (1, 1)),
+    "2d-5x5-stride2": (1, (12, 13), 30, (5, 5), (2, 2), (2, 2), (1, 1)),
+    "2d-1x1": (3, (6, 5), 20, (1, 1), (1, 1), (0, 0), (1, 1)),
+    "2d-even-2x3-dilated": (2, (10, 9), 35, (2, 3), (2, 1), (0, 1), (2, 1)),
+    "3d-3x3x3-stride2": (2, (5, 6, 7), 50, (3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 1, 1)),
+    "3d-1x3x3": (1, (4, 7, 6), 30, (1, 3, 3), (1, 2, 2), (0, 1, 1), (1, 1, 1)),
+    "3d-z-3x1x1-stride2": (1, (7, 4, 4), 25, (3, 1, 1), (2, 1, 1), (0, 0, 0), (1, 1, 1)),
+    "1d-5": (2, (17,), 12, (5,), (3,), (1,), (1,)),
+    "4d-3": (1, (3, 4, 3, 4), 20, (3, 3, 3, 3), (2, 2, 2, 2), (1, 1, 1, 1), (1, 1, 1, 1)),
+    "one-site": (1, (5, 5), 1, (3, 3), (2, 2), (1, 1), (1, 1)),
+    "empty": (2, (4, 6), 0, (3, 3), (2, 2), (1, 1), (1, 1)),
+    "full-grid": (1, (4, 5), 20, (3, 3), (1, 1), (1, 1), (1, 1)),
+}
+
+
+def build(xp, rng, case, subm, dtype, cin=3, cout=5, bias=True):
+    batch, shape, n, kernel, stride, padding, dilation = CASES[case]
+    coords = random_sites(rng, batch, shape, n)
+    x = random_array(rng, (coords.shape[0], cin), dtype)
+    w = random_array(rng, (cout, *kernel, cin), dtype)
+    b = random_array(rng, (cout,), dtype) if bias else None
+    arrays = [None if a is None else xp.asarray(a) for a in (coords, x, w, b)]
+    if subm:
+        rulebook = sm.submanifold_rulebook(arrays[0], shape, batch, kernel, dilation)
+    else:
+        rulebook = sm.strided_rulebook(arrays[0], shape, batch, kernel, stride, padding,
+                                       dilation)
+    expected = loop_rulebook(coords, shape, kernel, stride, padding, dilation, subm)
+    return (coords, x, w, b), arrays, rulebook, expected
+
+
+@pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_conv_matches_loops(xp, rng, case, subm):
+    (coords, x, w, b), (_, x_d, w_d, b_d), rulebook, (out_coords, pairs, out_shape) = build(
+        xp, rng, case, subm, numpy.float64)
+    assert rulebook.out_shape == out_shape
+    numpy.testing.assert_array_equal(to_numpy(rulebook.out_coords), out_coords)
+    # The rulebook's pairs, both ways, are exactly the definition's.
+    neighbors, neighbors_t = to_numpy(rulebook.neighbors), to_numpy(rulebook.neighbors_t)
+    k, o = numpy.nonzero(neighbors >= 0)
+    assert sorted(zip(k.tolist(), neighbors[k, o].tolist(), o.tolist())) == sorted(pairs)
+    k, i = numpy.nonzero(neighbors_t >= 0)
+    assert sorted(zip(k.tolist(), i.tolist(), neighbors_t[k, i].tolist())) == sorted(pairs)
+    y = sm.rulebook_conv(x_d, rulebook, w_d, b_d)
+    assert y.shape == (out_coords.shape[0], w.shape[0]) and y.dtype == x.dtype
+    close(y, loop_conv(x, w, b, pairs, out_coords.shape[0]), numpy.float64)
+    # The inverse convolution runs the same pairs backwards.
+    w_inv = xp.asarray(random_array(rng, (2, *w.shape[1:-1], w.shape[0]), numpy.float64))
+    x_inv = xp.asarray(random_array(rng, (out_coords.shape[0], w.shape[0]), numpy.float64))
+    y_inv = sm.rulebook_conv(x_inv, rulebook.inverse(), w_inv)
+    swapped = [(k, o, i) for k, i, o in pairs]
+    close(y_inv, loop_conv(to_numpy(x_inv), to_numpy(w_inv), None, swapped, coords.shape[0]),
+          numpy.float64)
+
+
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32, numpy.float64])
+@pytest.mark.parametrize("case", ["2d-3x3", "3d-3x3x3-stride2"])
+def test_dtypes(xp, rng, case, dtype):
+    (coords, x, w, b), (_, x_d, w_d, b_d), rulebook, (out_coords, pairs, _) = build(
+        xp, rng, case, False, dtype, cin=8, cout=16)
+    y = sm.rulebook_conv(x_d, rulebook, w_d, b_d)
+    assert y.dtype == dtype
+    close(y, loop_conv(x, w, b, pairs, out_coords.shape[0]), dtype)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
+@pytest.mark.parametrize("cin, cout", [(4, 8), (16, 64), (24, 72), (40, 130), (64, 16)])
+@pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
+def test_fused_matches_loops(rng, subm, cin, cout, dtype):
+    """The fused tensor-core kernel: vector and scalar loads (cin x itemsize a multiple of 32
+    bytes or not), partial tiles of sites and channels, taps no site of a tile has."""
+    import cupy
+
+    from conftest import _poison_pool
+
+    _poison_pool()
+    case = "3d-3x3x3-stride2" if subm else "2d-5x5-stride2"
+    (coords, x, w, b), (_, x_d, w_d, b_d), rulebook, (out_coords, pairs, _) = build(
+        cupy, rng, case, subm, dtype, cin=cin, cout=cout)
+    big = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, (40, 50, 60), 3000)),
+                                  (40, 50, 60), 2, 3)  # scattered: many taps empty per tile
+    y = sm.rulebook_conv(x_d, rulebook, w_d, b_d, algo="fused")
+    close(y, loop_conv(x, w, b, pairs, out_coords.shape[0]), dtype)
+    xb = cupy.asarray(random_array(rng, (3000, cin), dtype))
+    wb = cupy.asarray(random_array(rng, (cout, 3, 3, 3, cin), dtype))
+    want = sm.rulebook_conv(xb.astype(cupy.float64), big, wb.astype(cupy.float64))
+    close(sm.rulebook_conv(xb, big, wb, algo="fused"), want.get(), dtype)
+    close(sm.rulebook_conv(xb, big, wb, algo="gemm"), want.get(), dtype)
+
+
+@pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
+@pytest.mark.parametrize("case", ["2d-5x5-stride2", "3d-1x3x3", "2d-even-2x3-dilated"])
+def test_matches_dense_convolution(xp, rng, case, subm):
+    torch = require("torch")
+    batch, shape, n, kernel, stride, padding, dilation = CASES[case]
+    if subm and any(k % 2 == 0 for k in kernel):
+        pytest.skip("torch pads symmetrically: odd kernels only")
+    (coords, x, w, b), (coords_d, x_d, w_d, b_d), rulebook, _ = build(
+        xp, rng, case, subm, numpy.float64)
+    if subm:
+        stride, padding = (1,) * len(shape), tuple(k // 2 * d for k, d in zip(kernel, dilation))
+    dense = sm.to_dense(sm.SparseTensorData(x, coords, shape, batch))
+    conv = {2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[len(shape)]
+    moved = list(range(len(shape) + 2))
+    channels_first = (0, moved[-1], *moved[1:-1])
+    ref = conv(torch.from_numpy(dense).permute(*channels_first),
+               torch.from_numpy(numpy.moveaxis(w, -1, 1)), torch.from_numpy(b), stride=stride,
+               padding=padding, dilation=dilation)
+    ref = ref.permute(0, *moved[2:], 1).numpy()
+    out_coords = to_numpy(rulebook.out_coords)
+    y = sm.rulebook_conv(x_d, rulebook, w_d, b_d)
+    close(y, ref[tuple(out_coords.T)], numpy.float64)
+    # And the functional forms on sparse tensors give the same.
+    t = sm.SparseTensorData(x_d, coords_d, shape, batch)
+    if subm:
+        result = sm.submanifold_conv(t, w_d, b_d, dilation=dilation)
+    else:
+        result = sm.sparse_conv(t, w_d, b_d, stride=stride, padding=padding, dilation=dilation)
+    numpy.testing.assert_array_equal(to_numpy(result.coords), out_coords)
+    close(result.features, ref[tuple(out_coords.T)], numpy.float64)
+
+
+@pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
+@pytest.mark.parametrize("case", ["2d-even-2x3-dilated", "3d-3x3x3-stride2", "empty"])
+def test_gradients_are_adjoint(xp, rng, case, subm):
+    """<conv(x), dy> = <x, grad_features(dy)> = <w, grad_weight(x, dy)> (the convolution is
+    bilinear in x and w), and grad_weight matches the loop over pairs."""
+    (coords, x, w, _), (_, x_d, w_d, _), rulebook, (out_coords, pairs, _) = build(
+        xp, rng, case, subm, numpy.float64, bias=False)
+    dy = random_array(rng, (out_coords.shape[0], w.shape[0]), numpy.float64)
+    y = to_numpy(sm.rulebook_conv(x_d, rulebook, w_d))
+    dx = to_numpy(sm.rulebook_conv_grad_features(xp.asarray(dy), rulebook, w_d))
+    dw = to_numpy(sm.rulebook_conv_grad_weight(x_d, xp.asarray(dy), rulebook))
+    assert dx.shape == x.shape and dw.shape == w.shape
+    assert numpy.isclose((y * dy).sum(), (x * dx).sum(), rtol=1e-12, atol=1e-9)
+    expected_dw = numpy.zeros((w.shape[0], int(numpy.prod(w.shape[1:-1])), w.shape[-1]))
+    for k, i, o in pairs:
+        expected_dw[:, k] += numpy.outer(dy[o], x[i])
+    close(dw, expected_dw.reshape(w.shape), numpy.float64)
+
+
+def test_inverse_conv_restores_sites(xp, rng):
+    coords = xp.asarray(random_sites(rng, 2, (9, 8, 7), 40))
+    x = sm.SparseTensorData(xp.asarray(random_array(rng, (40, 4), numpy.float32)), coords,
+                            (9, 8, 7), 2)
+    rulebook = sm.strided_rulebook(coords, (9, 8, 7), 2, 3, 2, 1)
+    down = sm.sparse_conv(x, xp.asarray(random_array(rng, (6, 3, 3, 3, 4), numpy.float32)),
+                          rulebook=rulebook)
+    up = sm.inverse_conv(down, xp.asarray(random_array(rng, (4, 3, 3, 3, 6), numpy.float32)),
+                         rulebook=rulebook)
+    assert up.spatial_shape == (9, 8, 7)
+    numpy.testing.assert_array_equal(to_numpy(up.coords), to_numpy(coords))
+    with pytest.raises(ValueError, match="rulebook must be the strided rulebook"):
+        sm.inverse_conv(up, xp.asarray(random_array(rng, (4, 3, 3, 3, 4), numpy.float32)),
+                        rulebook=rulebook.inverse())
+
+
+def test_dense_round_trip(xp, rng):
+    x = random_array(rng, (2, 5, 6, 3), numpy.float32)
+    x[rng.random((2, 5, 6)) < 0.6] = 0
+    t = sm.from_dense(xp.asarray(x))
+    assert t.spatial_shape == (5, 6) and t.batch_size == 2
+    numpy.testing.assert_array_equal(to_numpy(sm.to_dense(t)), x)
+    mask = numpy.any(x != 0, axis=-1)
+    numpy.testing.assert_array_equal(to_numpy(t.coords), numpy.argwhere(mask))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([[0, 1, 1], [0, 2, 3], [0, 1, 1]], "duplicate rows, e.g. \\(0, 1, 1\\)"),
+    ([[0, 1, 1], [0, 4, 0]], "row 1 = \\(0, 4, 0\\) is outside"),
+    ([[0, 1, -1]], "row 0 = \\(0, 1, -1\\) is outside"),
+    ([[0, 1, 1], [2, 0, 0]], "row 1 = \\(2, 0, 0\\) is outside"),
+])
+@pytest.mark.parametrize("builder", ["subm", "strided"])
+def test_bad_coords_rejected(xp, bad, message, builder):
+    coords = xp.asarray(numpy.array(bad, numpy.int32))
+    build_rulebook = sm.submanifold_rulebook if builder == "subm" else sm.strided_rulebook
+    with pytest.raises(ValueError, match=message):
+        build_rulebook(coords, (4, 5), 2, 3)
+
+
+def test_bad_arguments_rejected(xp, rng):
+    coords = xp.asarray(random_sites(rng, 1, (6, 6), 10))
+    with pytest.raises(TypeError, match="coords must be int32"):
+        sm.submanifold_rulebook(coords.astype(xp.int64), (6, 6), 1, 3)
+    with pytest.raises(ValueError, match="coords must be \\[N, 4\\]"):
+        sm.submanifold_rulebook(coords, (6, 6, 6), 1, 3)
+    with pytest.raises(ValueError, match="kernel_size must be ints >= 1"):
+        sm.submanifold_rulebook(coords, (6, 6), 1, (3, 0))
+    with pytest.raises(ValueError, match="kernel_size must be an int or 2 ints"):
+        sm.submanifold_rulebook(coords, (6, 6), 1, (3, 3, 3))
+    with pytest.raises(ValueError, match="batch_size must be ints >= 1"):
+        sm.submanifold_rulebook(coords, (6, 6), 0, 3)
+    with pytest.raises(ValueError, match="does not fit spatial_shape"):
+        sm.strided_rulebook(coords, (6, 6), 1, 9)
+    with pytest.raises(ValueError, match="spatial_shape must have 1 to 4 axes"):
+        sm.submanifold_rulebook(coords[:, :1], (), 1, 3)
+    rulebook = sm.submanifold_rulebook(coords, (6, 6), 1, 3)
+    x = xp.asarray(random_array(rng, (10, 4), numpy.float32))
+    w = xp.asarray(random_array(rng, (8, 3, 3, 4), numpy.float32))
+    with pytest.raises(ValueError, match="weight must be \\[Cout, 3, 3, 4\\]"):
+        sm.rulebook_conv(x, rulebook, w[..., :3])
+    with pytest.raises(TypeError, match="weight must have features' dtype float32"):
+        sm.rulebook_conv(x, rulebook, w.astype(xp.float64))
+    with pytest.raises(ValueError, match="features must be \\[N, C\\] with N = 10"):
+        sm.rulebook_conv(x[:9], rulebook, w)
+    with pytest.raises(ValueError, match="bias must be a float32 array of shape \\(8,\\)"):
+        sm.rulebook_conv(x, rulebook, w, w[0, 0, 0])
+    with pytest.raises(TypeError, match="rulebook must be a Rulebook"):
+        sm.rulebook_conv(x, None, w)
+    with pytest.raises(ValueError, match="algo must be None or one of"):
+        sm.rulebook_conv(x.astype(xp.float64), rulebook, w.astype(xp.float64), algo="fused")
+    with pytest.raises(ValueError, match="algo must be None or one of"):
+        sm.rulebook_conv(x, rulebook, w, algo="implicit")
+
+
+# --- the GPU hash table -------------------------------------------------------------------
+
+def slot_numpy(keys, capacity):
+    """The first slot a key probes (splitmix64's finaliser, as kernels/submanifold.cu)."""
+    with numpy.errstate(over="ignore"):
+        x = keys.astype(numpy.uint64)
+        x ^= x >> numpy.uint64(30)
+        x *= numpy.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> numpy.uint64(27)
+        x *= numpy.uint64(0x94D049BB133111EB)
+        x ^= x >> numpy.uint64(31)
+    return (x & numpy.uint64(capacity - 1)).astype(numpy.int64)
+
+
+def colliding_keys(rng, n, capacity, limit):
+    """n distinct keys in [0, limit) that all start probing at slot 0."""
+    found = numpy.empty(0, numpy.int64)
+    while found.size < n:
+        keys = rng.integers(0, limit, 1 << 20)
+        found = numpy.unique(numpy.concatenate([found, keys[slot_numpy(keys, capacity) == 0]]))
+    return rng.permutation(found)[:n]
+
+
+@requires_gpu
+def test_adversarial_collisions_give_the_same_rulebook(rng):
+    import cupy
+
+    shape, n = (1000, 999, 998), 200
+    keys = colliding_keys(rng, n, sm.table_capacity(n), int(numpy.prod(shape)))
+    coords = numpy.stack(numpy.unravel_index(keys, (1, *shape)), axis=1).astype(numpy.int32)
+    for builder, args in ((sm.submanifold_rulebook, (3,)), (sm.strided_rulebook, (3, 1, 1))):
+        host = builder(coords, shape, 1, *args)
+        device = builder(cupy.asarray(coords), shape, 1, *args)
+        numpy.testing.assert_array_equal(device.neighbors.get(), host.neighbors)
+        numpy.testing.assert_array_equal(device.neighbors_t.get(), host.neighbors_t)
+        numpy.testing.assert_array_equal(device.out_coords.get(), host.out_coords)
+
+
+@requires_gpu
+@pytest.mark.parametrize("shape, kernel, stride, padding", [
+    ((41, 400, 352), 3, 2, (0, 1, 1)), ((41, 400, 352), (3, 1, 1), (2, 1, 1), 0),
+    ((800, 704), 5, 3, 2)])
+def test_large_rulebooks_equal_numpy(rng, shape, kernel, stride, padding):
+    import cupy
+
+    coords = random_sites(rng, 3, shape, 60000)
+    for subm in (True, False):
+        if subm:
+            host = sm.submanifold_rulebook(coords, shape, 3, kernel)
+            device = sm.submanifold_rulebook(cupy.asarray(coords), shape, 3, kernel)
+        else:
+            host = sm.strided_rulebook(coords, shape, 3, kernel, stride, padding)
+            device = sm.strided_rulebook(cupy.asarray(coords), shape, 3, kernel, stride,
+                                         padding)
+        numpy.testing.assert_array_equal(device.out_coords.get(), host.out_coords)
+        numpy.testing.assert_array_equal(device.neighbors.get(), host.neighbors)
+        numpy.testing.assert_array_equal(device.neighbors_t.get(), host.neighbors_t)
+
+
+@requires_gpu
+def test_unchecked_bad_coords_stay_in_bounds(rng):
+    """check=False trusts the coordinates: bad ones give wrong maps, never rows out of range."""
+    import cupy
+
+    coords = random_sites(rng, 2, (9, 10, 11), 300)
+    coords[:5] = coords[5:10]  # duplicates
+    coords[10:15, 0] = (-1, 2, 7, -5, 2**31 - 1)  # batch indices outside [0, 2)
+    coords[15:20, 1:] = (-1, 10, 11)
+    coords[20:25, 2] = 2**31 - 1
+    coords = cupy.asarray(coords)
+    for rulebook in (sm.submanifold_rulebook(coords, (9, 10, 11), 2, 3, check=False),
+                     sm.strided_rulebook(coords, (9, 10, 11), 2, 3, 2, 1, check=False)):
+        n_in, n_out = rulebook.in_coords.shape[0], rulebook.out_coords.shape[0]
+        assert -1 <= int(rulebook.neighbors.min()) and int(rulebook.neighbors.max()) < n_in
+        assert -1 <= int(rulebook.neighbors_t.min()) and int(rulebook.neighbors_t.max()) < n_out
+
+
+@requires_gpu
+def test_full_table_fails_cleanly(rng):
+    import cupy
+
+    keys = cupy.asarray(rng.choice(1 << 40, size=100, replace=False))
+    with pytest.raises(ValueError, match="capacity 64 is too small for 100 keys"):
+        sm.hash_table(keys, capacity=64)
+    table = sm.hash_table(keys[:64], capacity=64)  # exactly full: every probe path is long
+    found = cupy.sort(table.keys)
+    numpy.testing.assert_array_equal(found.get(), numpy.sort(keys[:64].get()))
+    assert sorted(table.vals.get().tolist()) == list(range(64))
+    with pytest.raises(ValueError, match="keys has duplicates"):
+        sm.hash_table(cupy.concatenate([keys[:10], keys[:1]]))
+    with pytest.raises(ValueError, match="capacity must be a power of two"):
+        sm.hash_table(keys, capacity=100)
+    with pytest.raises(ValueError, match="keys must be >= 0"):
+        sm.hash_table(cupy.asarray([3, -1, 5]))

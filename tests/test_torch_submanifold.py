@@ -1,0 +1,289 @@
+"""torch_bridge.submanifold (spconv's modules) against torch's dense convolutions of the
+zero-filled input, gradcheck in float64, rulebook caching by indice_key; CUDA in every dtype."""
+
+import numpy
+import pytest
+from conftest import HAS_GPU, require
+from axes import random_array
+from test_submanifold import random_sites
+
+torch = require("torch")
+spconv = pytest.importorskip("torch_bridge.submanifold")
+
+requires_cuda = pytest.mark.skipif(not (HAS_GPU and torch.cuda.is_available()),
+                                   reason="needs CUDA tensors")
+DENSE = {2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}
+
+
+def sparse_input(rng, batch, shape, n, channels, dtype=torch.float64, device="cpu"):
+    indices = torch.from_numpy(random_sites(rng, batch, shape, n)).to(device)
+    features = torch.from_numpy(random_array(rng, (indices.shape[0], channels),
+                                             numpy.float64)).to(device, dtype)
+    return spconv.SparseConvTensor(features, indices, shape, batch)
+
+
+def dense_reference(x, layer, stride, padding):
+    """The layer's dense convolution of x.dense() (float64, CPU), channels first."""
+    weight = layer.weight.detach().double().cpu()
+    weight = weight.permute(0, weight.ndim - 1, *range(1, weight.ndim - 1))
+    bias = None if layer.bias is None else layer.bias.detach().double().cpu()
+    dense = x.dense().double().cpu()
+    return DENSE[len(x.spatial_shape)](dense, weight, bias, stride=stride, padding=padding,
+                                       dilation=layer.dilation)
+
+
+def at_sites(dense, indices):
+    """Rows of a channels-first dense tensor at int32 indices [N, 1 + D]: [N, C]."""
+    moved = dense.permute(0, *range(2, dense.ndim), 1)
+    return moved[tuple(indices.long().cpu().t())]
+
+
+@pytest.mark.parametrize("ndim, kernel, stride, padding, dilation", [
+    (2, 3, 1, 1, 1), (2, 5, 2, 2, 1), (3, 3, 2, 1, 1), (3, (1, 3, 3), (1, 2, 2), (0, 1, 1), 1),
+    (3, (3, 1, 1), (2, 1, 1), 0, 1), (2, 3, 1, 2, 2)])
+def test_modules_match_dense_convolution(rng, ndim, kernel, stride, padding, dilation):
+    shape = (9, 10) if ndim == 2 else (7, 6, 8)
+    x = sparse_input(rng, 2, shape, 60, 3)
+    modules = {2: (spconv.SubMConv2d, spconv.SparseConv2d),
+               3: (spconv.SubMConv3d, spconv.SparseConv3d)}[ndim]
+    subm = modules[0](3, 5, kernel, dilation=dilation).double()
+    y = subm(x)
+    assert torch.equal(y.indices, x.indices) and y.spatial_shape == list(shape)
+    same = [k // 2 * d for k, d in zip(subm.kernel_size, subm.dilation)]
+    ref = dense_reference(x, subm, 1, same)
+    torch.testing.assert_close(y.features, at_sites(ref, x.indices))
+    strided = modules[1](3, 4, kernel, stride, padding, dilation, indice_key="down").double()
+    z = strided(x)
+    ref = dense_reference(x, strided, strided.stride, strided.padding)
+    assert z.spatial_shape == list(ref.shape[2:])
+    torch.testing.assert_close(z.features, at_sites(ref, z.indices))
+    # Exactly the sites the dense convolution of the active mask reaches.
+    reached = dense_reference(spconv.SparseConvTensor(torch.ones_like(x.features[:, :1]),
+                                                      x.indices, shape, 2),
+                              _ones_like(strided), strided.stride, strided.padding)
+    assert torch.equal(z.indices.long(), torch.nonzero(reached[:, 0] > 0))
+
+
+def _ones_like(layer):
+    ones = torch.nn.Module()
+    ones.weight = torch.ones(1, *layer.kernel_size, 1, dtype=torch.float64)
+    ones.bias, ones.dilation = None, layer.dilation
+    return ones
+
+
+@pytest.mark.parametrize("subm", [True, False])
+def test_gradcheck(rng, subm):
+    x = sparse_input(rng, 2, (5, 4, 6), 25, 3)
+    rulebook = spconv.build_rulebook(x.indices, x.spatial_shape, 2, (3, 2, 3), 2, 1, 1, subm)
+    weight = torch.from_numpy(random_array(rng, (4, 3, 2, 3, 3), numpy.float64))
+    bias = torch.from_numpy(random_array(rng, (4,), numpy.float64))
+    inputs = [t.clone().requires_grad_() for t in (x.features, weight, bias)]
+    assert torch.autograd.gradcheck(
+        lambda f, w, b: spconv.rulebook_conv(f, rulebook, w, b), inputs)
+    inverse = rulebook.inverse()
+    w_inv = torch.from_numpy(random_array(rng, (2, 3, 2, 3, 4), numpy.float64)).requires_grad_()
+    f_inv = torch.from_numpy(random_array(rng, (rulebook.out_indices.shape[0], 4),
+                                          numpy.float64)).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda f, w: spconv.rulebook_conv(f, inverse, w), [f_inv, w_inv])
+    assert torch.autograd.gradgradcheck(
+        lambda f, w: spconv.rulebook_conv(f, rulebook, w), inputs[:2])
+
+
+def test_network_shares_rulebooks_and_inverts(rng, monkeypatch):
+    x = sparse_input(rng, 2, (12, 11, 10), 80, 4)
+    net = spconv.SparseSequential(
+        spconv.SubMConv3d(4, 8, 3, indice_key="subm1"), torch.nn.BatchNorm1d(8),
+        torch.nn.ReLU(), spconv.SubMConv3d(8, 8, 3, indice_key="subm1"),
+        spconv.SparseSequential(spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
+                                torch.nn.ReLU()),
+        spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
+        spconv.SparseInverseConv3d(16, 8, 3, "down1"),  # spconv's order: the key 4th
+    ).double()
+    built = []
+    build = spconv.build_rulebook
+    monkeypatch.setattr(spconv, "build_rulebook",
+                        lambda *a, **k: built.append(k["check"]) or build(*a, **k))
+    y = net(x)
+    # subm1 once for two layers (the user's indices: checked), then down1 and subm2 on sites
+    # a convolution made (no check needed); the inverse reuses down1.
+    assert built == [True, False, False]
+    assert set(y.indice_dict) == {"subm1", "down1", "subm2"}
+    assert torch.equal(y.indices, x.indices) and y.spatial_shape == [12, 11, 10]
+    y.features.square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
+    assert tuple(net[0].weight.shape) == (8, 3, 3, 3, 4)  # spconv's KRSC layout
+    state = net.state_dict()
+    clone = spconv.SparseSequential(
+        spconv.SubMConv3d(4, 8, 3, indice_key="subm1"), torch.nn.BatchNorm1d(8),
+        torch.nn.ReLU(), spconv.SubMConv3d(8, 8, 3, indice_key="subm1"),
+        spconv.SparseSequential(spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
+                                torch.nn.ReLU()),
+        spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
+        spconv.SparseInverseConv3d(16, 8, 3, indice_key="down1"),
+    ).double()
+    clone.load_state_dict(state)
+    net.eval(), clone.eval()
+    torch.testing.assert_close(clone(x).features, net(x).features)
+
+
+def test_dense_and_replace_feature(rng):
+    x = sparse_input(rng, 3, (4, 5), 12, 2)
+    dense = x.dense()
+    assert dense.shape == (3, 2, 4, 5)
+    torch.testing.assert_close(at_sites(dense, x.indices), x.features)
+    assert x.dense(channels_first=False).shape == (3, 4, 5, 2)
+    back = spconv.SparseConvTensor.from_dense(x.dense(channels_first=False))
+    torch.testing.assert_close(back.dense(), dense)
+    y = x.replace_feature(x.features * 2)
+    assert y.indices is x.indices and y.indice_dict is x.indice_dict
+
+
+def test_errors(rng):
+    x = sparse_input(rng, 1, (6, 6), 10, 3)
+    with pytest.raises(ValueError, match="needs the indice_key"):
+        spconv.SparseInverseConv2d(3, 3, 3)
+    with pytest.raises(ValueError, match="indice_key 'nope' must name the rulebook"):
+        spconv.SparseInverseConv2d(3, 3, 3, indice_key="nope").double()(x)
+    with pytest.raises(ValueError, match="input has 3 channels, this layer takes 4"):
+        spconv.SubMConv2d(4, 3, 3).double()(x)
+    with pytest.raises(TypeError, match="indices must be int32"):
+        spconv.SparseConvTensor(x.features, x.indices.long(), [6, 6], 1)
+    with pytest.raises(ValueError, match="groups must be 1"):
+        spconv.SubMConv2d(4, 4, 3, groups=2)
+    bad = x.indices.clone()
+    bad[0, 1] = 6
+    with pytest.raises(ValueError, match="coords row 0 = .* is outside"):
+        spconv.SubMConv2d(3, 3, 3).double()(spconv.SparseConvTensor(x.features, bad, [6, 6], 1))
+    rulebook = spconv.build_rulebook(x.indices, [6, 6], 1, 3, subm=True)
+    with pytest.raises(TypeError, match="weight must have features' dtype"):
+        spconv.rulebook_conv(x.features, rulebook, torch.zeros(2, 3, 3, 3))
+
+
+@requires_cuda
+@pytest.mark.parametrize("algo", ["gemm", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_cuda_matches_cpu(rng, dtype, algo):
+    if algo == "fused" and dtype == torch.float64:
+        pytest.skip("the fused kernel computes on tensor cores: no float64")
+    x = sparse_input(rng, 2, (20, 30, 25), 400, 16)
+    net = spconv.SparseSequential(
+        spconv.SubMConv3d(16, 32, 3, indice_key="s"), torch.nn.ReLU(),
+        spconv.SparseConv3d(32, 32, 3, 2, 1, indice_key="d"),
+        spconv.SubMConv3d(32, 32, (1, 3, 3)),
+        spconv.SparseInverseConv3d(32, 16, 3, indice_key="d")).double()
+    expected = net(x)
+    gpu = net.to("cuda", dtype)
+    for module in gpu.modules():
+        if isinstance(module, spconv.SparseConvolution):
+            module.sbnet_algo = algo
+    x_gpu = spconv.SparseConvTensor(x.features.to("cuda", dtype).requires_grad_(),
+                                    x.indices.cuda(), x.spatial_shape, 2)
+    y = gpu(x_gpu)
+    assert torch.equal(y.indices.cpu(), expected.indices)
+    tolerance = {torch.float64: 1e-10, torch.float32: 2e-2, torch.float16: 5e-2,
+                 torch.bfloat16: 2e-1}[dtype]
+    torch.testing.assert_close(y.features.double().cpu(), expected.features.detach(),
+                               atol=tolerance * expected.features.abs().max().item(),
+                               rtol=tolerance)
+    y.features.float().sum().backward()
+    assert torch.isfinite(x_gpu.features.grad).all()
+    # Deterministic backward: the same gradients twice, bit for bit.
+    first = [p.grad.clone() for p in gpu.parameters()]
+    gpu.zero_grad()
+    gpu(x_gpu).features.float().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(first, gpu.parameters()))
+
+
+def test_compiles_with_a_built_rulebook(rng):
+    """With its rulebook built, the convolution traces as one op (fullgraph), forward and
+    backward (aot_eager: what inductor would get)."""
+    x = sparse_input(rng, 2, (6, 5, 7), 30, 3)
+    rulebook = spconv.build_rulebook(x.indices, x.spatial_shape, 2, 3, 2, 1)
+    weight = torch.from_numpy(random_array(rng, (4, 3, 3, 3, 3), numpy.float64))
+    bias = torch.from_numpy(random_array(rng, (4,), numpy.float64))
+
+    def loss(f, w, b):
+        return spconv.rulebook_conv(f, rulebook, w, b).square().sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        inputs = [t.clone().requires_grad_() for t in (x.features, weight, bias)]
+        value = fn(*inputs)
+        value.backward()
+        results.append([value.detach()] + [t.grad for t in inputs])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager)
+
+
+@requires_cuda
+def test_cuda_graph_with_cached_rulebooks(rng):
+    """Once its rulebooks are built, a forward makes no host sync: it captures in a CUDA graph
+    and replays the eager result."""
+    x = sparse_input(rng, 2, (30, 40, 20), 2000, 16, torch.float16, "cuda")
+    net = spconv.SparseSequential(
+        spconv.SubMConv3d(16, 32, 3, indice_key="s"), torch.nn.ReLU(),
+        spconv.SparseConv3d(32, 32, 3, 2, 1, indice_key="d"),
+        spconv.SubMConv3d(32, 32, 3, indice_key="s2")).cuda().half().eval()
+    with torch.no_grad():
+        eager = net(x)
+        cached = dict(eager.indice_dict)
+
+        def run():
+            return net(spconv.SparseConvTensor(x.features, x.indices, x.spatial_shape, 2,
+                                               indice_dict=cached)).features
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        graph.replay()
+        torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager.features)
+
+
+
+@requires_cuda
+def test_same_as_spconv(rng):
+    """spconv 2.3.8 (where installed) on the same weights gives the same sites and features:
+    submanifold, strided and inverse convolutions, 3D and 2D."""
+    reference = pytest.importorskip("spconv.pytorch")
+
+    def net(ns, ndim):
+        subm, strided, inverse = ((ns.SubMConv3d, ns.SparseConv3d, ns.SparseInverseConv3d)
+                                  if ndim == 3 else
+                                  (ns.SubMConv2d, ns.SparseConv2d, ns.SparseInverseConv2d))
+        return ns.SparseSequential(
+            subm(16, 32, 3, indice_key="s1"), torch.nn.ReLU(),
+            strided(32, 32, 3, 2, 1, indice_key="d1"),
+            subm(32, 32, (1, 3, 3) if ndim == 3 else (1, 3), indice_key="s2"),
+            strided(32, 64, (3, 1, 1) if ndim == 3 else (3, 1), (2, 1, 1) if ndim == 3 else
+                    (2, 1), 0, indice_key="d2"),
+            inverse(64, 32, (3, 1, 1) if ndim == 3 else (3, 1), "d2"),
+            inverse(32, 16, 3, "d1")).cuda()
+
+    for shape in ((21, 40, 36), (50, 44)):
+        x = sparse_input(rng, 2, shape, 1500, 16, torch.float32, "cuda")
+        ours = net(spconv, len(shape))
+        theirs = net(reference, len(shape))
+        theirs.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            y = ours(x)
+            z = theirs(reference.SparseConvTensor(x.features, x.indices, list(shape), 2))
+        order_y = torch.argsort(_keys(y.indices, shape))
+        order_z = torch.argsort(_keys(z.indices, shape))
+        assert torch.equal(y.indices[order_y], z.indices[order_z])
+        scale = y.features.abs().max().item()
+        torch.testing.assert_close(y.features[order_y], z.features[order_z], rtol=2e-3,
+                                   atol=2e-3 * scale)  # spconv may run float32 as TF32
+
+
+def _keys(indices, shape):
+    key = indices[:, 0].long()
+    for axis, size in enumerate(shape):
+        key = key * size + indices[:, 1 + axis].long()
+    return key
