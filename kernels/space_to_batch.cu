@@ -326,21 +326,20 @@ __global__ void __launch_bounds__(THREADS, 4) batch_to_space_nchw(const nchw_arg
     const int row_step = CL ? a.band_words : 0, column_step = CL ? 0 : a.block_w.d;
     for (int t0 = threadIdx.x; t0 < n_in; t0 += LOADS * THREADS) {
         Vec v[LOADS];
-        int row[LOADS], column[LOADS];  // row -1: nothing loaded
 #pragma unroll
         for (int s = 0; s < LOADS; ++s) {  // all loads first, so several are in flight
             const y_vector p = locate_y<V, CL>(a, c, t0 + s * THREADS);
-            row[s] = t0 + s * THREADS < n_in && p.inside ? p.row : -1;
-            column[s] = p.column;
-            if (row[s] >= 0) v[s] = *reinterpret_cast<const Vec*>(y + p.offset);
+            if (t0 + s * THREADS < n_in && p.inside)
+                v[s] = *reinterpret_cast<const Vec*>(y + p.offset);
         }
 #pragma unroll
-        for (int s = 0; s < LOADS; ++s) {
-            if (row[s] >= 0) {
+        for (int s = 0; s < LOADS; ++s) {  // the places again: fewer registers than keeping them
+            const y_vector p = locate_y<V, CL>(a, c, t0 + s * THREADS);
+            if (t0 + s * THREADS < n_in && p.inside) {
 #pragma unroll
                 for (int e = 0; e < V; ++e)
-                    tile_store(tile, tile_at(row[s] + e * row_step,
-                                             (column[s] + e * column_step) * (int)sizeof(E)),
+                    tile_store(tile, tile_at(p.row + e * row_step,
+                                             (p.column + e * column_step) * (int)sizeof(E)),
                                v[s].v[e]);
             }
         }
