@@ -2,22 +2,25 @@
 seed's benchmark, on a modern GPU), and the reshape kernels against the copy bandwidth.
 
     python -m bench.dilated [--quick] [--out DIR] [--modes eager graph] [--repeats N]
+                            [--conv-layout auto|nchw]
 
 Three routes per configuration, in the same run: "ours" = torch_bridge.dilated_conv2d
 (method="reshape": space_to_batch -> cuDNN convolution -> batch_to_space on this library's
-kernels); "torch" = the same route built from torch's own ops (F.pad, pixel_unshuffle and a
-permute before, a permute and pixel_shuffle after: the route of the issue's anchors); "native" =
-F.conv2d(dilation=r). Three passes: forward (no grad), backward wrt the input alone, backward wrt
-the weights alone (each from a forward recorded once). TF32 (float32, TF32 allowed) and fp16,
-NCHW, cudnn.benchmark on. Every route is checked against the native one before it is timed.
-Timing: CUDA events around each call (mode "eager", what a Python caller sees, host time
-included) or around the replay of a CUDA graph of the call ("graph": GPU time), median of
---repeats after warm-up. "auto" is what method="auto" picks (torch_bridge.dilated.choose_method),
-scored with the times measured here.
+kernels, the convolution in channels_last where conv_channels_last says so, unless
+--conv-layout nchw); "torch" = the same route built from torch's own ops (F.pad,
+pixel_unshuffle and a permute before, a permute and pixel_shuffle after: the route of the
+issue's anchors); "native" = F.conv2d(dilation=r). Three passes: forward (no grad), backward wrt
+the input alone, backward wrt the weights alone (each from a forward recorded once). TF32
+(float32, TF32 allowed) and fp16, NCHW tensors, cudnn.benchmark on. Every route is checked
+against the native one before it is timed. Timing: CUDA events around each call (mode
+"eager", what a Python caller sees, host time included) or around the replay of a CUDA graph
+of the call ("graph": GPU time), median of --repeats after warm-up. "auto" is what
+method="auto" picks (torch_bridge.dilated.choose_method), scored with the times measured here.
 
 The reshape kernels alone run in CUDA graphs, a launch on its own buffers each (so the L2
 cache does not hold the data between launches), against a 1 GiB device-to-device copy measured
-in the same run (read + write bytes), beside torch's ops for the same reshape.
+in the same run (read + write bytes), beside torch's ops for the same reshape, in three layouts:
+NCHW, NHWC (channels_last tensors) and NCHW>NHWC (NCHW x, channels_last y: mixed=True).
 
 Writes <out>/dilated_<device>.csv (routes), dilated_reshapes_<device>.csv (kernels),
 dilated_<device>.md and dilated_<device>.png.
@@ -44,7 +47,7 @@ from torch_bridge import dilated
 CONFIGS = ([(128, 3, 128, size, 2) for size in (64, 32, 16)]
            + [(n, c, c, 64, r) for n, c in ((64, 64), (16, 256), (8, 512)) for r in (2, 4, 8)]
            + [(1, 2048, 256, 64, 12)])
-QUICK_CONFIGS = [(128, 3, 128, 64, 2), (16, 256, 256, 64, 4)]
+QUICK_CONFIGS = [(128, 3, 128, 64, 2), (16, 256, 256, 64, 8), (1, 2048, 256, 64, 12)]
 PRECISIONS = {"tf32": torch.float32, "fp16": torch.float16}
 PASSES = ("forward", "backward_input", "backward_weight")
 ROUTES = ("ours", "torch", "native")
@@ -52,7 +55,9 @@ TOLERANCE = {"tf32": 1e-2, "fp16": 2e-2}  # largest error / largest value, again
 # (N, C, H = W, rate) of the reshape kernels alone, each in both precisions and layouts.
 RESHAPES = [(n, c, 64, r) for n, c, r in ((128, 3, 2), (128, 128, 2), (64, 64, 2), (64, 64, 8),
                                           (16, 256, 4), (8, 512, 8), (1, 2048, 12))]
-QUICK_RESHAPES = [(128, 128, 64, 2), (8, 512, 64, 8)]
+# The quick run's: one large rate-2 case, rate 8 (fp16 NCHW was the slowest) and the DeepLab
+# case (64 px padded to 72, 6-pixel sub-lattices).
+QUICK_RESHAPES = [(128, 128, 64, 2), (64, 64, 64, 8), (1, 2048, 64, 12)]
 
 
 # --- the routes -----------------------------------------------------------------------------
@@ -137,6 +142,14 @@ def _pass_call(route, pass_name, x, w, gy):
     return make_call
 
 
+def _auto(x, w, r, pass_name):
+    """What method="auto" picks for the forward that `pass_name` times."""
+    xg = x.detach().requires_grad_(pass_name == "backward_input")
+    wg = w.detach().requires_grad_(pass_name == "backward_weight")
+    with torch.set_grad_enabled(pass_name != "forward"):
+        return dilated.choose_method(xg, wg, (r, r))
+
+
 def _check(routes, x, w, gy, precision):
     """Forward and both gradients of every route against the native one."""
     results = {}
@@ -167,9 +180,7 @@ def run_config(config, precision, modes, repeats):
             for name, route in routes.items():
                 row[f"{name}_{mode}_ms"] = _time(_pass_call(route, pass_name, x, w, gy), mode,
                                                  repeats)
-            training = pass_name != "forward"
-            row[f"auto_{mode}"] = dilated.choose_method(
-                x, w.detach().requires_grad_(training), (r, r))
+            row[f"auto_{mode}"] = _auto(x, w, r, pass_name)
             fastest = min(row[f"ours_{mode}_ms"], row[f"native_{mode}_ms"])
             picked = row[f"{'ours' if row[f'auto_{mode}'] == 'reshape' else 'native'}_{mode}_ms"]
             row[f"auto_{mode}_vs_best"] = picked / fastest
@@ -199,25 +210,39 @@ def _graph_per_launch_ms(launches, repeats):
     return events_ms(graph(run).replay, repeats) / len(launches)
 
 
-def run_reshape(case, dtype_name, channels_last, copy_gbs, repeats):
+# Layouts of the reshapes alone: x's and y's memory formats, and whether the kernels move the
+# channels (NCHW x, channels_last y: what the route's convolution in channels_last takes).
+LAYOUTS = {"NCHW": (torch.contiguous_format, torch.contiguous_format, False),
+           "NHWC": (torch.channels_last, torch.channels_last, False),
+           "NCHW>NHWC": (torch.contiguous_format, torch.channels_last, True)}
+
+
+def run_reshape(case, dtype_name, layout, copy_gbs, repeats):
     n, c, size, r = case
     dtype = PRECISIONS[dtype_name]
+    x_format, y_format, mixed = LAYOUTS[layout]
     g = dilated_conv_geometry((size, size), (3, 3), (r, r), ((r, r), (r, r)), conv_padding=True)
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    x = torch.randn(n, c, size, size, device="cuda", dtype=dtype).to(memory_format=memory_format)
-    y = tb.space_to_batch(x, r, g.paddings)
-    if not (torch.equal(y, _torch_space_to_batch(x, r, g)) and torch.equal(
-            tb.batch_to_space(y, r, g.paddings), x)):
+    x = torch.randn(n, c, size, size, device="cuda", dtype=dtype).to(memory_format=x_format)
+    y = tb.space_to_batch(x, r, g.paddings, mixed=mixed)
+    if not (y.is_contiguous(memory_format=y_format)
+            and torch.equal(y, _torch_space_to_batch(x, r, g))
+            and torch.equal(tb.batch_to_space(y, r, g.paddings, mixed=mixed), x)):
         raise AssertionError(f"reshape of {tuple(x.shape)} at rate {r} differs from torch's")
     moved = x.nbytes + y.nbytes
     sets = max(1, min(16, math.ceil(200e6 / moved)))  # > 200 MB a graph: more than L2 holds
-    xs = [x.clone(memory_format=memory_format) for _ in range(sets)]
-    ys = [y.clone(memory_format=memory_format) for _ in range(sets)]
+    xs = [x.clone(memory_format=x_format) for _ in range(sets)]
+    ys = [y.clone(memory_format=y_format) for _ in range(sets)]
+    # torch's ops give the layout that their permutes give, but mixed: then the one asked for.
+    torch_y, torch_x = (y_format, x_format) if mixed else (None, None)
     cases = {
-        ("space_to_batch", "ours"): [lambda x=x: tb.space_to_batch(x, r, g.paddings) for x in xs],
-        ("space_to_batch", "torch"): [lambda x=x: _torch_space_to_batch(x, r, g) for x in xs],
-        ("batch_to_space", "ours"): [lambda y=y: tb.batch_to_space(y, r, g.paddings) for y in ys],
-        ("batch_to_space", "torch"): [lambda y=y: _torch_batch_to_space(y, r, g) for y in ys],
+        ("space_to_batch", "ours"):
+            [lambda x=x: tb.space_to_batch(x, r, g.paddings, mixed=mixed) for x in xs],
+        ("space_to_batch", "torch"):
+            [lambda x=x: _torch_space_to_batch(x, r, g, torch_y) for x in xs],
+        ("batch_to_space", "ours"):
+            [lambda y=y: tb.batch_to_space(y, r, g.paddings, mixed=mixed) for y in ys],
+        ("batch_to_space", "torch"):
+            [lambda y=y: _torch_batch_to_space(y, r, g, torch_x) for y in ys],
     }
     rows = []
     with torch.no_grad():
@@ -225,22 +250,25 @@ def run_reshape(case, dtype_name, channels_last, copy_gbs, repeats):
             ms = _graph_per_launch_ms(launches, repeats)
             gbs = moved / ms / 1e6
             rows.append(dict(op=op, impl=impl, N=n, C=c, size=size, rate=r, dtype=dtype_name,
-                             layout="NHWC" if channels_last else "NCHW", MB=moved / 1e6,
+                             layout=layout, MB=moved / 1e6,
                              us=ms * 1e3, GBs=gbs, of_copy=gbs / copy_gbs))
     del xs, ys
     torch.cuda.empty_cache()
     return rows
 
 
-def _torch_space_to_batch(x, r, g):
+def _torch_space_to_batch(x, r, g, memory_format=None):
     (top, bottom), (left, right) = g.paddings
-    return _unshuffle(F.pad(x, (left, right, top, bottom)) if top + bottom + left + right else x, r)
+    padded = F.pad(x, (left, right, top, bottom)) if top + bottom + left + right else x
+    y = _unshuffle(padded, r)
+    return y if memory_format is None else y.contiguous(memory_format=memory_format)
 
 
-def _torch_batch_to_space(y, r, g):
+def _torch_batch_to_space(y, r, g, memory_format=None):
     (top, bottom), (left, right) = g.paddings
     out = _shuffle(y, r)
-    return out[:, :, top:out.shape[2] - bottom, left:out.shape[3] - right]
+    out = out[:, :, top:out.shape[2] - bottom, left:out.shape[3] - right]
+    return out if memory_format is None else out.contiguous(memory_format=memory_format)
 
 
 # --- results --------------------------------------------------------------------------------
@@ -316,7 +344,8 @@ def plot(rows, reshape_rows, modes, path):
                      "blue TF32, orange fp16", fontsize=8)
     ax = axes[-1]
     for (impl, layout), style in {("ours", "NCHW"): "o", ("ours", "NHWC"): "s",
-                                  ("torch", "NCHW"): "x", ("torch", "NHWC"): "+"}.items():
+                                  ("ours", "NCHW>NHWC"): "^", ("torch", "NCHW"): "x",
+                                  ("torch", "NHWC"): "+", ("torch", "NCHW>NHWC"): "1"}.items():
         pts = [(r["MB"], r["of_copy"]) for r in reshape_rows
                if r["impl"] == impl and r["layout"] == layout]
         if pts:
@@ -334,11 +363,16 @@ def plot(rows, reshape_rows, modes, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
-    parser.add_argument("--quick", action="store_true", help="two configurations, few repeats")
+    parser.add_argument("--quick", action="store_true",
+                        help="three configurations and reshapes (the slowest kinds), few repeats")
     parser.add_argument("--modes", nargs="+", default=["eager", "graph"],
                         choices=["eager", "graph"])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--conv-layout", choices=["auto", "nchw"], default="auto",
+                        help="the reshape route's convolution: channels_last where "
+                        "torch_bridge.dilated.conv_channels_last says so, or always NCHW")
     args = parser.parse_args(argv)
+    dilated.CONV_CHANNELS_LAST = args.conv_layout == "auto"
     configs, reshapes = (QUICK_CONFIGS, QUICK_RESHAPES) if args.quick else (CONFIGS, RESHAPES)
     repeats = min(args.repeats, 5) if args.quick else args.repeats
     torch.backends.cudnn.benchmark = True
@@ -353,8 +387,8 @@ def main(argv=None):
     reshape_rows = []
     for case in reshapes:
         for dtype_name in PRECISIONS:
-            for channels_last in (False, True):
-                reshape_rows += run_reshape(case, dtype_name, channels_last, copy_gbs, repeats)
+            for layout in LAYOUTS:
+                reshape_rows += run_reshape(case, dtype_name, layout, copy_gbs, repeats)
                 for r in reshape_rows[-4:]:
                     print(f"[{time.time() - started:4.0f}s] {r['op']:>14} {r['impl']:5} "
                           f"{r['N']}x{r['C']}x{r['size']}^2 r{r['rate']} {r['dtype']} "

@@ -24,40 +24,43 @@ struct divisor {
 // ---- NHWC ------------------------------------------------------------------------------------
 // A pixel is `words` words of Word (1 to 16 bytes, the widest access that the pixel's bytes and
 // the pointers' alignment allow). Consecutive threads take consecutive words of an output row,
-// so writes are coalesced, and reads are runs of whole pixels.
+// so writes are coalesced, and reads are runs of whole pixels. A CTA moves `chunk` words of
+// blockDim.y rows (grid.y cuts long rows, so that few rows still make many CTAs).
 
 struct nhwc_args {
     void* x;
     void* y;
-    int n, height, width;            // x: [n, height, width, words]
-    int out_h, out_w;                // y: [block_h * block_w * n, out_h, out_w, words]
-    int block_h, off_h, off_w;
-    divisor words, block_w;
+    int n, height, width, out_w;  // x: [n, height, width, words], y: [block_h * block_w * n,
+    int off_h, off_w, chunk;      //    out_h, out_w, words]
+    divisor words, block_h, block_w, out_h;
 };
-static_assert(sizeof(nhwc_args) == 72, "nhwc_args: sbnet_cupy/space_to_batch.py, _NHWC_ARGS");
+static_assert(sizeof(nhwc_args) == 96, "nhwc_args: sbnet_cupy/space_to_batch.py, _NHWC_ARGS");
 
-// Grid: ceil(rows of y / blockDim.y); threadIdx.y picks y's row (b', hq), threadIdx.x the word.
+// Grid: (ceil(rows of y / blockDim.y), chunks). The rows run through the sub-lattice columns j
+// fastest, ((b * out_h + hq) * block_h + i) * block_w + j, so the block_w rows that read one
+// row of x run together and read it whole.
 template <typename Word>
 __global__ void space_to_batch_nhwc(const nhwc_args a) {
     const Word* __restrict__ x = static_cast<const Word*>(a.x);
     Word* __restrict__ y = static_cast<Word*>(a.y);
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= a.block_h * a.block_w.d * a.n * a.out_h) return;
-    const int hq = row % a.out_h, batch = row / a.out_h;
-    const int b = batch % a.n, ij = batch / a.n;
-    const int i = ij / a.block_w.d, j = ij - i * a.block_w.d;
-    const int h = hq * a.block_h + i - a.off_h;
+    if (row >= a.block_h.d * a.block_w.d * a.n * a.out_h.d) return;
+    const int r1 = a.block_w.div(row), j = row - r1 * a.block_w.d;
+    const int r2 = a.block_h.div(r1), i = r1 - r2 * a.block_h.d;
+    const int b = a.out_h.div(r2), hq = r2 - b * a.out_h.d;
+    const int h = hq * a.block_h.d + i - a.off_h;
     const bool inside = h >= 0 && h < a.height;
     const i64 image_row = ((i64)b * a.height + h) * a.width;  // first pixel of x's row h
     const int row_words = a.out_w * a.words.d;
-    Word* out = y + (i64)row * row_words;
-    for (int k0 = threadIdx.x; k0 < row_words; k0 += UNROLL * blockDim.x) {
+    const int end = min(row_words, (int)(blockIdx.y + 1) * a.chunk);
+    Word* out = y + ((((i64)(i * a.block_w.d + j) * a.n + b) * a.out_h.d + hq) * row_words);
+    for (int k0 = blockIdx.y * a.chunk + threadIdx.x; k0 < end; k0 += UNROLL * blockDim.x) {
         Word v[UNROLL];
 #pragma unroll
         for (int s = 0; s < UNROLL; ++s) {  // all loads first, so several are in flight
             const int k = k0 + s * blockDim.x;
             v[s] = Word{};
-            if (inside && k < row_words) {
+            if (inside && k < end) {
                 const int wq = a.words.div(k), w = wq * a.block_w.d + j - a.off_w;
                 if (w >= 0 && w < a.width)
                     v[s] = x[(image_row + w) * a.words.d + k - wq * a.words.d];
@@ -66,12 +69,12 @@ __global__ void space_to_batch_nhwc(const nhwc_args a) {
 #pragma unroll
         for (int s = 0; s < UNROLL; ++s) {
             const int k = k0 + s * blockDim.x;
-            if (k < row_words) out[k] = v[s];
+            if (k < end) out[k] = v[s];
         }
     }
 }
 
-// Grid: ceil(rows of x / blockDim.y); threadIdx.y picks the row (b, h) of x, threadIdx.x the word.
+// Grid: (ceil(rows of x / blockDim.y), chunks); threadIdx.y picks the row (b, h) of x.
 template <typename Word>
 __global__ void batch_to_space_nhwc(const nhwc_args a) {
     const Word* __restrict__ y = static_cast<const Word*>(a.y);
@@ -79,171 +82,274 @@ __global__ void batch_to_space_nhwc(const nhwc_args a) {
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= a.n * a.height) return;
     const int b = row / a.height, hp = row - b * a.height + a.off_h;
-    const int hq = hp / a.block_h, i = hp - hq * a.block_h;
+    const int hq = a.block_h.div(hp), i = hp - hq * a.block_h.d;
     const int row_words = a.width * a.words.d;
+    const int end = min(row_words, (int)(blockIdx.y + 1) * a.chunk);
     Word* out = x + (i64)row * row_words;
-    for (int k0 = threadIdx.x; k0 < row_words; k0 += UNROLL * blockDim.x) {
+    for (int k0 = blockIdx.y * a.chunk + threadIdx.x; k0 < end; k0 += UNROLL * blockDim.x) {
         Word v[UNROLL];
 #pragma unroll
         for (int s = 0; s < UNROLL; ++s) {  // all loads first, so several are in flight
             const int k = k0 + s * blockDim.x;
-            if (k < row_words) {
+            if (k < end) {
                 const int w = a.words.div(k), wp = w + a.off_w;
                 const int wq = a.block_w.div(wp), j = wp - wq * a.block_w.d;
                 const i64 pixel =
-                    (((i64)(i * a.block_w.d + j) * a.n + b) * a.out_h + hq) * a.out_w + wq;
+                    (((i64)(i * a.block_w.d + j) * a.n + b) * a.out_h.d + hq) * a.out_w + wq;
                 v[s] = y[pixel * a.words.d + k - w * a.words.d];
             }
         }
 #pragma unroll
         for (int s = 0; s < UNROLL; ++s) {
             const int k = k0 + s * blockDim.x;
-            if (k < row_words) out[k] = v[s];
+            if (k < end) out[k] = v[s];
         }
     }
 }
 
 // ---- NCHW ------------------------------------------------------------------------------------
-// Along a row, the sub-lattice column j of y interleaves with the others in x, so one side of
-// the copy has a stride of block_w elements. A CTA stages a tile of rows in shared memory: it
-// reads x's rows (space_to_batch) or y's rows (batch_to_space) in vectors of V elements, and
-// writes the other side in vectors of V elements, both coalesced; the stride lies in the
-// shared-memory accesses, where a pad of `skew` elements after every 2^skew_log2 elements spreads
-// it over the banks. V divides width, out_w and off_w, and the pointers are aligned to it.
+// With planes = n * channels, the NCHW forms are, for x the padded image side,
 //
-// A tile is tile_units units by tile_vectors * V columns of y (tile_vectors * V * block_w padded
-// columns of x). A unit is a padded row of x (space_to_batch: units = n * channels * padded
-// height, unit_rows = padded height) or a row of x (batch_to_space: units = n * channels *
-// height, unit_rows = height). Grid: (ceil(units / tile_units), column tiles).
+//     y[i * block_w + j, plane * out_h + hq, wq] = x[plane, hq * block_h + i, wq * block_w + j]
+//
+// so for one sub-lattice (i, j), the rows (plane, hq) of y -- "bands", block_h padded rows of x
+// each -- are consecutive. A CTA takes a tile of tile_bands bands, tile_rows of the block_h rows
+// i of each (all of them unless block_h is large) and tile_cols columns of y (all of them unless
+// rows are long), and stages it in shared memory as padded rows of x. One side of the copy reads
+// or writes x's rows, V elements a thread; the other reads or writes y's rows, V elements a
+// thread, with the threads of one (i, j) on consecutive vectors of y: for a given (i, j) the
+// tile is one run of y (tile_bands * out_w elements when tile_cols = out_w), so a warp's
+// accesses cover whole sectors whatever out_w is. The stride of block_w elements lies in the
+// shared-memory accesses. V divides width, out_w, off_w and the column tiles' first columns
+// (tile_cols, when there are several), and the pointers are aligned to it.
+//
+// CL = true: y is NHWC, [block_h * block_w * n, out_h, out_w, channels], x still NCHW (the
+// channels move last in the same pass, for a convolution in channels_last). The bands run
+// through the channels fastest, band = (b * out_h + hq) * channels + c, a tile's bands lie in
+// one (b, hq) (tile_bands divides channels), and y's vectors run along the channels: V
+// consecutive bands at one column. V divides width, off_w, the column tiles' first columns,
+// tile_bands and channels.
+//
+// Shared memory is 32-bit words: tile row (g, ii) starts at word g * band_words + ii * row_words,
+// and in a row a pad word follows every 32, so that vectors and every block_w-th element spread
+// over the banks; the host picks the pads of row_words and band_words that a warp's accesses
+// conflict least on (sbnet_cupy/space_to_batch.py, _tile_pitches).
+// Grid: (ceil(bands / tile_bands), ceil(block_h / tile_rows), ceil(out_w / tile_cols)).
 
 struct nchw_args {
     void* x;
     void* y;
-    int n, height, width;          // x: [n, channels, height, width]
-    int out_h, out_w;              // y: [block_h * block_w * n, channels, out_h, out_w]
+    int height, width;          // x: [n * channels, height, width]
+    int out_w, block_h, bands;  // bands: n * channels * out_h
     int off_h, off_w;
-    int units, tile_units, pitch;  // pitch: elements of shared memory a unit takes
-    int skew_log2, skew;
-    divisor channels, block_h, block_w, unit_rows;
-    divisor tile_vectors, row_vectors;  // row_vectors = tile_vectors * block_w
+    int row_words, band_words;
+    divisor out_h, block_w, channels, tile_rows, tile_bands, tile_cols;
+    divisor row_vectors;   // vectors of a padded tile row
+    divisor col_vectors;   // vectors of a tile row of y (CL: of a tile column's tile_bands)
 };
-static_assert(sizeof(nchw_args) == 136, "nchw_args: sbnet_cupy/space_to_batch.py, _NCHW_ARGS");
+static_assert(sizeof(nchw_args) == 152, "nchw_args: sbnet_cupy/space_to_batch.py, _NCHW_ARGS");
 
-static __device__ __forceinline__ int skewed(const nchw_args& a, int k) {
-    return k + (k >> a.skew_log2) * a.skew;
+// Vectors a thread loads before it stores any: 32 to 64 bytes in flight for 4 to 16-byte vectors.
+template <int BYTES> struct loads_in_flight {
+    static constexpr int value = BYTES >= 16 ? 4 : 8;
+};
+
+static __device__ __forceinline__ int skew(int word) { return word + (word >> 5); }
+
+// Byte address in the tile of byte `byte` of the tile row that starts at word `row`.
+static __device__ __forceinline__ int tile_at(int row, int byte) {
+    return (row + skew(byte >> 2)) * 4 + (byte & 3);
 }
 
-template <typename E, int V>
-__global__ void __launch_bounds__(THREADS) space_to_batch_nchw(const nchw_args a) {
+// A value of 1 to 16 bytes at a tile address of its own alignment in the row: one access if it
+// is smaller than a word, else word by word (the pad words keep it out of alignment, never
+// split it, as 32 words hold whole values).
+template <typename T>
+static __device__ __forceinline__ void tile_store(unsigned char* tile, int at, const T& v) {
+    if constexpr (sizeof(T) < 4) {
+        *reinterpret_cast<T*>(tile + at) = v;
+    } else {
+        const unsigned* words = reinterpret_cast<const unsigned*>(&v);
+        unsigned* to = reinterpret_cast<unsigned*>(tile + at);
+#pragma unroll
+        for (int k = 0; k < (int)(sizeof(T) / 4); ++k) to[k] = words[k];
+    }
+}
+
+template <typename T>
+static __device__ __forceinline__ T tile_load(const unsigned char* tile, int at) {
+    T v;
+    if constexpr (sizeof(T) < 4) {
+        v = *reinterpret_cast<const T*>(tile + at);
+    } else {
+        unsigned* words = reinterpret_cast<unsigned*>(&v);
+        const unsigned* from = reinterpret_cast<const unsigned*>(tile + at);
+#pragma unroll
+        for (int k = 0; k < (int)(sizeof(T) / 4); ++k) words[k] = from[k];
+    }
+    return v;
+}
+
+// The tile's coordinates, shared by both kernels.
+struct nchw_tile {
+    int band0, bands;  // first band, bands in the tile
+    int i0, rows;      // first row i of each band, rows i in the tile
+    int q0, w0;        // first column of y; column of x at the tile's first padded column
+    __device__ __forceinline__ nchw_tile(const nchw_args& a) {
+        band0 = blockIdx.x * a.tile_bands.d;
+        bands = min(a.tile_bands.d, a.bands - band0);
+        i0 = blockIdx.y * a.tile_rows.d;
+        rows = min(a.tile_rows.d, a.block_h - i0);
+        q0 = blockIdx.z * a.tile_cols.d;
+        w0 = q0 * a.block_w.d - a.off_w;
+    }
+};
+
+// Vector k of tile row (g, ii) on x's side, for thread t of the tile_bands * tile_rows *
+// row_vectors (k fastest): x's offset (valid when `inside`) and the tile address.
+struct x_vector {
+    i64 offset;
+    int at;
+    bool inside;
+};
+
+template <int V, int SIZE, bool CL>
+static __device__ __forceinline__ x_vector locate_x(const nchw_args& a, const nchw_tile& c, int t) {
+    const int r = a.row_vectors.div(t), k = t - r * a.row_vectors.d;
+    const int g = a.tile_rows.div(r), ii = r - g * a.tile_rows.d;
+    const int band = c.band0 + g;
+    int plane, hq;
+    if (CL) {
+        const int bq = a.channels.div(band), b = a.out_h.div(bq);
+        plane = b * a.channels.d + band - bq * a.channels.d;
+        hq = bq - b * a.out_h.d;
+    } else {
+        plane = a.out_h.div(band);
+        hq = band - plane * a.out_h.d;
+    }
+    const int h = hq * a.block_h + c.i0 + ii - a.off_h;
+    const int w = c.w0 + k * V;
+    return {((i64)plane * a.height + h) * a.width + w,
+            tile_at(g * a.band_words + ii * a.row_words, k * V * SIZE),
+            ii < c.rows && h >= 0 && h < a.height && w >= 0 && w < a.width};
+}
+
+// A vector on y's side: y's offset (valid when `inside`), and element e's place in the tile,
+// row + e * row_step (a tile row's first word) and column + e * column_step (padded column).
+struct y_vector {
+    i64 offset;
+    int row, column, row_step, column_step;
+    bool inside;
+};
+
+// Vectors on y's side, for thread t of y_vectors(): NCHW, vector qv of row (g, ii) of
+// sub-lattice column j (qv fastest, then g), V elements along the row; CL, vector gv of the
+// bands at tile column qo of row ii, sub-lattice column j (gv fastest, then qo), V bands.
+template <bool CL>
+static __device__ __forceinline__ int y_vectors(const nchw_args& a, const nchw_tile& c) {
+    return c.rows * a.block_w.d * a.col_vectors.d * (CL ? a.tile_cols.d : a.tile_bands.d);
+}
+
+template <int V, bool CL>
+static __device__ __forceinline__ y_vector locate_y(const nchw_args& a, const nchw_tile& c, int t) {
+    const int r = a.col_vectors.div(t), v = t - r * a.col_vectors.d;
+    const divisor& outer = CL ? a.tile_cols : a.tile_bands;
+    const int ij = outer.div(r), o = r - ij * outer.d;
+    const int ii = a.block_w.div(ij), j = ij - ii * a.block_w.d;
+    const i64 sub_lattice = (i64)((c.i0 + ii) * a.block_w.d + j) * a.bands * a.out_w;
+    if (CL) {  // v: vector of channels, o: tile column
+        const int q = c.q0 + o, bq = a.channels.div(c.band0);
+        const int channel = c.band0 - bq * a.channels.d + v * V;
+        return {sub_lattice + ((i64)bq * a.out_w + q) * a.channels.d + channel,
+                v * V * a.band_words + ii * a.row_words, o * a.block_w.d + j, a.band_words, 0,
+                q < a.out_w};
+    }
+    const int q = c.q0 + v * V;  // v: vector of the row, o: band
+    return {sub_lattice + (i64)(c.band0 + o) * a.out_w + q,
+            o * a.band_words + ii * a.row_words, v * V * a.block_w.d + j, 0, a.block_w.d,
+            o < c.bands && q < a.out_w};
+}
+
+template <typename E, int V, bool CL>
+__global__ void __launch_bounds__(THREADS, 4) space_to_batch_nchw(const nchw_args a) {
     typedef vec_t<E, V> Vec;
-    extern __shared__ __align__(16) unsigned char smem[];
-    E* tile = reinterpret_cast<E*>(smem);
+    constexpr int LOADS = loads_in_flight<sizeof(Vec)>::value;
+    extern __shared__ __align__(16) unsigned char tile[];
     const E* __restrict__ x = static_cast<const E*>(a.x);
     E* __restrict__ y = static_cast<E*>(a.y);
-    const int bw = a.block_w.d, tv = a.tile_vectors.d;
-    const int u0 = blockIdx.x * a.tile_units, units = min(a.tile_units, a.units - u0);
-    const int q0 = blockIdx.y * tv * V;  // first column of y in the tile
-    const int w0 = q0 * bw - a.off_w;    // column of x at the tile's first padded column
+    const nchw_tile c(a);
 
-    // Read x's padded rows: thread t takes vector k of unit u (zeros in the padding).
-    const int n_in = units * a.row_vectors.d;
-    for (int t0 = threadIdx.x; t0 < n_in; t0 += UNROLL * THREADS) {
-        Vec v[UNROLL];
-        int at[UNROLL];
+    // x's padded rows into the tile, zeros outside x.
+    const int n_in = c.bands * a.tile_rows.d * a.row_vectors.d;
+    for (int t0 = threadIdx.x; t0 < n_in; t0 += LOADS * THREADS) {
+        Vec v[LOADS];
+        int at[LOADS];
 #pragma unroll
-        for (int s = 0; s < UNROLL; ++s) {  // all loads first, so several are in flight
-            const int t = t0 + s * THREADS;
-            const int u = a.row_vectors.div(t), k = t - u * a.row_vectors.d;
-            const int plane = a.unit_rows.div(u0 + u), h = u0 + u - plane * a.unit_rows.d - a.off_h;
-            const int w = w0 + k * V;
-            at[s] = u * a.pitch + skewed(a, k * V);  // a chunk of the skew holds whole vectors
+        for (int s = 0; s < LOADS; ++s) {  // all loads first, so several are in flight
+            const x_vector p = locate_x<V, (int)sizeof(E), CL>(a, c, t0 + s * THREADS);
+            at[s] = p.at;
             v[s] = Vec{};
-            if (t < n_in && h >= 0 && h < a.height && w >= 0 && w < a.width)
-                v[s] = *reinterpret_cast<const Vec*>(x + ((i64)plane * a.height + h) * a.width + w);
+            if (t0 + s * THREADS < n_in && p.inside)
+                v[s] = *reinterpret_cast<const Vec*>(x + p.offset);
         }
 #pragma unroll
-        for (int s = 0; s < UNROLL; ++s) {
-            if (t0 + s * THREADS < n_in) {
-#pragma unroll
-                for (int e = 0; e < V; ++e) tile[at[s] + e] = v[s].v[e];
-            }
-        }
+        for (int s = 0; s < LOADS; ++s)
+            if (t0 + s * THREADS < n_in) tile_store(tile, at[s], v[s]);
     }
     __syncthreads();
 
-    // Write y's rows: thread t takes vector qv of row j of unit u, gathering every bw-th element.
-    const int n_out = units * bw * tv;
+    // The tile into y, gathering every block_w-th element of a row (CL: one of each row).
+    const int n_out = y_vectors<CL>(a, c);
     for (int t = threadIdx.x; t < n_out; t += THREADS) {
-        const int pair = a.tile_vectors.div(t), qv = t - pair * tv, q = q0 + qv * V;
-        if (q >= a.out_w) continue;
-        const int u = a.block_w.div(pair), j = pair - u * bw;
-        const int plane = a.unit_rows.div(u0 + u), hp = u0 + u - plane * a.unit_rows.d;
-        const int b = a.channels.div(plane), c = plane - b * a.channels.d;
-        const int hq = a.block_h.div(hp), i = hp - hq * a.block_h.d;
-        const int base = u * a.pitch, column = qv * V * bw + j;
+        const y_vector p = locate_y<V, CL>(a, c, t);
+        if (!p.inside) continue;
         Vec v;
 #pragma unroll
-        for (int e = 0; e < V; ++e) v.v[e] = tile[base + skewed(a, column + e * bw)];
-        const i64 y_row = (((i64)(i * bw + j) * a.n + b) * a.channels.d + c) * a.out_h + hq;
-        *reinterpret_cast<Vec*>(y + y_row * a.out_w + q) = v;
+        for (int e = 0; e < V; ++e)
+            v.v[e] = tile_load<E>(tile, tile_at(p.row + e * p.row_step,
+                                                (p.column + e * p.column_step) * (int)sizeof(E)));
+        *reinterpret_cast<Vec*>(y + p.offset) = v;
     }
 }
 
-template <typename E, int V>
-__global__ void __launch_bounds__(THREADS) batch_to_space_nchw(const nchw_args a) {
+template <typename E, int V, bool CL>
+__global__ void __launch_bounds__(THREADS, 4) batch_to_space_nchw(const nchw_args a) {
     typedef vec_t<E, V> Vec;
-    extern __shared__ __align__(16) unsigned char smem[];
-    E* tile = reinterpret_cast<E*>(smem);
+    constexpr int LOADS = loads_in_flight<sizeof(Vec)>::value;
+    extern __shared__ __align__(16) unsigned char tile[];
     const E* __restrict__ y = static_cast<const E*>(a.y);
     E* __restrict__ x = static_cast<E*>(a.x);
-    const int bw = a.block_w.d, tv = a.tile_vectors.d;
-    const int u0 = blockIdx.x * a.tile_units, units = min(a.tile_units, a.units - u0);
-    const int q0 = blockIdx.y * tv * V;  // first column of y in the tile
-    const int w0 = q0 * bw - a.off_w;    // column of x at the tile's first padded column
+    const nchw_tile c(a);
 
-    // Read y's rows: thread t takes vector qv of row j of unit u, spreading it every bw-th element.
-    const int n_in = units * bw * tv;
-    for (int t0 = threadIdx.x; t0 < n_in; t0 += UNROLL * THREADS) {
-        Vec v[UNROLL];
-        int base[UNROLL], column[UNROLL];
-        bool load[UNROLL];
+    // y into the tile, spreading every block_w-th element of a row (CL: one to each row).
+    const int n_in = y_vectors<CL>(a, c);
+    const int row_step = CL ? a.band_words : 0, column_step = CL ? 0 : a.block_w.d;
+    for (int t0 = threadIdx.x; t0 < n_in; t0 += LOADS * THREADS) {
+        Vec v[LOADS];
 #pragma unroll
-        for (int s = 0; s < UNROLL; ++s) {  // all loads first, so several are in flight
-            const int t = t0 + s * THREADS;
-            const int pair = a.tile_vectors.div(t), qv = t - pair * tv, q = q0 + qv * V;
-            const int u = a.block_w.div(pair), j = pair - u * bw;
-            const int plane = a.unit_rows.div(u0 + u);
-            const int hp = u0 + u - plane * a.unit_rows.d + a.off_h;
-            const int b = a.channels.div(plane), c = plane - b * a.channels.d;
-            const int hq = a.block_h.div(hp), i = hp - hq * a.block_h.d;
-            base[s] = u * a.pitch;
-            column[s] = qv * V * bw + j;
-            load[s] = t < n_in && q < a.out_w;
-            if (load[s]) {
-                const i64 y_row = (((i64)(i * bw + j) * a.n + b) * a.channels.d + c) * a.out_h + hq;
-                v[s] = *reinterpret_cast<const Vec*>(y + y_row * a.out_w + q);
-            }
+        for (int s = 0; s < LOADS; ++s) {  // all loads first, so several are in flight
+            const y_vector p = locate_y<V, CL>(a, c, t0 + s * THREADS);
+            if (t0 + s * THREADS < n_in && p.inside)
+                v[s] = *reinterpret_cast<const Vec*>(y + p.offset);
         }
 #pragma unroll
-        for (int s = 0; s < UNROLL; ++s) {
-            if (load[s]) {
+        for (int s = 0; s < LOADS; ++s) {  // the places again: fewer registers than keeping them
+            const y_vector p = locate_y<V, CL>(a, c, t0 + s * THREADS);
+            if (t0 + s * THREADS < n_in && p.inside) {
 #pragma unroll
                 for (int e = 0; e < V; ++e)
-                    tile[base[s] + skewed(a, column[s] + e * bw)] = v[s].v[e];
+                    tile_store(tile, tile_at(p.row + e * row_step,
+                                             (p.column + e * column_step) * (int)sizeof(E)),
+                               v[s].v[e]);
             }
         }
     }
     __syncthreads();
 
-    // Write x's rows: thread t takes vector k of unit u; padded columns in the crops are dropped.
-    const int n_out = units * a.row_vectors.d;
+    // The tile into x's rows; padded rows and columns in the crops are dropped.
+    const int n_out = c.bands * a.tile_rows.d * a.row_vectors.d;
     for (int t = threadIdx.x; t < n_out; t += THREADS) {
-        const int u = a.row_vectors.div(t), k = t - u * a.row_vectors.d, w = w0 + k * V;
-        if (w < 0 || w >= a.width) continue;
-        const int base = u * a.pitch + skewed(a, k * V);
-        Vec v;
-#pragma unroll
-        for (int e = 0; e < V; ++e) v.v[e] = tile[base + e];
-        *reinterpret_cast<Vec*>(x + (i64)(u0 + u) * a.width + w) = v;
+        const x_vector p = locate_x<V, (int)sizeof(E), CL>(a, c, t);
+        if (p.inside) *reinterpret_cast<Vec*>(x + p.offset) = tile_load<Vec>(tile, p.at);
     }
 }

@@ -19,6 +19,9 @@ SPECIALISED_BLOCK_SIZES = (8, 10, 16, 18, 32, 34)
 # Storage types by byte size, for the kernels that only move bytes.
 STORAGE_CTYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
                   8: "unsigned long long", 16: "uint4"}
+# Element sizes that space_to_batch moves between an NCHW image and an NHWC batch in one pass
+# (the float types that a convolution in channels_last takes).
+CHANNELS_LAST_ITEMSIZES = (2, 4, 8)
 # Types that the adding kernels do arithmetic in, by dtype name.
 ARITHMETIC_CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float",
                      "float64": "double"}
@@ -108,9 +111,10 @@ def all_instantiations():
         "space_to_batch": (
             [name_expression(f"{op}_nhwc", word)
              for op in reshapes for word in STORAGE_CTYPES.values()]
-            + [name_expression(f"{op}_nchw", ctype, v) for op in reshapes
+            + [name_expression(f"{op}_nchw", ctype, v, channels_last) for op in reshapes
                for size, ctype in STORAGE_CTYPES.items() for v in (1, 2, 4, 8, 16)
-               if v * size <= 16]),
+               for channels_last in (False, True)
+               if v * size <= 16 and (not channels_last or size in CHANNELS_LAST_ITEMSIZES)]),
         "sparse_scatter": (
             [name_expression("sparse_scatter", word, "Assign")
              for word in STORAGE_CTYPES.values()]

@@ -14,44 +14,49 @@ from .sparse_conv import conv2d_valid
 DATA_FORMATS = ("NHWC", "NCHW")
 
 # Launch shapes (kernels/space_to_batch.cu). NCHW kernels stage a tile of about _TILE_BYTES in
-# shared memory, a unit row of it at most _ROW_BYTES of padded columns, and cut the tiles small
-# enough to give the GPU at least _MIN_CTAS of them when the tensor allows.
+# shared memory, a row of it at most _ROW_BYTES of padded columns; both kernels cut their work
+# small enough to give the GPU at least _MIN_CTAS CTAs when the tensor allows.
 _THREADS = 256  # THREADS in the kernel source
 _UNROLL = 4  # UNROLL in the kernel source
 _TILE_BYTES = 16 * 1024
 _ROW_BYTES = 8 * 1024
 _MIN_CTAS = 512
+_SECTOR = 32  # bytes: the unit of a memory transaction, which a warp's accesses should fill
+_BANKS = 32
 _INT32_LIMIT = 2**31
 
 # The kernels' argument structs: two pointers, ints, and (d, mul, shift) divisors.
-_NHWC_ARGS = _launch.layout("2P8i" + "i2I" * 2, 72)
-_NCHW_ARGS = _launch.layout("2P12i" + "i2I" * 6, 136)
+_NHWC_ARGS = _launch.layout("2P7i" + "i2I" * 4, 96)
+_NCHW_ARGS = _launch.layout("2P9i" + "i2I" * 8, 152)
 
 
-class Reshape(namedtuple("Reshape", ["x_dims", "y_hw", "block", "margins", "data_format"])):
+class Reshape(namedtuple("Reshape", ["x_dims", "y_hw", "block", "margins", "data_format",
+                                     "batch_format"])):
     """A checked space_to_batch / batch_to_space, in the terms of the image side x.
 
     x_dims: (N, C, H, W) of x; y_hw: (H', W') of y; block: (BH, BW); margins: ((top, bottom),
     (left, right)), the paddings of space_to_batch or the crops of batch_to_space;
-    data_format: "NHWC" or "NCHW"."""
+    data_format: "NHWC" or "NCHW", x's layout; batch_format: y's, the same or, with NCHW,
+    "NHWC"."""
 
     __slots__ = ()
 
-    def _shape(self, batch, hw):
-        (_, c, _, _), nchw = self.x_dims, self.data_format == "NCHW"
-        return (batch, c, *hw) if nchw else (batch, *hw, c)
+    def _shape(self, batch, hw, layout):
+        c = self.x_dims[1]
+        return (batch, c, *hw) if layout == "NCHW" else (batch, *hw, c)
 
     @property
     def x_shape(self):
         n, _, h, w = self.x_dims
-        return self._shape(n, (h, w))
+        return self._shape(n, (h, w), self.data_format)
 
     @property
     def y_shape(self):
-        return self._shape(self.block[0] * self.block[1] * self.x_dims[0], self.y_hw)
+        return self._shape(self.block[0] * self.block[1] * self.x_dims[0], self.y_hw,
+                           self.batch_format)
 
 
-def space_to_batch(x, block, paddings=0, *, data_format="NHWC", out=None):
+def space_to_batch(x, block, paddings=0, *, data_format="NHWC", batch_format=None, out=None):
     """Move the BH x BW sub-lattices of the zero-padded image into the batch dimension
     (tf.space_to_batch with block_shape=(BH, BW), same layout and order).
 
@@ -63,10 +68,13 @@ def space_to_batch(x, block, paddings=0, *, data_format="NHWC", out=None):
             of BW.
         data_format: "NHWC" or "NCHW" (the batch ordering is the same; NCHW keeps channels
             second on both sides).
+        batch_format: the result's layout: None (data_format's), or "NHWC" with data_format
+            "NCHW", which moves the channels last in the same pass (for a convolution in
+            channels_last; CUDA arrays need elements of 2, 4 or 8 bytes for it).
         out: optional C-contiguous array of the result's shape and dtype to write into.
 
     Returns:
-        [BH*BW*N, H', W', C] (NCHW: [BH*BW*N, C, H', W']) array of x's dtype, with
+        [BH*BW*N, H', W', C] (batch_format NCHW: [BH*BW*N, C, H', W']) array of x's dtype, with
         H' = (H + top + bottom) / BH and W' = (W + left + right) / BW::
 
             padded = zeros([N, H + top + bottom, W + left + right, C])
@@ -75,7 +83,8 @@ def space_to_batch(x, block, paddings=0, *, data_format="NHWC", out=None):
     """
     xp = _checks.array_module(x=x)
     geometry = _checks.memoized(_CHECKED_S2B, check_space_to_batch,
-                                (x, block, paddings, data_format), _checks.ARRAY_TYPES)
+                                (x, block, paddings, data_format, batch_format),
+                                _checks.ARRAY_TYPES)
     with _checks.on_device(x):
         out = _output(xp, x, out, geometry.y_shape)
         if xp is numpy:
@@ -85,7 +94,7 @@ def space_to_batch(x, block, paddings=0, *, data_format="NHWC", out=None):
     return out
 
 
-def batch_to_space(y, block, crops=0, *, data_format="NHWC", out=None):
+def batch_to_space(y, block, crops=0, *, data_format="NHWC", batch_format=None, out=None):
     """The inverse of space_to_batch: interleave the BH*BW images of each group back into one
     and crop it (tf.batch_to_space with block_shape=(BH, BW), same layout and order).
 
@@ -94,7 +103,8 @@ def batch_to_space(y, block, crops=0, *, data_format="NHWC", out=None):
         block: BH = BW = block, or (BH, BW); ints >= 1.
         crops: ((top, bottom), (left, right)) rows and columns to drop, or one int for all
             four; top + bottom <= BH*H', left + right <= BW*W'.
-        data_format: "NHWC" or "NCHW".
+        data_format: "NHWC" or "NCHW", the result's layout.
+        batch_format: y's layout: None (data_format's), or "NHWC" with data_format "NCHW".
         out: optional C-contiguous array of the result's shape and dtype to write into.
 
     Returns:
@@ -107,7 +117,8 @@ def batch_to_space(y, block, crops=0, *, data_format="NHWC", out=None):
     """
     xp = _checks.array_module(y=y)
     geometry = _checks.memoized(_CHECKED_B2S, check_batch_to_space,
-                                (y, block, crops, data_format), _checks.ARRAY_TYPES)
+                                (y, block, crops, data_format, batch_format),
+                                _checks.ARRAY_TYPES)
     with _checks.on_device(y):
         out = _output(xp, y, out, geometry.x_shape)
         if xp is numpy:
@@ -246,6 +257,15 @@ def _data_format(value):
     return value
 
 
+def _batch_format(value, data_format):
+    if value is None or value == data_format:
+        return data_format
+    if (data_format, value) != ("NCHW", "NHWC"):
+        raise ValueError(f"batch_format must be None, data_format ({data_format!r}) or, with "
+                         f"'NCHW', 'NHWC', got {value!r}")
+    return value
+
+
 def _dims(name, shape, data_format):
     if len(shape) != 4:
         layout = "[N, H, W, C]" if data_format == "NHWC" else "[N, C, H, W]"
@@ -254,17 +274,19 @@ def _dims(name, shape, data_format):
     return (n, c, a, b) if data_format == "NHWC" else (n, a, b, c)
 
 
-def check_space_to_batch(x, block, paddings, data_format="NHWC"):
+def check_space_to_batch(x, block, paddings, data_format="NHWC", batch_format=None):
     """Checks space_to_batch's arguments (x an array or a tensor) and returns its Reshape;
     ValueError/TypeError naming the argument otherwise."""
+    data_format = _data_format(data_format)
     return space_to_batch_reshape(tuple(x.shape), _checks.int_pair("block", block, minimum=1),
-                                  margins("paddings", paddings), _data_format(data_format))
+                                  margins("paddings", paddings), data_format,
+                                  _batch_format(batch_format, data_format))
 
 
 @functools.lru_cache(maxsize=256)
-def space_to_batch_reshape(x_shape, block, paddings, data_format):
-    """check_space_to_batch on arguments already in their checked form (tuples of ints):
-    cached, for the bridges' calls."""
+def space_to_batch_reshape(x_shape, block, paddings, data_format, batch_format=None):
+    """check_space_to_batch on arguments already in their checked form (tuples of ints, a
+    checked layout): cached, for the bridges' calls."""
     n, c, h, w = _dims("x", x_shape, data_format)
     (bh, bw), ((top, bottom), (left, right)) = block, paddings
     padded = (h + top + bottom, w + left + right)
@@ -272,26 +294,30 @@ def space_to_batch_reshape(x_shape, block, paddings, data_format):
         raise ValueError(f"paddings {paddings} make the padded image {padded[0]}x{padded[1]}, "
                          f"not a multiple of block {block}")
     return Reshape((n, c, h, w), (padded[0] // bh, padded[1] // bw), block, paddings,
-                   data_format)
+                   data_format, batch_format or data_format)
 
 
-def check_batch_to_space(y, block, crops, data_format="NHWC"):
+def check_batch_to_space(y, block, crops, data_format="NHWC", batch_format=None):
     """Checks batch_to_space's arguments (y an array or a tensor) and returns its Reshape."""
+    data_format = _data_format(data_format)
     return batch_to_space_reshape(tuple(y.shape), _checks.int_pair("block", block, minimum=1),
-                                  margins("crops", crops), _data_format(data_format))
+                                  margins("crops", crops), data_format,
+                                  _batch_format(batch_format, data_format))
 
 
 @functools.lru_cache(maxsize=256)
-def batch_to_space_reshape(y_shape, block, crops, data_format):
+def batch_to_space_reshape(y_shape, block, crops, data_format, batch_format=None):
     """check_batch_to_space on arguments in their checked form: cached, for the bridges."""
-    batch, c, hq, wq = _dims("y", y_shape, data_format)
+    batch_format = batch_format or data_format
+    batch, c, hq, wq = _dims("y", y_shape, batch_format)
     (bh, bw), ((top, bottom), (left, right)) = block, crops
     if batch % (bh * bw):
         raise ValueError(f"y's batch {batch} is not a multiple of block {bh}x{bw} = {bh * bw}")
     h, w = bh * hq - top - bottom, bw * wq - left - right
     if h < 0 or w < 0:
         raise ValueError(f"crops {crops} remove more than the {bh * hq}x{bw * wq} image")
-    return Reshape((batch // (bh * bw), c, h, w), (hq, wq), block, crops, data_format)
+    return Reshape((batch // (bh * bw), c, h, w), (hq, wq), block, crops, data_format,
+                   batch_format)
 
 
 def _output(xp, like, out, shape):
@@ -333,12 +359,17 @@ def _space_to_batch_numpy(x, g, out):
     padded = numpy.zeros(_padded_shape(g), dtype=x.dtype)
     padded[_inner(g)] = x
     view = _sub_lattice_view(g, padded)
-    out.reshape(view.shape)[...] = view
+    if g.batch_format == g.data_format:
+        out.reshape(view.shape)[...] = view
+    else:  # NCHW x, NHWC y
+        out[...] = view.reshape(out.shape[0], *view.shape[3:]).transpose(0, 2, 3, 1)
 
 
 def _batch_to_space_numpy(y, g, out):
     padded = numpy.empty(_padded_shape(g), dtype=y.dtype)
     view = _sub_lattice_view(g, padded)
+    if g.batch_format != g.data_format:  # NHWC y, NCHW x
+        y = y.transpose(0, 3, 1, 2)
     view[...] = y.reshape(view.shape)
     out[...] = padded[_inner(g)]
 
@@ -399,13 +430,21 @@ def _shape_plan(op, g, itemsize, align):
     (top, _), (left, _) = g.margins
     if n * c * (hq * wq if op == "space_to_batch" else h * w) == 0:
         return None
-    if (g.data_format == "NHWC" or bw * itemsize > _ROW_BYTES
-            or itemsize not in _kernels.STORAGE_CTYPES or align < itemsize):
+    nchw_kernel = (bw * itemsize <= _ROW_BYTES and itemsize in _kernels.STORAGE_CTYPES
+                   and align >= itemsize)
+    if g.batch_format != g.data_format:
+        if not nchw_kernel or itemsize not in _kernels.CHANNELS_LAST_ITEMSIZES:
+            raise ValueError(f"batch_format {g.batch_format!r} with data_format "
+                             f"{g.data_format!r} needs elements of 2, 4 or 8 bytes, aligned, "
+                             f"and block_w * itemsize <= {_ROW_BYTES} on the GPU, got block "
+                             f"{g.block} and {itemsize}-byte elements aligned to {align}")
+        return _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, True)
+    if g.data_format == "NHWC" or not nchw_kernel:
         # NCHW with a very wide block, or elements of an odd size or alignment, moves elements
         # as the pixels of an NHWC [N*C, H, W, 1].
         n, words_bytes = (n, c * itemsize) if g.data_format == "NHWC" else (n * c, itemsize)
         return _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, words_bytes, align)
-    return _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align)
+    return _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, False)
 
 
 def _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, pixel_bytes, align):
@@ -415,38 +454,106 @@ def _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, pixel_bytes, align):
         rows, row_words = bh * bw * n * hq, wq * words
     else:
         rows, row_words = n * h, w * words
-    _check_int32(rows=rows, row_words=row_words, padded_width=bw * wq)
     threads_x = min(_THREADS, max(32, 32 * math.ceil(row_words / _UNROLL / 32)))
     threads_y = _THREADS // threads_x
-    values = (n, h, w, hq, wq, bh, top, left, *_divisor(words), *_divisor(bw))
-    return (f"{op}_nhwc", (_kernels.STORAGE_CTYPES[word],), (math.ceil(rows / threads_y), 1, 1),
+    row_ctas = math.ceil(rows / threads_y)
+    chunks = max(1, min(math.ceil(_MIN_CTAS / row_ctas),
+                        math.ceil(row_words / (threads_x * _UNROLL))))
+    chunk = math.ceil(row_words / chunks)
+    _check_int32(rows=rows, row_words=row_words + chunk, padded_width=bw * wq)
+    values = (n, h, w, wq, top, left, chunk, *_divisor(words), *_divisor(bh), *_divisor(bw),
+              *_divisor(hq))
+    return (f"{op}_nhwc", (_kernels.STORAGE_CTYPES[word],), (row_ctas, chunks, 1),
             (threads_x, threads_y, 1), 0, _NHWC_ARGS, values)
 
 
-def _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align):
+def _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, channels_last):
+    """The NCHW kernels' launch; channels_last: y is NHWC (CL in the kernel source)."""
+    # y's vectors run along its rows (out_w) or, channels last, along the channels, where a
+    # tile holds a vector of bands at least: its rows are shorter.
+    along = c if channels_last else wq
+
+    def row_limit(v):
+        return min(_ROW_BYTES, _TILE_BYTES // v) if channels_last else _ROW_BYTES
+
     vector = next(v for v in (16, 8, 4, 2, 1)
-                  if v * itemsize <= min(16, align) and w % v == 0 and wq % v == 0
-                  and left % v == 0 and v * itemsize * bw <= _ROW_BYTES)
-    vectors = wq // vector
-    per_row = max(1, _ROW_BYTES // (vector * itemsize * bw))  # vectors of y a unit row holds
-    column_tiles = math.ceil(vectors / per_row)
-    tile_vectors = math.ceil(vectors / column_tiles)
-    padded_columns = tile_vectors * vector * bw
-    # Shared memory: a pad of max(4, itemsize) bytes after every 128 bytes of a unit row.
-    skew_log2, skew = (128 // itemsize).bit_length() - 1, max(4, itemsize) // itemsize
-    pitch = padded_columns + ((padded_columns - 1) >> skew_log2) * skew
-    unit_rows = hq * bh if op == "space_to_batch" else h
-    units = n * c * unit_rows
-    tile_units = max(1, min(_TILE_BYTES // (pitch * itemsize),
-                            units * column_tiles // _MIN_CTAS, units))
-    _check_int32(units=units + _UNROLL * _THREADS, padded_height=hq * bh,
-                 padded_width=wq * bw)
-    grid = (math.ceil(units / tile_units), _checks.grid_dim("columns", column_tiles), 1)
-    values = (n, h, w, hq, wq, top, left, units, tile_units, pitch, skew_log2, skew,
-              *_divisor(c), *_divisor(bh), *_divisor(bw), *_divisor(unit_rows),
-              *_divisor(tile_vectors), *_divisor(tile_vectors * bw))
-    return (f"{op}_nchw", (_kernels.STORAGE_CTYPES[itemsize], vector), grid, (_THREADS, 1, 1),
-            tile_units * pitch * itemsize, _NCHW_ARGS, values)
+                  if v * itemsize <= min(16, align) and w % v == 0 and along % v == 0
+                  and left % v == 0 and v * itemsize * bw <= row_limit(v))
+    # Columns of y a tile takes: all of them unless a padded row would pass the limit.
+    most = row_limit(vector) // (bw * itemsize) // vector * vector
+    column_tiles = math.ceil(wq / most)
+    # Tiles after the first start at columns of x that vectors divide.
+    tile_cols = wq if column_tiles == 1 else -(-math.ceil(wq / column_tiles) // vector) * vector
+    row_vectors = -(-tile_cols * bw // vector)
+    words = -(-row_vectors * vector * itemsize // 4)
+    row_bytes = 4 * (words + (words - 1) // 32)  # with its pad words
+    # Channels last, a tile's bands are channels of one (b, hq), vector of them at least: twice
+    # the shared memory, for runs of y (tile_bands channels) that fill sectors.
+    budget, least = (2 * _TILE_BYTES, vector) if channels_last else (_TILE_BYTES, 1)
+    tile_rows = min(bh, max(1, budget // (least * row_bytes)))
+    row_tiles = math.ceil(bh / tile_rows)
+    bands = n * c * hq
+    tile_bands = max(least, min(budget // (tile_rows * row_bytes), bands,
+                                bands * row_tiles * column_tiles // _MIN_CTAS))
+    if channels_last:
+        tile_bands = max(d for d in range(vector, c + 1, vector)
+                         if c % d == 0 and d <= tile_bands or d == vector)
+    elif column_tiles == 1:
+        # A whole number of sectors in each (i, j)'s run of y, tile_bands * out_w elements.
+        per_sector = _SECTOR // math.gcd(_SECTOR, wq * itemsize)
+        if tile_bands > per_sector:
+            tile_bands -= tile_bands % per_sector
+    col_vectors = tile_bands // vector if channels_last else tile_cols // vector
+    row_words, band_words = _tile_pitches(words, tile_rows, tile_bands, tile_cols, col_vectors,
+                                          row_vectors, bw, vector, itemsize, channels_last)
+    _check_int32(bands=bands + 16 * _THREADS, padded_height=hq * bh, padded_width=wq * bw)
+    grid = (math.ceil(bands / tile_bands), _checks.grid_dim("block rows", row_tiles),
+            _checks.grid_dim("columns", column_tiles))
+    values = (h, w, wq, bh, bands, top, left, row_words, band_words,
+              *_divisor(hq), *_divisor(bw), *_divisor(c), *_divisor(tile_rows),
+              *_divisor(tile_bands), *_divisor(tile_cols), *_divisor(row_vectors),
+              *_divisor(col_vectors))
+    return (f"{op}_nchw", (_kernels.STORAGE_CTYPES[itemsize], vector, channels_last), grid,
+            (_THREADS, 1, 1), tile_bands * band_words * 4, _NCHW_ARGS, values)
+
+
+def _tile_pitches(words, tile_rows, tile_bands, tile_cols, col_vectors, row_vectors, bw, vector,
+                  itemsize, channels_last):
+    """(row_words, band_words) of the NCHW tile: the pitches of its rows and bands in shared
+    memory, `words` and their pad words plus the extra pads (up to 1 a row, 31 a band) on which
+    the first warps' accesses conflict least on the banks, taken in the orders of the kernel's
+    locate_x and locate_y (the first word of each access: the others shift every thread
+    alike)."""
+    t = numpy.arange(4 * 32)
+    v, r = t % col_vectors, t // col_vectors
+    if channels_last:  # y's side: bands v * vector + e at tile column o, row ii, column j
+        o, ij = r % tile_cols, r // tile_cols
+        y_places = [(v * vector + e, (o * bw + ij % bw) * itemsize) for e in range(vector)]
+    else:  # y's side: vector v of tile row (o, ii), sub-lattice column j
+        o, ij = r % tile_bands, r // tile_bands
+        y_places = [(o, (v * vector * bw + ij % bw + e * bw) * itemsize) for e in range(vector)]
+    # x's side: vector k of tile row (g, ii); k fastest.
+    r = t // row_vectors
+    x_places = [(r // tile_rows, t % row_vectors * vector * itemsize)]
+    pads = numpy.arange(2)[:, None, None], numpy.arange(32)[None, :, None]
+    row_words = words + (words - 1) // 32 + pads[0]
+    band_words = tile_rows * row_words + pads[1]
+    accesses = [band * band_words + (ij // bw) * row_words + b // 4 + b // 128
+                for band, b in y_places]
+    accesses += [band * band_words + r % tile_rows * row_words + b // 4 + b // 128
+                 for band, b in x_places]
+    # Wavefronts of an access: the most distinct words that a warp asks of one bank.
+    warps = numpy.stack(numpy.broadcast_arrays(*accesses))
+    warps = numpy.sort(warps.reshape(*warps.shape[:-1], -1, 32), axis=-1)
+    distinct = numpy.ones(warps.shape, bool)
+    distinct[..., 1:] = warps[..., 1:] != warps[..., :-1]
+    per_bank = numpy.zeros(warps.shape[:-1] + (_BANKS,), numpy.int64)
+    index = numpy.indices(warps.shape[:-1] + (1,), sparse=True)[:-1]
+    numpy.add.at(per_bank, (*index, warps % _BANKS), distinct.astype(numpy.int64))
+    cost = per_bank.max(axis=-1).sum(axis=(0, 3)).reshape(-1)  # by (row pad, band pad)
+    row_pad, band_pad = divmod(int(numpy.argmin(cost)), 32)  # the first cheapest: small pads
+    rows = words + (words - 1) // 32 + row_pad
+    return rows, tile_rows * rows + band_pad
 
 
 def _check_int32(**counts):

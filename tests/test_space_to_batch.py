@@ -1,8 +1,11 @@
+import itertools
+
 import numpy
 import pytest
 
 import sbnet_cupy
-from sbnet_cupy.space_to_batch import _divisor, dilated_conv_geometry, same_padding
+from sbnet_cupy.space_to_batch import (_divisor, _shape_plan, dilated_conv_geometry, same_padding,
+                                       space_to_batch_reshape)
 from axes import MOVE_DTYPES, random_array
 from conftest import cupy, require, requires_gpu, to_numpy
 import reference
@@ -90,6 +93,32 @@ def test_matches_tensorflow(xp, rng, size, block):
     numpy.testing.assert_array_equal(to_numpy(out), expected.transpose(0, 3, 1, 2))
 
 
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32, numpy.float64])
+@pytest.mark.parametrize("name", RESHAPES)
+def test_batch_format_nhwc_moves_channels_last(xp, rng, name, dtype):
+    """data_format NCHW with batch_format NHWC: the NCHW result, its channels last."""
+    dims, block, paddings = RESHAPES[name]
+    x = random_array(rng, dims, dtype)
+    y = sbnet_cupy.space_to_batch(xp.asarray(x), block, paddings, data_format="NCHW",
+                                  batch_format="NHWC")
+    expected = reference.space_to_batch(x, _pair(block), paddings, True).transpose(0, 2, 3, 1)
+    assert y.shape == expected.shape and y.flags.c_contiguous
+    numpy.testing.assert_array_equal(to_numpy(y), expected)
+    back = sbnet_cupy.batch_to_space(y, block, paddings, data_format="NCHW", batch_format="NHWC")
+    assert back.shape == x.shape
+    numpy.testing.assert_array_equal(to_numpy(back), x)
+
+
+def test_batch_format_checks(xp):
+    x = xp.ones((2, 3, 8, 6), xp.float32)
+    with pytest.raises(ValueError, match="batch_format must be None, data_format"):
+        sbnet_cupy.space_to_batch(x, 2, data_format="NHWC", batch_format="NCHW")
+    with pytest.raises(ValueError, match="batch_format must be None, data_format"):
+        sbnet_cupy.batch_to_space(x, 1, batch_format="CHWN")
+    y = sbnet_cupy.space_to_batch(x, 2, data_format="NCHW", batch_format="NCHW")
+    assert y.shape == (8, 3, 4, 3)
+
+
 @pytest.mark.parametrize("data_format", FORMATS)
 def test_out_and_non_contiguous_input(xp, rng, data_format):
     base = random_array(rng, (2, 9, 12, 6), numpy.float32)
@@ -174,6 +203,36 @@ def test_kernel_division_is_exact():
                                d * rng.integers(0, 2**31 // d, 200),
                                d * rng.integers(1, 2**31 // d, 200) - 1]).astype(object)
         assert all((v * mul) >> shift == v // d for v in n)
+
+
+@pytest.mark.parametrize("layouts", [("NHWC", "NHWC"), ("NCHW", "NCHW"), ("NCHW", "NHWC")],
+                         ids="-".join)
+def test_launch_plans_fit_the_kernels(layouts):
+    """The plans (no GPU needed) on shapes around the benchmark's and odd ones: arguments that
+    pack into the kernels' structs, shared memory under the 48 KiB a launch gets without opting
+    in, vectors the pointers' alignment allows, channels-last tiles within one band row."""
+    data_format, batch_format = layouts
+    rng = numpy.random.default_rng(0)
+    shapes = [(64, 64, 64, 64), (1, 2048, 64, 64), (16, 256, 64, 64), (3, 24, 23, 37)]
+    shapes += [tuple(int(v) for v in rng.integers(1, 40, 4)) for _ in range(12)]
+    for (n, c, h, w), rate, itemsize, align in itertools.product(
+            shapes, (1, 2, 3, 5, 8, 12), (1, 2, 4, 8, 16), (16, 4, 2)):
+        if data_format != batch_format and (itemsize not in (2, 4, 8) or align < itemsize):
+            continue
+        paddings = ((rate // 2, (-h - rate // 2) % rate), (rate - 1, (-w - rate + 1) % rate))
+        shape = (n, c, h, w) if data_format == "NCHW" else (n, h, w, c)
+        g = space_to_batch_reshape(shape, (rate, rate), paddings, data_format, batch_format)
+        for op in ("space_to_batch", "batch_to_space"):
+            kernel, template, grid, block, smem, arguments, values = _shape_plan(
+                op, g, itemsize, align)
+            arguments.pack(0, 0, *values)
+            assert smem <= 48 * 1024 and max(grid[1:]) < 2**16 and numpy.prod(block) <= 1024
+            if kernel.endswith("_nchw"):
+                vector, channels_last = template[1:]
+                assert vector * itemsize <= align and channels_last == (batch_format == "NHWC")
+                if channels_last:
+                    tile_bands = values[9 + 3 * 4]
+                    assert c % tile_bands == 0 and tile_bands % vector == 0
 
 
 # --- atrous_conv2d --------------------------------------------------------------------------
@@ -281,6 +340,51 @@ def test_large_shapes_match_numpy(rng, data_format, dims, block, paddings, dtype
     numpy.testing.assert_array_equal(cupy.asnumpy(y), expected)
     back = sbnet_cupy.batch_to_space(y, block, paddings, data_format=data_format)
     numpy.testing.assert_array_equal(cupy.asnumpy(back), x)
+
+
+# (x layout, y layout): the three kernel families.
+LAYOUTS = [("NHWC", "NHWC"), ("NCHW", "NCHW"), ("NCHW", "NHWC")]
+
+
+@requires_gpu
+@pytest.mark.parametrize("layouts", LAYOUTS, ids="-".join)
+@pytest.mark.parametrize("rate", range(1, 13))
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32, numpy.float64, numpy.int8,
+                                   numpy.complex128])
+def test_rates_and_odd_sizes_match_numpy(rng, layouts, rate, dtype):
+    """Every kernel path at rates 1 to 12, on sizes no rate but 1 divides and paddings that do
+    not split evenly: the tiles' vector widths (16 bytes down to one element), column and row
+    ends, bands of many planes, channels in tiles."""
+    data_format, batch_format = layouts
+    if data_format != batch_format and numpy.dtype(dtype).itemsize not in (2, 4, 8):
+        pytest.skip("the NCHW -> NHWC kernels move 2, 4 and 8-byte elements")
+    for dims, top, left in [((3, 16, 23, 37), rate // 2, rate - 1), ((2, 8, 64, 64), 0, 0),
+                            ((1, 24, 13, 48), rate, 2 * rate)]:
+        (n, c, h, w), (bh, bw) = dims, (rate, rate)
+        paddings = ((top, (-h - top) % bh), (left, (-w - left) % bw))
+        shape = _shape(dims, data_format)
+        x = random_array(rng, shape, dtype)
+        expected = sbnet_cupy.space_to_batch(x, rate, paddings, data_format=data_format,
+                                             batch_format=batch_format)
+        y = sbnet_cupy.space_to_batch(cupy.asarray(x), rate, paddings, data_format=data_format,
+                                      batch_format=batch_format)
+        numpy.testing.assert_array_equal(cupy.asnumpy(y), expected)
+        back = sbnet_cupy.batch_to_space(y, rate, paddings, data_format=data_format,
+                                         batch_format=batch_format)
+        numpy.testing.assert_array_equal(cupy.asnumpy(back), x)
+        crops = ((top + 1, 0), (0, left)) if h > 1 else paddings  # crops past the padding
+        numpy.testing.assert_array_equal(
+            cupy.asnumpy(sbnet_cupy.batch_to_space(y, rate, crops, data_format=data_format,
+                                                   batch_format=batch_format)),
+            sbnet_cupy.batch_to_space(expected, rate, crops, data_format=data_format,
+                                      batch_format=batch_format))
+
+
+@requires_gpu
+def test_batch_format_needs_a_kernel_size():
+    x = cupy.ones((1, 2, 4, 4), cupy.int8)
+    with pytest.raises(ValueError, match="needs elements of 2, 4 or 8 bytes"):
+        sbnet_cupy.space_to_batch(x, 2, data_format="NCHW", batch_format="NHWC")
 
 
 @requires_gpu

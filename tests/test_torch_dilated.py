@@ -1,6 +1,8 @@
 """torch_bridge.dilated: the reshapes as torch ops (values, layouts, gradients, compile) and
 dilated_conv2d against F.conv2d(dilation=), on the CPU and, where there is one, the GPU."""
 
+import csv
+import pathlib
 import zlib
 
 import numpy
@@ -72,6 +74,29 @@ def test_reshape_gradients(gen, name):
     assert torch.autograd.gradgradcheck(lambda x: tb.space_to_batch(x, block, paddings), (x,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", RESHAPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_reshapes_move_channels_last(gen, device, name, dtype):
+    """mixed=True: NCHW x, channels_last y, the same values; gradients through both."""
+    dims, block, paddings = RESHAPES[name]
+    x = _random(dims, dtype, device, gen)
+    y = tb.space_to_batch(x, block, paddings, mixed=True)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(y, tb.space_to_batch(x, block, paddings))
+    back = tb.batch_to_space(y, block, paddings, mixed=True)
+    assert back.is_contiguous() and torch.equal(back, x)
+    # An NCHW y is made channels_last first.
+    assert torch.equal(tb.batch_to_space(y.contiguous(), block, paddings, mixed=True), x)
+    if dtype == torch.float64 and device == "cpu":
+        x.requires_grad_(True)
+        assert torch.autograd.gradcheck(
+            lambda x: tb.space_to_batch(x, block, paddings, mixed=True), (x,))
+        y = y.detach().requires_grad_(True)
+        assert torch.autograd.gradcheck(
+            lambda y: tb.batch_to_space(y, block, paddings, mixed=True), (y,))
+
+
 # (N, C, H, W), K, (KH, KW)
 CONVS = [((2, 3, 11, 13), 4, (3, 3)), ((1, 5, 9, 8), 3, (2, 4))]
 
@@ -104,6 +129,44 @@ def test_dilated_conv2d_gradients(gen, dilation, padding):
     assert torch.autograd.gradcheck(
         lambda x, w, b: tb.dilated_conv2d(x, w, b, dilation=dilation, padding=padding,
                                           method="reshape"), (x, w, b))
+
+
+@pytest.mark.parametrize("dilation, padding", [(2, 2), ((3, 2), "same")])
+def test_dilated_conv2d_mixed_route(gen, monkeypatch, dilation, padding):
+    """The route with its convolution in channels_last (what CUDA tensors of 8k channels take),
+    forced on the CPU: values and gradcheck in float64, and under torch.compile."""
+    monkeypatch.setattr(dilated, "conv_channels_last", lambda x, weight: True)
+    x = _random((2, 8, 9, 10), torch.float64, "cpu", gen).requires_grad_(True)
+    w = _random((8, 8, 3, 3), torch.float64, "cpu", gen).requires_grad_(True)
+    b = _random((8,), torch.float64, "cpu", gen).requires_grad_(True)
+
+    def route(x, w, b):
+        return tb.dilated_conv2d(x, w, b, dilation=dilation, padding=padding, method="reshape")
+
+    out = route(x, w, b)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, F.conv2d(x, w, b, padding=padding, dilation=dilation),
+                               rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(route, (x, w, b))
+    torch._dynamo.reset()
+    compiled = torch.compile(route, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, w, b), out, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+
+
+def test_conv_channels_last_rule():
+    x, w = torch.ones(2, 16, 8, 8), torch.ones(24, 16, 3, 3)
+    assert not dilated.conv_channels_last(x, w)  # the CPU
+
+    class Cuda(torch.Tensor):
+        is_cuda = True
+
+    cuda = x.as_subclass(Cuda)
+    assert dilated.conv_channels_last(cuda, w)
+    assert not dilated.conv_channels_last(cuda[:, :12], w)  # 12 channels
+    assert not dilated.conv_channels_last(cuda, w[:20])
+    assert not dilated.conv_channels_last(cuda.double(), w)
+    assert not dilated.conv_channels_last(cuda.to(memory_format=torch.channels_last), w)
 
 
 def test_dilated_conv2d_channels_last(gen):
@@ -179,6 +242,51 @@ def test_bad_arguments(call, error, match):
 def test_auto_on_cpu_is_native():
     assert dilated.choose_method(torch.ones(1, 512, 8, 8), torch.ones(512, 512, 3, 3),
                                  (4, 4)) == "native"
+
+
+BENCH_CSV = pathlib.Path(__file__).parent.parent / "bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv"
+PRECISION_DTYPES = {"tf32": "float32", "fp16": "float16"}
+PASS_GRADS = {"forward": None, "backward_input": "input", "backward_weight": "weight"}
+
+
+def test_auto_rule_matches_the_benchmark():
+    """method="auto" on every row of the committed H100 run: within 5% of the faster of reshape
+    and native in both timings, eager and CUDA graphs; where no route is (eager host time
+    reverses the GPU's order), within 5% in the graph timing."""
+    with open(BENCH_CSV) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 78
+    for row in rows:
+        n, c, k, size, rate = (int(row[key]) for key in ("N", "C", "K", "size", "rate"))
+        method = "ours" if dilated.reshape_wins(
+            PRECISION_DTYPES[row["precision"]], c, k, rate, n * size * size,
+            PASS_GRADS[row["pass_"]]) else "native"
+        ratios = {}
+        for mode in ("eager", "graph"):
+            times = {route: float(row[f"{route}_{mode}_ms"]) for route in ("ours", "native")}
+            ratios[mode] = {route: t / min(times.values()) for route, t in times.items()}
+        possible = [route for route in ("ours", "native")
+                    if all(ratios[mode][route] <= 1.05 for mode in ratios)]
+        modes = ("eager", "graph") if possible else ("graph",)
+        for mode in modes:
+            assert ratios[mode][method] <= 1.05, (row, mode, method)
+
+
+def test_choose_method_reads_the_call(monkeypatch):
+    """The gradients recorded and the shapes reach the rule (as on a CUDA tensor)."""
+    seen = []
+    monkeypatch.setattr(dilated, "reshape_wins", lambda *args: seen.append(args) or True)
+
+    class Cuda(torch.Tensor):
+        is_cuda = True
+
+    x = torch.ones(8, 512, 6, 5).as_subclass(Cuda)
+    w = torch.ones(256, 512, 3, 3, requires_grad=True)
+    assert dilated.choose_method(x, w, (8, 12)) == "reshape"
+    with torch.no_grad():
+        dilated.choose_method(x, w, (8, 12))
+    assert seen == [("float32", 512, 256, 8, 8 * 6 * 5, "weight"),
+                    ("float32", 512, 256, 8, 8 * 6 * 5, None)]
 
 
 # --- GPU --------------------------------------------------------------------------------------

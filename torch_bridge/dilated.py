@@ -17,7 +17,7 @@ from sbnet_cupy.space_to_batch import (batch_to_space_reshape, check_batch_to_sp
                                        launch_batch_to_space, launch_space_to_batch,
                                        same_padding, space_to_batch_reshape)
 
-from ._ops import _call, _checked, _numpy, _raw_stream, _register
+from ._ops import _call, _checked, _contiguous, _numpy, _raw_stream, _register
 
 METHODS = ("auto", "reshape", "native")
 
@@ -27,11 +27,17 @@ def _channels_last(t):
     return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
 
-def _layout(t):
-    """(tensor to hand to the kernels, its data format, memory format of the result)."""
-    if _channels_last(t):
-        return t, "NHWC", torch.channels_last
-    return (t if t.is_contiguous() else t.contiguous()), "NCHW", torch.contiguous_format
+def _layouts(op, src, mixed):
+    """(tensor to hand to the kernels, x's data format, y's, memory format of the result)."""
+    if mixed:  # x NCHW, y channels_last
+        if op == "space_to_batch":
+            return _contiguous(src), "NCHW", "NHWC", torch.channels_last
+        if not src.is_contiguous(memory_format=torch.channels_last):
+            src = src.contiguous(memory_format=torch.channels_last)
+        return src, "NCHW", "NHWC", torch.contiguous_format
+    if _channels_last(src):
+        return src, "NHWC", "NHWC", torch.channels_last
+    return _contiguous(src), "NCHW", "NCHW", torch.contiguous_format
 
 
 def _as_format(t, data_format):
@@ -47,26 +53,27 @@ def _flat(margins):
     return [margins[0][0], margins[0][1], margins[1][0], margins[1][1]]
 
 
-def _run(op, src, block, margins):
+def _run(op, src, block, margins, mixed):
     """space_to_batch (op="space_to_batch": src is x) or batch_to_space (src is y) of an NCHW
-    tensor, channels_last kept."""
-    src, data_format, memory_format = _layout(src)
-    view = _as_format(src, data_format)
+    tensor: channels_last kept, or with `mixed`, x NCHW and y channels_last."""
+    src, x_format, y_format, memory_format = _layouts(op, src, mixed)
     if op == "space_to_batch":
+        view = _as_format(src, x_format)
         geometry = space_to_batch_reshape(tuple(view.shape), tuple(block), _pairs(margins),
-                                          data_format)
-        n, c, hq, wq = geometry.y_shape if data_format == "NCHW" else _nchw(geometry.y_shape)
+                                          x_format, y_format)
+        shape, out_format = geometry.y_shape, y_format
     else:
+        view = _as_format(src, y_format)
         geometry = batch_to_space_reshape(tuple(view.shape), tuple(block), _pairs(margins),
-                                          data_format)
-        n, c, hq, wq = geometry.x_shape if data_format == "NCHW" else _nchw(geometry.x_shape)
-    out = torch.empty((n, c, hq, wq), dtype=src.dtype, device=src.device,
-                      memory_format=memory_format)
+                                          x_format, y_format)
+        shape, out_format = geometry.x_shape, x_format
+    out = torch.empty(shape if out_format == "NCHW" else _nchw(shape), dtype=src.dtype,
+                      device=src.device, memory_format=memory_format)
     if not src.is_cuda:
         function = (sbnet_cupy.space_to_batch if op == "space_to_batch"
                     else sbnet_cupy.batch_to_space)
-        function(_numpy(view), tuple(block), _pairs(margins), data_format=data_format,
-                 out=_numpy(_as_format(out, data_format)))
+        function(_numpy(view), tuple(block), _pairs(margins), data_format=x_format,
+                 batch_format=y_format, out=_numpy(_as_format(out, out_format)))
         return out
     device = src.get_device()
     launch = launch_space_to_batch if op == "space_to_batch" else launch_batch_to_space
@@ -80,71 +87,73 @@ def _nchw(nhwc_shape):
     return n, c, h, w
 
 
-def _fake(t, shape):
-    memory_format = torch.channels_last if _channels_last(t) else torch.contiguous_format
+def _fake(t, shape, channels_last):
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
     return torch.empty(shape, dtype=t.dtype, device=t.device, memory_format=memory_format)
 
 
 # --- space_to_batch -------------------------------------------------------------------------
 
-def _space_to_batch_impl(x, block, paddings):
-    return _run("space_to_batch", x, block, paddings)
+def _space_to_batch_impl(x, block, paddings, mixed):
+    return _run("space_to_batch", x, block, paddings, mixed)
 
 
-def _space_to_batch_fake(x, block, paddings):
+def _space_to_batch_fake(x, block, paddings, mixed):
     (bh, bw), (top, bottom, left, right) = block, paddings
     n, c, h, w = x.shape
-    return _fake(x, (bh * bw * n, c, (h + top + bottom) // bh, (w + left + right) // bw))
+    return _fake(x, (bh * bw * n, c, (h + top + bottom) // bh, (w + left + right) // bw),
+                 mixed or _channels_last(x))
 
 
 def _space_to_batch_setup(ctx, inputs, output):
-    _, ctx.block, ctx.margins = inputs
+    _, ctx.block, ctx.margins, ctx.mixed = inputs
 
 
 def _space_to_batch_backward(ctx, grad):
     # Each element of x went to one element of y; the padding came from nowhere.
-    return _batch_to_space(grad, ctx.block, ctx.margins), None, None
+    return _batch_to_space(grad, ctx.block, ctx.margins, ctx.mixed), None, None, None
 
 
 _space_to_batch_op, _SpaceToBatchFunction = _register(
-    "space_to_batch(Tensor x, int[] block, int[] paddings) -> Tensor",
+    "space_to_batch(Tensor x, int[] block, int[] paddings, bool mixed) -> Tensor",
     _space_to_batch_impl, _space_to_batch_fake, _space_to_batch_setup, _space_to_batch_backward)
 
 
-def _space_to_batch(x, block, paddings):
-    args = (x, block, paddings)
+def _space_to_batch(x, block, paddings, mixed=False):
+    args = (x, block, paddings, mixed)
     return _call(_space_to_batch_op, _SpaceToBatchFunction, _space_to_batch_impl, args, (x,),
                  (x,))
 
 
 # --- batch_to_space -------------------------------------------------------------------------
 
-def _batch_to_space_impl(y, block, crops):
-    return _run("batch_to_space", y, block, crops)
+def _batch_to_space_impl(y, block, crops, mixed):
+    return _run("batch_to_space", y, block, crops, mixed)
 
 
-def _batch_to_space_fake(y, block, crops):
+def _batch_to_space_fake(y, block, crops, mixed):
     (bh, bw), (top, bottom, left, right) = block, crops
     batch, c, hq, wq = y.shape
-    return _fake(y, (batch // (bh * bw), c, bh * hq - top - bottom, bw * wq - left - right))
+    return _fake(y, (batch // (bh * bw), c, bh * hq - top - bottom, bw * wq - left - right),
+                 not mixed and _channels_last(y))
 
 
 def _batch_to_space_setup(ctx, inputs, output):
-    _, ctx.block, ctx.margins = inputs
+    _, ctx.block, ctx.margins, ctx.mixed = inputs
 
 
 def _batch_to_space_backward(ctx, grad):
     # Each element of x came from one element of y; the cropped ones went nowhere.
-    return _space_to_batch(grad, ctx.block, ctx.margins), None, None
+    return _space_to_batch(grad, ctx.block, ctx.margins, ctx.mixed), None, None, None
 
 
 _batch_to_space_op, _BatchToSpaceFunction = _register(
-    "batch_to_space(Tensor y, int[] block, int[] crops) -> Tensor",
+    "batch_to_space(Tensor y, int[] block, int[] crops, bool mixed) -> Tensor",
     _batch_to_space_impl, _batch_to_space_fake, _batch_to_space_setup, _batch_to_space_backward)
 
 
-def _batch_to_space(y, block, crops):
-    args = (y, block, crops)
+def _batch_to_space(y, block, crops, mixed=False):
+    args = (y, block, crops, mixed)
     return _call(_batch_to_space_op, _BatchToSpaceFunction, _batch_to_space_impl, args, (y,),
                  (y,))
 
@@ -166,34 +175,75 @@ def _check_batch_to_space(y, block, crops):
 _SPACE_TO_BATCH_CHECKS, _BATCH_TO_SPACE_CHECKS, _CONV_CHECKS = {}, {}, {}
 
 
-def space_to_batch(x, block, paddings=0):
+def space_to_batch(x, block, paddings=0, *, mixed=False):
     """sbnet_cupy.space_to_batch on an NCHW tensor [N, C, H, W] -> [BH*BW*N, C, H', W'];
-    differentiable. A channels_last x gives a channels_last result (NHWC kernels)."""
+    differentiable. A channels_last x gives a channels_last result (NHWC kernels); with
+    mixed=True, x is taken NCHW and the result is channels_last, the channels moved last in the
+    same pass (batch_format="NHWC"; CUDA tensors of 2, 4 or 8-byte elements)."""
     geometry = _checked(_SPACE_TO_BATCH_CHECKS, _check_space_to_batch, (x, block, paddings))
-    return _space_to_batch(x, list(geometry.block), _flat(geometry.margins))
+    return _space_to_batch(x, list(geometry.block), _flat(geometry.margins), bool(mixed))
 
 
-def batch_to_space(y, block, crops=0):
+def batch_to_space(y, block, crops=0, *, mixed=False):
     """sbnet_cupy.batch_to_space on an NCHW tensor [BH*BW*N, C, H', W'] -> [N, C, H, W];
-    differentiable. A channels_last y gives a channels_last result (NHWC kernels)."""
+    differentiable. A channels_last y gives a channels_last result (NHWC kernels); with
+    mixed=True, y is taken channels_last and the result is NCHW (space_to_batch's inverse)."""
     geometry = _checked(_BATCH_TO_SPACE_CHECKS, _check_batch_to_space, (y, block, crops))
-    return _batch_to_space(y, list(geometry.block), _flat(geometry.margins))
+    return _batch_to_space(y, list(geometry.block), _flat(geometry.margins), bool(mixed))
 
 
 # --- dilated convolution --------------------------------------------------------------------
 
-def choose_method(x, weight, dilation):
-    """The route that "auto" takes: "reshape" or "native".
+# Where the reshape route was faster than the native dilation on the H100, by precision and the
+# gradients that autograd records (bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv, GPU time:
+# each of its rows picked by reshape_wins is within 5% of the faster route): conditions
+# (in-channels, out-channels, rate, N*H*W), each a lower bound. Only weight gradients on wide
+# layers gain: there the sub-lattices' plain convolution beats cuDNN's dilated one by more than
+# the two reshapes cost; the forward and the input gradient never do.
+RESHAPE_WINS = {
+    ("float32", "weight"): ((512, 512, 2, 0), (256, 256, 4, 16384)),
+    ("float32", "both"): ((512, 512, 2, 0),),  # the two gradients' times summed
+    ("float16", "weight"): ((512, 256, 8, 0),),
+}
 
-    A first guess from the anchors measured with a reshape route built of torch's own ops
-    (the issue's H100 numbers): the native dilation won everywhere except the gradient wrt the
-    weights with 512 channels at rate 4 in float32. To be replaced by the rule that
-    bench/dilated.py measures with these kernels (bench/README.md)."""
-    if not x.is_cuda or x.dtype != torch.float32:
+
+def reshape_wins(dtype, in_channels, out_channels, rate, pixels, grads):
+    """Whether RESHAPE_WINS picks the reshape route: dtype a name ("float32", ...), rate the
+    smaller of the two, pixels N*H*W, grads None (no autograd), "input", "weight" or "both"."""
+    return any(in_channels >= c and out_channels >= k and rate >= r and pixels >= p
+               for c, k, r, p in RESHAPE_WINS.get((dtype, grads), ()))
+
+
+def choose_method(x, weight, dilation):
+    """The route that "auto" takes for F.conv2d(x, weight, dilation=dilation) on this call:
+    "reshape" or "native", by reshape_wins (CPU tensors: native)."""
+    if not x.is_cuda:
         return "native"
-    wide = min(weight.shape[0], weight.shape[1]) >= 512
-    training = torch.is_grad_enabled() and weight.requires_grad
-    return "reshape" if wide and min(dilation) >= 4 and training else "native"
+    grads = None
+    if torch.is_grad_enabled():
+        grads = {(True, True): "both", (True, False): "input", (False, True): "weight",
+                 (False, False): None}[(x.requires_grad, weight.requires_grad)]
+    n, c, h, w = x.shape
+    pixels = n * h * w
+    wins = reshape_wins(str(x.dtype).removeprefix("torch."), c, weight.shape[0], min(dilation),
+                        pixels, grads)
+    return "reshape" if wins else "native"
+
+
+# Whether the reshape route may run its convolution in channels_last for NCHW tensors
+# (conv_channels_last); bench.dilated --conv-layout nchw turns it off to compare.
+CONV_CHANNELS_LAST = True
+_CHANNELS_LAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def conv_channels_last(x, weight):
+    """Whether the reshape route runs its convolution in channels_last for this NCHW x: on CUDA,
+    for the float types of cuDNN's tensor-core convolutions and channels (C and K) in multiples
+    of 8, which its NHWC kernels take as they are. The reshapes then move the channels last and
+    back in their own passes (mixed=True), where cuDNN would transpose NCHW tensors in passes of
+    its own. A channels_last x stays channels_last throughout anyway."""
+    return (CONV_CHANNELS_LAST and x.is_cuda and x.dtype in _CHANNELS_LAST_DTYPES
+            and not _channels_last(x) and x.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0)
 
 
 def _conv_padding(padding, kernel, dilation):
@@ -246,6 +296,8 @@ def dilated_conv2d(x, weight, bias=None, *, dilation, padding=0, method="auto"):
                 z = F.conv2d(y, weight, bias, padding=q)    # no dilation: cuDNN's fast paths
                 out = batch_to_space(z, dilation, crops)
 
+            (y and z channels_last where conv_channels_last says so)
+
             where paddings make H and W multiples of the dilation and the convolution's own
             padding q takes whole multiples of it (DilatedConvGeometry); "auto" picks one of
             the two by choose_method.
@@ -265,10 +317,10 @@ def dilated_conv2d(x, weight, bias=None, *, dilation, padding=0, method="auto"):
                 else dilated_conv_geometry)
     g = geometry(tuple(x.shape[2:]), tuple(weight.shape[2:]), dilation, paddings,
                  conv_padding=True)
-    block = list(dilation)
-    y = _space_to_batch(x, block, _flat(g.paddings))
+    block, mixed = list(dilation), conv_channels_last(x, weight)
+    y = _space_to_batch(x, block, _flat(g.paddings), mixed)
     z = F.conv2d(y, weight, bias, padding=g.conv_padding)
-    return _batch_to_space(z, block, _flat(g.crops))
+    return _batch_to_space(z, block, _flat(g.crops), mixed)
 
 
 class DilatedConv2d(torch.nn.Conv2d):
