@@ -229,7 +229,8 @@ def encoder(ns):
 
 def build_rulebooks(net, indices, shape, batch):
     """Every rulebook our encoder needs, by indice_key, in layer order (the input's indices
-    checked, the sites the layers make trusted, as the modules do)."""
+    checked, the sites the layers make trusted, the tables of earlier rulebooks of the same
+    sites reused, as the modules do)."""
     built = {}
     for module in net.modules():
         if isinstance(module, ours.SparseConvolution):
@@ -237,7 +238,7 @@ def build_rulebooks(net, indices, shape, batch):
             if rulebook is None:
                 rulebook = built[module.indice_key] = ours.build_rulebook(
                     indices, shape, batch, module.kernel_size, module.stride, module.padding,
-                    module.dilation, module.subm, check=not built)
+                    module.dilation, module.subm, check=not built, reuse=built.values())
             indices, shape = rulebook.out_indices, rulebook.out_shape
     return built
 

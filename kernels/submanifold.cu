@@ -10,24 +10,37 @@
 #define SUBM_FULL 2
 #define SUBM_OUTSIDE 4
 
-// Arguments of every rulebook kernel; each reads the fields it needs.
+// Arguments of every rulebook kernel; each reads the fields it needs. A table of sites is either
+// the hash table (table_keys, table_vals, mask) or, for a strided convolution's output sites, a
+// bitmap of the output grid (bits, ranks, words): key q is present where bit q is set, and its
+// row is ranks[q / 32] plus the set bits below it in its word.
 struct RuleArgs {
     const int* coords;    // sites [n, 1 + DIMS]: batch index, then coordinates
-    const i64* keys_in;   // insert_keys: keys [n]
+    const i64* keys_in;   // insert_keys, decode_keys: keys [n]
     i64* table_keys;      // [mask + 1], SUBM_EMPTY where free
     int* table_vals;      // [mask + 1], the row each key came from
+    unsigned* bits;       // [words], or null: the table is the hash table
+    int* ranks;           // [words]: rank_words writes per-group ranks, emit_sites global ones
     int* flags;           // [1], OR of the SUBM_* flags
-    int* out_map;         // query_map: [taps, n]; decode_keys: coords [n, 1 + DIMS]
+    int* counter;         // compact_table: keys appended; rank_words: groups done
+    int* out_map;         // [taps, n] maps; decode_keys, emit_sites: coords [n, 1 + DIMS]
+    int* out_map_t;       // query_subm, scatter_strided: the transposed map
     i64* out_keys;        // compact_table: the occupied slots' keys, in no particular order
-    int* counter;         // compact_table: how many
-    i64 mask, n;          // capacity - 1 (a power of two minus one); sites
-    int batch, taps, transposed;
+    int* group;           // rank_words, emit_sites: [groups + 1] set bits before each group
+    i64 mask, n, words, n_out;  // capacity - 1 (a power of two minus one); sites; bitmap words;
+                                // scatter_strided's output sites
+    int batch, taps, transposed, symmetric;
     int shape[SUBM_MAX_DIMS];        // grid of `coords`
     int query_shape[SUBM_MAX_DIMS];  // grid of the table's keys
     int kernel[SUBM_MAX_DIMS], stride[SUBM_MAX_DIMS], padding[SUBM_MAX_DIMS],
         dilation[SUBM_MAX_DIMS];
 };
-static_assert(sizeof(RuleArgs) == 192, "RuleArgs must match sbnet_cupy/submanifold.py");
+static_assert(sizeof(RuleArgs) == 240, "RuleArgs must match sbnet_cupy/submanifold.py");
+
+// rank_words: a CTA of RANK_THREADS threads ranks RANK_WORDS consecutive words of a bitmap.
+#define RANK_THREADS 256
+#define RANK_PER_THREAD 4
+#define RANK_WORDS (RANK_THREADS * RANK_PER_THREAD)
 
 // splitmix64's finaliser: neighbouring coordinates land far apart.
 static __device__ __forceinline__ i64 subm_slot(i64 key, i64 mask) {
@@ -70,10 +83,19 @@ static __device__ int subm_lookup(const RuleArgs& a, i64 key) {
     return -1;
 }
 
+// Row of `key` in the table (hash table or bitmap), or -1.
+static __device__ int subm_find(const RuleArgs& a, i64 key) {
+    if (!a.bits) return subm_lookup(a, key);
+    const unsigned word = a.bits[key >> 5], below = (1u << (key & 31)) - 1u;
+    if (!((word >> (key & 31)) & 1u)) return -1;
+    return a.ranks[key >> 5] + __popc(word & below);
+}
+
 // Key (in query_shape) of the site that tap k connects site `row` of `coords` to, or -1:
 // forward, the input o * stride - padding + k * dilation of output o; transposed, the output
 // (i + padding - k * dilation) / stride that input i feeds, where it divides.
-template <int DIMS> static __device__ i64 subm_connect(const RuleArgs& a, i64 row, int k) {
+template <int DIMS>
+static __device__ i64 subm_connect(const RuleArgs& a, i64 row, int k, bool transposed) {
     const int* site = a.coords + row * (1 + DIMS);
     if (site[0] < 0 || site[0] >= a.batch) return -1;  // unchecked coords: never a bad key
     int tap[DIMS];
@@ -86,7 +108,7 @@ template <int DIMS> static __device__ i64 subm_connect(const RuleArgs& a, i64 ro
 #pragma unroll
     for (int d = 0; d < DIMS; ++d) {
         i64 q;
-        if (a.transposed) {
+        if (transposed) {
             const i64 num = (i64)site[1 + d] + a.padding[d] - (i64)tap[d] * a.dilation[d];
             if (num < 0 || num % a.stride[d] != 0) return -1;
             q = num / a.stride[d];
@@ -147,7 +169,7 @@ template <int DIMS> __global__ void insert_keys(const RuleArgs a) {
 // Every output site that (input r, tap k) feeds, for all r < n, k < taps (repeats expected).
 template <int DIMS> __global__ void insert_targets(const RuleArgs a) {
     for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) {
-        const i64 key = subm_connect<DIMS>(a, t % a.n, (int)(t / a.n));
+        const i64 key = subm_connect<DIMS>(a, t % a.n, (int)(t / a.n), a.transposed);
         if (key >= 0) subm_insert(a, key, 0, false);
     }
 }
@@ -178,8 +200,131 @@ template <int DIMS> __global__ void decode_keys(const RuleArgs a) {
 // out_map[k, r] = row (in the table) of the site tap k connects site r of coords to, or -1.
 template <int DIMS> __global__ void query_map(const RuleArgs a) {
     for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) {
-        const i64 key = subm_connect<DIMS>(a, t % a.n, (int)(t / a.n));
-        a.out_map[t] = key < 0 ? -1 : subm_lookup(a, key);
+        const i64 key = subm_connect<DIMS>(a, t % a.n, (int)(t / a.n), a.transposed);
+        a.out_map[t] = key < 0 ? -1 : subm_find(a, key);
+    }
+}
+
+// Both maps of a submanifold rulebook on the table's own sites, in one pass: out_map[k, r] =
+// the row tap k of site r reads, out_map_t[k, r] = the row site r feeds through tap k. With an
+// odd kernel along every axis (symmetric) the two are the same lookups with the taps reversed.
+template <int DIMS> __global__ void query_subm(const RuleArgs a) {
+    for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) {
+        const i64 r = t % a.n;
+        const int k = (int)(t / a.n);
+        const i64 key = subm_connect<DIMS>(a, r, k, false);
+        const int row = key < 0 ? -1 : subm_find(a, key);
+        a.out_map[t] = row;
+        if (a.symmetric) {
+            a.out_map_t[(i64)(a.taps - 1 - k) * a.n + r] = row;
+        } else {
+            const i64 key_t = subm_connect<DIMS>(a, r, k, true);
+            a.out_map_t[t] = key_t < 0 ? -1 : subm_find(a, key_t);
+        }
+    }
+}
+
+// --- a strided convolution's output sites through a bitmap of the output grid ----------------
+// mark_targets sets the bit of every output site an input feeds; rank_words counts set bits
+// (one sync reads the total); emit_sites writes the sites in key order, that is sorted by
+// (batch, coordinates), with no sort; scatter_strided writes both maps from the inputs' side.
+
+// bits |= every output site that (input r, tap k) feeds, for all r < n, k < taps.
+template <int DIMS> __global__ void mark_targets(const RuleArgs a) {
+    for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) {
+        const i64 key = subm_connect<DIMS>(a, t % a.n, (int)(t / a.n), true);
+        if (key >= 0) atomicOr(a.bits + (key >> 5), 1u << (key & 31));
+    }
+}
+
+// Exclusive prefix sum of v over the CTA (RANK_THREADS threads, all of them calling); the
+// CTA's total in *total. `scratch` is RANK_THREADS ints of shared memory.
+static __device__ int rank_scan(int v, int* scratch, int* total) {
+    scratch[threadIdx.x] = v;
+    __syncthreads();
+    for (int offset = 1; offset < RANK_THREADS; offset <<= 1) {
+        const int before = threadIdx.x >= offset ? scratch[threadIdx.x - offset] : 0;
+        __syncthreads();
+        scratch[threadIdx.x] += before;
+        __syncthreads();
+    }
+    const int inclusive = scratch[threadIdx.x];
+    *total = scratch[RANK_THREADS - 1];
+    __syncthreads();  // scratch is free again
+    return inclusive - v;
+}
+
+// CTA g (of groups = gridDim.x) writes ranks[w] = set bits of its words before w and
+// group[g] = its total; the last CTA to finish (counter, zero at launch) turns group into
+// exclusive offsets with the grand total in group[groups]. Deterministic: no order of atomics
+// enters a result. DIMS plays no part.
+template <int DIMS> __global__ void __launch_bounds__(RANK_THREADS) rank_words(const RuleArgs a) {
+    __shared__ int scratch[RANK_THREADS];
+    __shared__ bool last;
+    const i64 first = (i64)blockIdx.x * RANK_WORDS + threadIdx.x * RANK_PER_THREAD;
+    int counts[RANK_PER_THREAD], mine = 0;
+#pragma unroll
+    for (int j = 0; j < RANK_PER_THREAD; ++j) {
+        counts[j] = first + j < a.words ? __popc(a.bits[first + j]) : 0;
+        mine += counts[j];
+    }
+    int total;
+    int rank = rank_scan(mine, scratch, &total);
+#pragma unroll
+    for (int j = 0; j < RANK_PER_THREAD; ++j) {
+        if (first + j < a.words) a.ranks[first + j] = rank;
+        rank += counts[j];
+    }
+    if (threadIdx.x == 0) {
+        a.group[blockIdx.x] = total;
+        __threadfence();  // group[g] visible before this CTA counts as done
+        last = atomicAdd(a.counter, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    int carry = 0;
+    for (int base = 0; base < (int)gridDim.x; base += RANK_THREADS) {
+        const int g = base + threadIdx.x;
+        const int v = g < (int)gridDim.x ? ((volatile int*)a.group)[g] : 0;
+        const int before = rank_scan(v, scratch, &total);
+        if (g < (int)gridDim.x) a.group[g] = carry + before;
+        carry += total;
+    }
+    if (threadIdx.x == 0) a.group[gridDim.x] = carry;
+}
+
+// Coordinates (out_map, [count, 1 + DIMS]) of every set bit, at its rank: key order. Turns
+// ranks into global ones (group's offsets added), for subm_find.
+template <int DIMS> __global__ void emit_sites(const RuleArgs a) {
+    for (i64 w = subm_first(); w < a.words; w += subm_step()) {
+        unsigned word = a.bits[w];
+        int row = a.ranks[w] + a.group[w / RANK_WORDS];
+        a.ranks[w] = row;
+        for (; word; word &= word - 1u, ++row) {
+            i64 key = w * 32 + (__ffs(word) - 1);
+            int* site = a.out_map + (i64)row * (1 + DIMS);
+#pragma unroll
+            for (int d = DIMS - 1; d >= 0; --d) {
+                site[1 + d] = (int)(key % a.query_shape[d]);
+                key /= a.query_shape[d];
+            }
+            site[0] = (int)key;
+        }
+    }
+}
+
+// out_map_t[k, r] = row of the output site input r feeds through tap k (or -1), and
+// out_map[k, that row] = r (out_map [taps, n_out] filled with -1 beforehand): the output side
+// of each pair is unique, so the scatter has no conflicts for distinct inputs.
+template <int DIMS> __global__ void scatter_strided(const RuleArgs a) {
+    for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) {
+        const i64 r = t % a.n;
+        const int k = (int)(t / a.n);
+        const i64 key = subm_connect<DIMS>(a, r, k, true);
+        const int row = key < 0 ? -1 : subm_find(a, key);
+        a.out_map_t[t] = row;
+        if (row >= 0) a.out_map[(i64)k * a.n_out + row] = (int)r;
     }
 }
 

@@ -35,8 +35,12 @@ dw = (dy.T @ g).reshape(weight.shape).
 
 The CUDA rulebook (kernels/submanifold.cu) keeps the coordinates in an open-addressing hash table
 (linearised int64 keys, linear probing, at most `capacity` probes, so a full table reports
-failure instead of hanging); a strided convolution finds its output sites by hashing every
-candidate and compacting the table. The rulebook is a dense [K, N_out] map (-1 for absent
+failure instead of hanging), and looks up both maps of a submanifold convolution in one pass.
+A strided convolution marks every candidate output site in a bitmap of the output grid, counts
+the set bits per word (one host sync for the total), writes the sites in bitmap order, which is
+sorted order, and writes both maps from its inputs' side: no hash table and no sort. The bitmap
+with its word ranks is the table of the output sites, which the next rulebook on them reuses
+(torch_bridge's modules pass it on; grids of more than 2**27 sites hash and sort instead). The rulebook is a dense [K, N_out] map (-1 for absent
 neighbours) rather than per-tap pair lists: building it needs no host sync for per-tap sizes,
 both convolution algorithms index it directly, and a tile of output sites reads its neighbours
 of one tap contiguously. The convolution (rulebook_conv's `algo`) either gathers [N_out, K*Cin]
@@ -60,7 +64,11 @@ _DTYPES = ("float16", "float32", "float64")
 _FLAG_DUPLICATE, _FLAG_FULL, _FLAG_OUTSIDE = 1, 2, 4
 _THREADS = 256
 _MAX_BLOCKS = 65535 * 16  # grid-stride loops beyond this
-_RULE_ARGS = _launch.layout("8P2q27i", 192)
+_RULE_ARGS = _launch.layout("12P4q28i", 240)
+_RANK_THREADS, _RANK_WORDS = 256, 1024  # rank_words' CTA and the bitmap words it ranks
+# Largest output grid (batch x sites) a strided rulebook finds its output sites in with a bitmap
+# (16 MiB of bits and 16 MiB of ranks); larger grids hash and sort the candidates instead.
+_BITMAP_MAX_BITS = 1 << 27
 _GATHER_ARGS = _launch.layout("3Pq2i", 40)
 _FUSED_ARGS = _launch.layout("5Pq3i", 64)
 _FUSED_TILE, _FUSED_THREADS = 64, 128  # output sites and channels a CTA; its threads
@@ -261,24 +269,21 @@ def submanifold_rulebook(coords, spatial_shape, batch_size, kernel_size, dilatio
     sync, for coordinates known to be distinct and inside the grid (a rulebook's out_coords);
     with rows that are not, the maps are wrong but every index in them is a valid row.
     """
-    shape, batch = check_grid(coords, spatial_shape, batch_size)
-    kernel, _, _, dilation = _geometry(shape, kernel_size, 1, 0, dilation)
-    padding = tuple(k // 2 * d for k, d in zip(kernel, dilation))
-    stride = (1,) * len(shape)
+    shape, batch, geometry, _ = rulebook_geometry(coords, spatial_shape, batch_size,
+                                                  kernel_size, 1, 0, dilation, True)
     xp = _checks.array_module(coords=coords)
     with _checks.on_device(coords):
         coords = xp.ascontiguousarray(coords)
-        geometry = (kernel, stride, padding, dilation)
         if xp is numpy:  # the NumPy backend checks always: it costs no sync
             table = _NumpyTable(_keys_numpy(coords, shape, batch, "coords"))
             neighbors = _query_numpy(table, coords, shape, *geometry, transposed=False)
             neighbors_t = _query_numpy(table, coords, shape, *geometry, transposed=True)
         else:
-            table = _table_from_coords(coords, shape, batch, check)
-            neighbors = _query_cupy(table, coords, shape, shape, batch, geometry, False)
-            neighbors_t = _query_cupy(table, coords, shape, shape, batch, geometry, True)
-    return Rulebook(neighbors, neighbors_t, coords, coords, shape, shape, batch, kernel, stride,
-                    padding, dilation, True)
+            built = build_raw(_CUPY, coords.data.device_id, _cupy_stream(), coords,
+                              coords.data.ptr, shape, batch, geometry, None, check)
+            neighbors, neighbors_t = built.neighbors, built.neighbors_t
+    return Rulebook(neighbors, neighbors_t, coords, coords, shape, shape, batch, *geometry,
+                    True)
 
 
 def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, padding=0,
@@ -287,12 +292,13 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
     of the output grid that reads an active input, sorted by (batch, coordinates).
 
     Args: as submanifold_rulebook's, with stride (>= 1) and padding (>= 0): ints or D ints.
-    The CUDA path syncs with the host once for the number of output sites, and once more for
-    the check of the coordinates unless check=False.
+    The CUDA path syncs with the host once, for the number of output sites (the check of the
+    coordinates, unless check=False, is read in the same sync). It finds the output sites in a
+    bitmap of the output grid, in order, with no sort; a grid of more than 2**27 sites
+    (batch included) hashes them instead, sorts them, and syncs once more with check.
     """
-    shape, batch = check_grid(coords, spatial_shape, batch_size)
-    geometry = _geometry(shape, kernel_size, stride, padding, dilation)
-    out_shape = conv_output_shape(shape, *geometry)
+    shape, batch, geometry, out_shape = rulebook_geometry(
+        coords, spatial_shape, batch_size, kernel_size, stride, padding, dilation, False)
     xp = _checks.array_module(coords=coords)
     with _checks.on_device(coords):
         coords = xp.ascontiguousarray(coords)
@@ -305,6 +311,11 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
             neighbors = _query_numpy(table, out_coords, shape, *geometry, transposed=False)
             neighbors_t = _query_numpy(out_table, coords, out_shape, *geometry, transposed=True)
         else:
+            built = build_raw(_CUPY, coords.data.device_id, _cupy_stream(), coords,
+                              coords.data.ptr, shape, batch, geometry, out_shape, check)
+            if built is not None:
+                return Rulebook(built.neighbors, built.neighbors_t, coords, built.out_coords,
+                                shape, out_shape, batch, *geometry, False)
             table = _table_from_coords(coords, shape, batch, check)
             out_keys = _output_keys_cupy(coords, shape, out_shape, batch, geometry)
             out_coords = _decode_cupy(out_keys, out_shape)
@@ -462,38 +473,224 @@ def _new_table(device, capacity):
     return table, flags
 
 
-def _rule_ints(n, capacity, batch, taps, transposed, coords_shape=(), query_shape=(),
-               geometry=((), (), (), ())):
-    def pad(values):
-        return tuple(values) + (1,) * (_MAX_DIMS - len(values))
+def _pad(values):
+    return tuple(values) + (1,) * (_MAX_DIMS - len(values))
 
-    return (capacity - 1, n, batch, taps, int(transposed), *pad(coords_shape),
-            *pad(query_shape), *(v for g in geometry for v in pad(g)))
+
+_NO_GEOMETRY = ((), (), (), ())
+
+
+def _rule(kernel, device, stream, items, dims, table=None, *, coords=0, keys=0, flags=0,
+          counter=0, out_map=0, out_map_t=0, out_keys=0, group=0, n=None, n_out=0, batch=1,
+          taps=1, transposed=False, symmetric=False, coords_shape=(), query_shape=(),
+          geometry=_NO_GEOMETRY, grid=None, block=_THREADS):
+    """One launch of rulebook kernel<dims> of kernels/submanifold.cu on raw addresses, over
+    `items` threads' work (n defaults to items); `table`: a _Table, or None."""
+    if items == 0:
+        return
+    function = _launch.function(device, "submanifold", kernel, dims)
+    table = table or _NO_TABLE
+    _launch.launch(device, stream, function, grid or _grid(items), (block, 1, 1), 0, _RULE_ARGS,
+                   (coords, keys, table.keys, table.vals, table.bits, table.ranks, flags, counter,
+                    out_map, out_map_t, out_keys, group, table.mask, items if n is None else n,
+                    table.words, n_out,
+                    batch, taps, int(transposed), int(symmetric), *_pad(coords_shape),
+                    *_pad(query_shape), *(v for g in geometry for v in _pad(g))))
 
 
 def _launch_rule(kernel, device, items, *, coords=None, keys=None, table=None, flags=None,
                  out_map=None, out_keys=None, n=None, batch=1, taps=1, transposed=False,
-                 coords_shape=(), query_shape=(), geometry=((), (), (), ())):
-    """One launch of a rulebook kernel of kernels/submanifold.cu over `items` threads' work
-    (its template argument: the number of spatial axes, 1 where it plays no part)."""
-    import cupy
-
-    if items == 0:
-        return
-    dims = len(coords_shape) or len(query_shape) or 1
-    function = _launch.function(device, "submanifold", kernel, dims)
-
+                 coords_shape=(), query_shape=(), geometry=_NO_GEOMETRY):
+    """_rule on CuPy arrays (a HashTable, flags int32 [2]: flags and counter), on CuPy's current
+    stream: the hash-and-sort path of strided rulebooks on grids too large for a bitmap."""
     def pointer(a):
         return 0 if a is None else a.data.ptr
 
-    ints = _rule_ints(items if n is None else n, 1 if table is None else table.capacity, batch,
-                      taps, transposed, coords_shape, query_shape, geometry)
-    _launch.launch(device, cupy.cuda.get_current_stream().ptr, function, _grid(items),
-                   (_THREADS, 1, 1), 0, _RULE_ARGS,
-                   (pointer(coords), pointer(keys), 0 if table is None else table.keys.data.ptr,
-                    0 if table is None else table.vals.data.ptr, pointer(flags),
-                    pointer(out_map), pointer(out_keys),
-                    0 if flags is None else flags.data.ptr + 4, *ints))
+    raw_table = None if table is None else _Table(
+        table, table.keys.data.ptr, table.vals.data.ptr, 0, 0, table.capacity - 1, 0, (), 1,
+        False)
+    _rule(kernel, device, _cupy_stream(), items, len(coords_shape) or len(query_shape) or 1,
+          raw_table, coords=pointer(coords), keys=pointer(keys), flags=pointer(flags),
+          counter=0 if flags is None else flags.data.ptr + 4, out_map=pointer(out_map),
+          out_keys=pointer(out_keys), n=n, batch=batch, taps=taps, transposed=transposed,
+          coords_shape=coords_shape, query_shape=query_shape, geometry=geometry)
+
+
+def _cupy_stream():
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
+
+
+# --- the CUDA rulebook on raw addresses (CuPy arrays and torch tensors alike) -----------------
+
+class _CupyAlloc:
+    """Device arrays for build_raw: CuPy's, on the current device and stream."""
+
+    @staticmethod
+    def empty(shape, dtype):
+        import cupy
+
+        a = cupy.empty(shape, dtype)
+        return a, a.data.ptr
+
+    @staticmethod
+    def host(a):
+        return a.get()
+
+
+_CUPY = _CupyAlloc()
+
+# A table of sites on the device, for build_raw: `owner` holds its memory; a hash table (keys,
+# vals, mask: capacity - 1) or a bitmap of the grid (bits, ranks, words; see kernels/
+# submanifold.cu's RuleArgs); the grid (shape, batch) its keys linearise; whether the sites it
+# was built from were checked (distinct and inside the grid).
+_Table = namedtuple("_Table", ["owner", "keys", "vals", "bits", "ranks", "mask", "words",
+                               "shape", "batch", "checked"])
+
+# build_raw's result: int32 maps [K, N_out] and [K, N_in], out_coords [N_out, 1 + D] (None for
+# a submanifold rulebook: its input sites), and the tables of its input and output sites (None
+# where it has none), for later rulebooks on the same sites to reuse.
+_NO_TABLE = _Table(None, 0, 0, 0, 0, 0, 0, (), 1, False)
+
+Built = namedtuple("Built", ["neighbors", "neighbors_t", "out_coords", "in_table",
+                             "out_table"])
+
+
+def rulebook_geometry(coords, spatial_shape, batch_size, kernel_size, stride, padding,
+                      dilation, subm):
+    """Checked (shape, batch, (kernel, stride, padding, dilation), out_shape) of a rulebook:
+    a submanifold one's stride is 1, padding kernel // 2 * dilation, out_shape None."""
+    shape, batch = check_grid(coords, spatial_shape, batch_size)
+    if subm:
+        kernel, _, _, dilation = _geometry(shape, kernel_size, 1, 0, dilation)
+        padding = tuple(k // 2 * d for k, d in zip(kernel, dilation))
+        return shape, batch, (kernel, (1,) * len(shape), padding, dilation), None
+    geometry = _geometry(shape, kernel_size, stride, padding, dilation)
+    return shape, batch, geometry, conv_output_shape(shape, *geometry)
+
+
+def build_raw(alloc, device, stream, coords, coords_ptr, shape, batch, geometry, out_shape,
+              check, table=None):
+    """The CUDA rulebook of C-contiguous int32 coords [n, 1 + D] at coords_ptr (on `device`,
+    kernels on `stream`), with rulebook_geometry's checked arguments: submanifold where
+    out_shape is None, else strided. `alloc` makes the device arrays (_CUPY, or the torch
+    bridge's): empty(shape, dtype) -> (array, address) and host(array) -> numpy, the latter
+    only to name a bad row. `table`: a _Table of these coords to reuse (its grid `shape` for a
+    submanifold rulebook; ignored by a strided one, which needs none unless it checks).
+
+    Returns a Built, or None for a strided rulebook whose output grid has more than
+    _BITMAP_MAX_BITS sites (the caller takes the hash-and-sort path). Host work: a submanifold
+    rulebook is 1 launch and 2 allocations with a table to reuse, 3 launches and 3 allocations
+    without, plus one sync with check; a strided one is 4 launches, 2 memsets, 4 allocations
+    and one sync (for its number of output sites; the check's flags are read in it), plus 2
+    launches and an allocation with check and no checked table to reuse.
+    """
+    n = int(coords.shape[0])
+    dims, taps = len(shape), math.prod(geometry[0])
+    if table is not None and (table.shape, table.batch) != (shape, batch):
+        raise AssertionError("a table of another grid")  # a library bug
+    if out_shape is not None and batch * math.prod(out_shape) > _BITMAP_MAX_BITS:
+        return None
+    flags = 0  # address of the flags to read back, where coords are inserted and checked
+    if (table is None and out_shape is None) or (check and not (table and table.checked)):
+        table, flags = _build_table(alloc, device, stream, coords_ptr, n, shape, batch, check)
+        flags = flags if check else 0
+    if out_shape is None:
+        neighbors, neighbors_ptr = alloc.empty((taps, n), "int32")
+        neighbors_t, neighbors_t_ptr = alloc.empty((taps, n), "int32")
+        _rule("query_subm", device, stream, n * taps, dims, table, coords=coords_ptr,
+              out_map=neighbors_ptr, out_map_t=neighbors_t_ptr, n=n, batch=batch, taps=taps,
+              symmetric=all(k % 2 for k in geometry[0]), coords_shape=shape, query_shape=shape,
+              geometry=geometry)
+        if flags:
+            _raise_flags(_read_ints(device, stream, (flags,))[0], alloc, coords, shape, batch)
+        return Built(neighbors, neighbors_t, None, table, table)
+    words = -(-batch * math.prod(out_shape) // 32)
+    groups = -(-words // _RANK_WORDS)
+    # One workspace: bits [words], the rank CTAs' counter [1], ranks [words], group [groups + 1].
+    owner, bits = alloc.empty((2 * words + groups + 2,), "int32")
+    counter, ranks = bits + 4 * words, bits + 4 * words + 4
+    group = ranks + 4 * words
+    _device_call(device, _memset, bits, 0, 4 * (words + 1), stream)
+    out_table = _Table(owner, 0, 0, bits, ranks, 0, words, out_shape, batch, True)
+    common = dict(coords=coords_ptr, n=n, batch=batch, taps=taps, transposed=True,
+                  coords_shape=shape, query_shape=out_shape, geometry=geometry)
+    _rule("mark_targets", device, stream, n * taps, dims, out_table, **common)
+    _rule("rank_words", device, stream, words, dims, out_table, counter=counter, group=group,
+          grid=(groups, 1, 1), block=_RANK_THREADS)
+    count, *raised = _read_ints(device, stream, (group + 4 * groups,) + ((flags,) if flags
+                                                                          else ()))
+    if raised:
+        _raise_flags(raised[0], alloc, coords, shape, batch)
+    out_coords, out_coords_ptr = alloc.empty((count, 1 + dims), "int32")
+    neighbors, neighbors_ptr = alloc.empty((taps, count), "int32")
+    neighbors_t, neighbors_t_ptr = alloc.empty((taps, n), "int32")
+    _rule("emit_sites", device, stream, words, dims, out_table, out_map=out_coords_ptr,
+          group=group, query_shape=out_shape)
+    if count:
+        _device_call(device, _memset, neighbors_ptr, 0xFF, 4 * taps * count, stream)
+    _rule("scatter_strided", device, stream, n * taps, dims, out_table, out_map=neighbors_ptr,
+          out_map_t=neighbors_t_ptr, n_out=count, **common)
+    return Built(neighbors, neighbors_t, out_coords, table, out_table)
+
+
+def _build_table(alloc, device, stream, coords_ptr, n, shape, batch, checked):
+    """(_Table, address of its flags) of n coords: one allocation (keys, vals, flags and
+    counter), a clear and an insert; the flags are not read here."""
+    capacity = table_capacity(n)
+    owner, keys = alloc.empty((3 * capacity + 2,), "int32")
+    vals = keys + 8 * capacity
+    flags = vals + 4 * capacity
+    table = _Table(owner, keys, vals, 0, 0, capacity - 1, 0, shape, batch, checked)
+    _rule("clear_table", device, stream, capacity, 1, table, flags=flags, counter=flags + 4)
+    _rule("insert_coords", device, stream, n, len(shape), table, coords=coords_ptr,
+          flags=flags, batch=batch, coords_shape=shape)
+    return table, flags
+
+
+def _raise_flags(raised, alloc, coords, shape, batch):
+    """Raises for the flags an insert of coords raised: ValueError naming the first bad row."""
+    if raised & (_FLAG_OUTSIDE | _FLAG_DUPLICATE):
+        _keys_numpy(alloc.host(coords), shape, batch, "coords")
+    if raised:
+        raise AssertionError(f"hash table insert failed (flags {raised})")  # a library bug
+
+
+def _memset(address, value, size, stream):
+    from cupy.cuda import runtime
+
+    runtime.memsetAsync(address, value, size, stream)
+
+
+def _read_ints(device, stream, addresses):
+    """The int32 at each device address, after the stream's work so far: one host sync."""
+    host = numpy.empty(len(addresses), numpy.int32)
+    return _device_call(device, _read_into, host, addresses, stream).tolist()
+
+
+def _read_into(host, addresses, stream):
+    from cupy.cuda import runtime
+
+    for i, address in enumerate(addresses):
+        runtime.memcpyAsync(host.ctypes.data + 4 * i, address, 4, runtime.memcpyDeviceToHost,
+                            stream)
+    runtime.streamSynchronize(stream)
+    return host
+
+
+def _device_call(device, fn, *args):
+    """fn(*args) with `device` current (runtime calls on its memory and streams)."""
+    from cupy.cuda import runtime
+
+    current = runtime.getDevice()
+    if current == device:
+        return fn(*args)
+    runtime.setDevice(device)
+    try:
+        return fn(*args)
+    finally:
+        runtime.setDevice(current)
 
 
 def _grid(items):
@@ -737,7 +934,8 @@ def _fused_plan(device, dtype, vector, n_out, cout):
 def instantiations():
     """Name expressions of every kernel this op can ask for (the compile check builds them)."""
     rules = ["clear_table", "insert_coords", "insert_keys", "insert_targets", "compact_table",
-             "decode_keys", "query_map"]
+             "decode_keys", "query_map", "query_subm", "mark_targets", "rank_words",
+             "emit_sites", "scatter_strided"]
     return [_kernels.name_expression(rule, dims) for rule in rules
             for dims in range(1, _MAX_DIMS + 1)] + [
         _kernels.name_expression("submanifold_fused", _kernels.ARITHMETIC_CTYPES[dtype], vector)

@@ -356,6 +356,26 @@ def test_large_rulebooks_equal_numpy(rng, shape, kernel, stride, padding):
 
 
 @requires_gpu
+@pytest.mark.parametrize("out_shape, fraction", [
+    ((1, 31), 0.5), ((64, 512), 0.5), ((33, 1000), 0.5), ((33, 1000), 1.0), ((7, 9), 0.0)],
+    ids=["one-partial-word", "one-whole-group", "two-groups", "every-site", "no-site"])
+def test_strided_bitmap_ranks_across_words_and_groups(rng, out_shape, fraction):
+    """Strided output grids of one partial bitmap word, exactly one rank_words group
+    (1024 words) and a partial second group, with every output site or none active."""
+    import cupy
+
+    shape = tuple(2 * s for s in out_shape)
+    coords = random_sites(rng, 1, shape, int(fraction * numpy.prod(shape)))
+    host = sm.strided_rulebook(coords, shape, 1, 3, 2, 1)
+    assert host.out_shape == out_shape
+    for check in (True, False):
+        device = sm.strided_rulebook(cupy.asarray(coords), shape, 1, 3, 2, 1, check=check)
+        numpy.testing.assert_array_equal(device.out_coords.get(), host.out_coords)
+        numpy.testing.assert_array_equal(device.neighbors.get(), host.neighbors)
+        numpy.testing.assert_array_equal(device.neighbors_t.get(), host.neighbors_t)
+
+
+@requires_gpu
 def test_unchecked_bad_coords_stay_in_bounds(rng):
     """check=False trusts the coordinates: bad ones give wrong maps, never rows out of range."""
     import cupy

@@ -287,3 +287,92 @@ def _keys(indices, shape):
     for axis, size in enumerate(shape):
         key = key * size + indices[:, 1 + axis].long()
     return key
+
+
+def test_reusable_table_needs_the_same_indices_grid_and_check():
+    """build_rulebook reuses a table only of the very indices tensor, on the same grid, and a
+    checked one where it must check."""
+    from sbnet_cupy import submanifold as core
+
+    indices, other = torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 4, dtype=torch.int32)
+    table = core._Table(None, 0, 0, 1, 1, 0, 1, (4, 5, 6), 2, False)
+    rulebook = spconv.Rulebook(None, None, other, indices, [7, 8, 9], [4, 5, 6], 2, [3] * 3,
+                               [2] * 3, [1] * 3, [1] * 3, False)
+    rulebook._tables = (None, table)
+    find = spconv._reusable_table
+    assert find([rulebook], indices, (4, 5, 6), 2, False) is table
+    assert find([rulebook, "not a rulebook"], indices, (4, 5, 6), 2, False) is table
+    assert find([rulebook], indices, (4, 5, 6), 2, True) is None  # unchecked sites
+    assert find([rulebook], other, (4, 5, 6), 2, False) is None  # no table of its inputs
+    assert find([rulebook], indices.clone(), (4, 5, 6), 2, False) is None
+    assert find([rulebook], indices, (4, 5, 7), 2, False) is None
+    assert find([rulebook], indices, (4, 5, 6), 1, False) is None
+    assert find([rulebook.inverse()], indices, (4, 5, 6), 2, False) is table
+    assert find([], indices, (4, 5, 6), 2, False) is None
+
+
+@requires_cuda
+@pytest.mark.parametrize("kernel", [3, (2, 3, 2)], ids=["odd", "even"])
+def test_reused_tables_give_the_same_rulebooks(rng, kernel):
+    """Rulebooks that reuse a submanifold rulebook's hash table or a strided one's bitmap
+    equal those built from scratch and the CPU's."""
+    x = sparse_input(rng, 2, (23, 30, 17), 900, 1)
+    maps = ("neighbors", "neighbors_t", "in_indices", "out_indices")
+
+    def same(got, want):
+        for name in maps:
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), name
+
+    def both(indices, shape, *args, reuse=(), **kwargs):
+        cpu = spconv.build_rulebook(indices.cpu(), shape, 2, *args, **kwargs)
+        fresh = spconv.build_rulebook(indices, shape, 2, *args, **kwargs)
+        reused = spconv.build_rulebook(indices, shape, 2, *args, **kwargs, reuse=reuse)
+        same(fresh, cpu), same(reused, cpu)
+        return reused
+
+    indices = x.indices.cuda()
+    first = both(indices, x.spatial_shape, kernel, subm=True)
+    assert first._tables[0] is first._tables[1] and first._tables[0].checked
+    down = both(first.out_indices, x.spatial_shape, 3, 2, 1, check=False, reuse=[first])
+    assert down._tables[0] is first._tables[0] and down._tables[1].bits
+    after = both(down.out_indices, down.out_shape, kernel, subm=True, check=False,
+                 reuse=[first, down])
+    assert after._tables[0] is down._tables[1]  # the bitmap, no table built
+    again = both(down.out_indices, down.out_shape, kernel, 2, 0, check=False, reuse=[after])
+    assert again._tables[0] is down._tables[1]
+    # A check reuses a table of checked sites only (a rulebook's output sites are).
+    checked = both(down.out_indices, down.out_shape, 3, subm=True, reuse=[down])
+    assert checked._tables[0] is down._tables[1]
+    unchecked = both(indices, x.spatial_shape, 3, subm=True, check=False)
+    assert not unchecked._tables[0].checked
+    rechecked = both(indices, x.spatial_shape, 3, subm=True, reuse=[unchecked])
+    assert rechecked._tables[0] is not unchecked._tables[0] and rechecked._tables[0].checked
+
+
+@requires_cuda
+def test_network_syncs_once_per_strided_rulebook(rng, monkeypatch):
+    """A SECOND-like network reads the device once for its checked input and once per strided
+    rulebook, and builds each site set's table once."""
+    from sbnet_cupy import submanifold as core
+
+    x = sparse_input(rng, 1, (21, 40, 36), 2000, 4, device="cuda")
+    net = spconv.SparseSequential(
+        spconv.SubMConv3d(4, 8, 3, indice_key="subm1"),
+        spconv.SubMConv3d(8, 8, 3, indice_key="subm1"),
+        spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="spconv2"),
+        spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
+        spconv.SparseConv3d(16, 16, 3, 2, (0, 1, 1), indice_key="spconv3"),
+        spconv.SubMConv3d(16, 16, 3, indice_key="subm3"),
+        spconv.SparseConv3d(16, 16, (3, 1, 1), (2, 1, 1), indice_key="spconv4"))
+    net = net.double().cuda()
+    reads, builds = [], []
+    read, build = core._read_ints, core._build_table
+    monkeypatch.setattr(core, "_read_ints", lambda *a: reads.append(a) or read(*a))
+    monkeypatch.setattr(core, "_build_table", lambda *a: builds.append(a) or build(*a))
+    with torch.no_grad():
+        y = net(x)
+    assert len(reads) == 1 + 3 and len(builds) == 1
+    expected = net.cpu()(spconv.SparseConvTensor(x.features.cpu(), x.indices.cpu(),
+                                                 x.spatial_shape, 1))
+    assert torch.equal(y.indices.cpu(), expected.indices)
+    torch.testing.assert_close(y.features.cpu(), expected.features)

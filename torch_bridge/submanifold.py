@@ -151,12 +151,17 @@ class Rulebook:
         self.kernel_size, self.stride = kernel_size, stride
         self.padding, self.dilation = padding, dilation
         self.subm, self.inverted = subm, inverted
+        # Device tables of in_indices and out_indices that build_rulebook may reuse (CUDA).
+        self._tables = (None, None)
 
     def inverse(self):
         """The rulebook of the inverse convolution (outputs and inputs swapped)."""
-        return Rulebook(self.neighbors_t, self.neighbors, self.out_indices, self.in_indices,
-                        self.out_shape, self.in_shape, self.batch_size, self.kernel_size,
-                        self.stride, self.padding, self.dilation, self.subm, not self.inverted)
+        inverse = Rulebook(self.neighbors_t, self.neighbors, self.out_indices, self.in_indices,
+                           self.out_shape, self.in_shape, self.batch_size, self.kernel_size,
+                           self.stride, self.padding, self.dilation, self.subm,
+                           not self.inverted)
+        inverse._tables = self._tables[::-1]
+        return inverse
 
     def __repr__(self):
         kind = "submanifold" if self.subm else "inverse" if self.inverted else "strided"
@@ -166,19 +171,37 @@ class Rulebook:
 
 
 def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, padding=0,
-                   dilation=1, subm=False, *, check=True):
+                   dilation=1, subm=False, *, check=True, reuse=()):
     """The Rulebook of a submanifold (subm=True; stride and padding unused) or strided sparse
     convolution on the sites `indices` (int32 [N, 1 + D], CPU or CUDA), on their device. Not
     differentiable. A CUDA build syncs with the host to check the indices (unless check=False:
-    see sbnet_cupy.submanifold.submanifold_rulebook) and, if strided, to count its outputs."""
+    see sbnet_cupy.submanifold.submanifold_rulebook) and, if strided, to count its outputs
+    (one sync for both).
+
+    reuse: Rulebooks (a SparseConvTensor's indice_dict.values()) whose tables of these very
+    indices (the same tensor object, as a layer's output carries them) this build may reuse
+    instead of building its own: a submanifold rulebook on a strided one's output sites then
+    costs one kernel launch. The modules pass it."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
     shape = [int(s) for s in spatial_shape]
-    indices = _contiguous(indices.detach())
+    indices = _contiguous(indices)
     if indices.is_cuda:
-        import cupy
-
+        shape_t, batch, geometry, out_shape = _core.rulebook_geometry(
+            indices, shape, batch_size, kernel_size, stride, padding, dilation, subm)
         device = indices.get_device()
+        built = _core.build_raw(_TorchAlloc(indices.device), device, _raw_stream(device),
+                                indices, indices.data_ptr(), shape_t, batch, geometry,
+                                out_shape, check, _reusable_table(reuse, indices, shape_t,
+                                                                  batch, check))
+        if built is not None:
+            rulebook = Rulebook(built.neighbors, built.neighbors_t, indices,
+                                indices if subm else built.out_coords, list(shape_t),
+                                list(out_shape or shape_t), batch, *map(list, geometry), subm)
+            rulebook._tables = (built.in_table, built.out_table)
+            return rulebook
+        import cupy  # a strided output grid too large for a bitmap: CuPy's hash and sort
+
         with cupy.cuda.Device(device), cupy.cuda.ExternalStream(_raw_stream(device)):
             result = _build(cupy.from_dlpack(indices), shape, batch_size, kernel_size, stride,
                             padding, dilation, subm, check)
@@ -192,6 +215,37 @@ def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, pa
                     list(result.in_shape), list(result.out_shape), result.batch_size,
                     list(result.kernel_size), list(result.stride), list(result.padding),
                     list(result.dilation), subm)
+
+
+class _TorchAlloc:
+    """sbnet_cupy.submanifold.build_raw's device arrays: torch tensors on `device` (its caching
+    allocator, on torch's current stream, where the kernels run)."""
+
+    _DTYPES = {"int32": torch.int32, "int64": torch.int64}
+
+    def __init__(self, device):
+        self.device = device
+
+    def empty(self, shape, dtype):
+        t = torch.empty(shape, dtype=self._DTYPES[dtype], device=self.device)
+        return t, t.data_ptr()
+
+    @staticmethod
+    def host(t):
+        return t.cpu().numpy()
+
+
+def _reusable_table(reuse, indices, shape, batch, check):
+    """A table of `indices` (this tensor object) on grid batch x shape that one of the
+    Rulebooks in `reuse` carries, checked if `check`; None if none does."""
+    for rulebook in reuse:
+        if not isinstance(rulebook, Rulebook):
+            continue
+        for table, sites in zip(rulebook._tables, (rulebook.in_indices, rulebook.out_indices)):
+            if (table is not None and sites is indices and table.shape == shape
+                    and table.batch == batch and (table.checked or not check)):
+                return table
+    return None
 
 
 def _build(coords, shape, batch_size, kernel_size, stride, padding, dilation, subm, check):
@@ -414,7 +468,7 @@ class SparseConvolution(SparseModule):
                                  f"geometry or another set of sites: {cached!r}")
         rulebook = build_rulebook(x.indices, x.spatial_shape, x.batch_size, self.kernel_size,
                                   self.stride, self.padding, self.dilation, self.subm,
-                                  check=not x.indices_checked)
+                                  check=not x.indices_checked, reuse=x.indice_dict.values())
         return rulebook, self.indice_key is not None
 
     def forward(self, x):
