@@ -360,7 +360,7 @@ def test_rates_and_odd_sizes_match_numpy(rng, layouts, rate, dtype):
         pytest.skip("the NCHW -> NHWC kernels move 2, 4 and 8-byte elements")
     for dims, top, left in [((3, 16, 23, 37), rate // 2, rate - 1), ((2, 8, 64, 64), 0, 0),
                             ((1, 24, 13, 48), rate, 2 * rate)]:
-        (n, c, h, w), (bh, bw) = dims, (rate, rate)
+        (_, _, h, w), (bh, bw) = dims, (rate, rate)
         paddings = ((top, (-h - top) % bh), (left, (-w - left) % bw))
         shape = _shape(dims, data_format)
         x = random_array(rng, shape, dtype)
