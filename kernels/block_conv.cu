@@ -50,12 +50,6 @@ static __device__ __forceinline__ void group_sync(int group) {
     asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(block_conv_tile::THREADS) : "memory");
 }
 
-static __device__ __forceinline__ unsigned to_tf32(float v) {
-    unsigned bits;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(v));
-    return bits;
-}
-
 // V elements of T as they sit in shared memory: TF32 bit patterns for float (one a word), the
 // raw 16-bit patterns otherwise (two a word, the lower k in the low half).
 template <typename T, int V>

@@ -202,6 +202,13 @@ template <int V> static __device__ __forceinline__ int tile_index(int c, int p, 
     return c * pitch + (((p / V) ^ ((c / V) & 7)) * V) + p % V;
 }
 
+// float32 rounded to TF32 (nearest, ties away), as its bit pattern: an MMA operand.
+static __device__ __forceinline__ unsigned to_tf32(float v) {
+    unsigned bits;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(v));
+    return bits;
+}
+
 // One m16n8k8 (TF32) or m16n8k16 (fp16, bf16) tensor-core MMA with fp32 accumulation: d += a b,
 // a and b the fragments of PTX's mma.sync layouts, which take the same 32-bit words of a
 // [row][k] tile for all three types (8 words of k a step).

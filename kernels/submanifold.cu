@@ -384,9 +384,7 @@ template <typename T> static __device__ __forceinline__ unsigned fused_operand(u
     return w;
 }
 template <> __device__ __forceinline__ unsigned fused_operand<float>(unsigned w) {
-    unsigned t;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(t) : "f"(__uint_as_float(w)));
-    return t;
+    return to_tf32(__uint_as_float(w));
 }
 
 // Stage rows [FUSED_BM or FUSED_BN][32 bytes] of a matrix of `cols` columns: row r is row
