@@ -15,7 +15,7 @@ import math
 import os
 from collections import namedtuple
 
-from . import _kernels, _launch
+from . import _checks, _kernels, _launch
 
 # kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 4 ints.
 BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i4i", 168)
@@ -119,15 +119,12 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
     (oh, ow), (kh, kw) = out_size, kernel_size
     if rows == 0 or cout == 0 or oh * ow == 0:
         return
-    alignment = 16
-    for address in (src, weight):
-        alignment = min(alignment, address & -address or 16)
-    plan = _plan(device, dtype_name, cin, cout, alignment, op)
+    plan = _plan(device, dtype_name, cin, cout, _checks.alignment(src, weight), op)
     per_block = math.ceil(oh * ow / TILE_PIXELS) * math.ceil(cout / plan.tile_channels)
     if rows * per_block >= 2**31:  # the kernels count tiles in int
         raise ValueError(f"active_block_indices has too many rows: {rows}")
     itemsize = _ITEMSIZE[dtype_name]
-    paired = cout % 2 == 0 and (dst & -dst or 16) % (2 * itemsize) == 0
+    paired = cout % 2 == 0 and _checks.alignment(dst) % (2 * itemsize) == 0
     tiles = rows * per_block
     groups = k_groups(tiles, math.ceil(kh * kw * cin / (TILE_WORDS * 4 // itemsize)), plan.ctas)
     _launch.launch(device, stream, plan.function, (min(tiles, plan.ctas[groups - 1]), 1, 1),
