@@ -63,13 +63,7 @@ def _conv_fake(x, weight, bias, bin_counts, active_block_indices, base, bsize, b
     return torch.empty_like(base, memory_format=torch.contiguous_format)
 
 
-def _conv_in_place_impl(x, weight, bias, bin_counts, active_block_indices, base, bsize, boffset,
-                        bstride, bsize_out):
-    _conv_into(x, weight, bias, bin_counts, active_block_indices, base, bsize, boffset, bstride,
-               bsize_out)
-
-
-def _conv_in_place_fake(*args):
+def _in_place_fake(*args):
     return None
 
 
@@ -79,7 +73,7 @@ _CONV_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor bin_counts, "
 _conv_op, _ = _ops._register("block_conv2d" + _CONV_SCHEMA.format("", "Tensor"), _conv_impl,
                              _conv_fake)
 _conv_in_place_op, _ = _ops._register("block_conv2d_" + _CONV_SCHEMA.format("(a!)", "()"),
-                                      _conv_in_place_impl, _conv_in_place_fake)
+                                      _conv_into, _in_place_fake)
 
 
 def block_conv2d(x, weight, bias, found, base, params, *, inplace=False):
@@ -91,7 +85,7 @@ def block_conv2d(x, weight, bias, found, base, params, *, inplace=False):
             params.boffset, params.bstrides, params.bsize_out)
     tensors = (x, weight, found.bin_counts, found.active_block_indices, base)
     if inplace:
-        _ops._call(_conv_in_place_op, None, _conv_in_place_impl, args, tensors)
+        _ops._call(_conv_in_place_op, None, _conv_into, args, tensors)
         return base
     return _ops._call(_conv_op, None, _conv_impl, args, tensors)
 
@@ -124,17 +118,13 @@ def _unit_fake(x, *args):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _unit_in_place_fake(*args):
-    return None
-
-
 _UNIT_SCHEMA = ("(Tensor{} x, Tensor bin_counts, Tensor active_block_indices, Tensor scale, "
                 "Tensor shift, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor w3, "
                 "int[] bsize, int[] boffset, int[] bstride, int[] bsize_out) -> {}")
 _unit_op, _ = _ops._register("block_conv_res_unit" + _UNIT_SCHEMA.format("", "Tensor"),
                              _unit_impl, _unit_fake)
 _unit_in_place_op, _ = _ops._register("block_conv_res_unit_" + _UNIT_SCHEMA.format("(a!)", "()"),
-                                      _unit_into, _unit_in_place_fake)
+                                      _unit_into, _in_place_fake)
 
 
 def res_unit(x, found, weights, params, *, inplace=False):
