@@ -476,9 +476,13 @@ def check_conv(x, kernel_shape, strides, padding, dilations, bias, strategy):
     if bias is not None and (tuple(bias.shape) != (cout,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be a {_checks.dtype_name(x)} array of shape ({cout},), "
                          f"got {_checks.dtype_name(bias)} {tuple(bias.shape)}")
+    _check_strategy(strategy)
+    return ConvCall(strides, dilations, out_hw, pads)
+
+
+def _check_strategy(strategy):
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
-    return ConvCall(strides, dilations, out_hw, pads)
 
 
 def _check_kernel(xp, name, x, kernel):
@@ -643,8 +647,7 @@ def check_grad(dy, kernel_shape, input_shape, strides, padding, dilations, strat
     if tuple(dy.shape) != expected:
         raise ValueError(f"dy must have the forward output's shape {expected}, "
                          f"got {tuple(dy.shape)}")
-    if strategy is not None and strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
+    _check_strategy(strategy)
     return ConvCall(strides, dilations, out_hw, pads)
 
 

@@ -105,7 +105,9 @@ def _space_to_batch_fake(x, block, paddings, mixed):
                  mixed or _channels_last(x))
 
 
-def _space_to_batch_setup(ctx, inputs, output):
+def _reshape_setup(ctx, inputs, output):
+    """Autograd context of space_to_batch and batch_to_space: each one's backward is the other
+    with the same block, margins and layouts."""
     _, ctx.block, ctx.margins, ctx.mixed = inputs
 
 
@@ -116,7 +118,7 @@ def _space_to_batch_backward(ctx, grad):
 
 _space_to_batch_op, _SpaceToBatchFunction = _register(
     "space_to_batch(Tensor x, int[] block, int[] paddings, bool mixed) -> Tensor",
-    _space_to_batch_impl, _space_to_batch_fake, _space_to_batch_setup, _space_to_batch_backward)
+    _space_to_batch_impl, _space_to_batch_fake, _reshape_setup, _space_to_batch_backward)
 
 
 def _space_to_batch(x, block, paddings, mixed=False):
@@ -138,10 +140,6 @@ def _batch_to_space_fake(y, block, crops, mixed):
                  not mixed and _channels_last(y))
 
 
-def _batch_to_space_setup(ctx, inputs, output):
-    _, ctx.block, ctx.margins, ctx.mixed = inputs
-
-
 def _batch_to_space_backward(ctx, grad):
     # Each element of x came from one element of y; the cropped ones went nowhere.
     return _space_to_batch(grad, ctx.block, ctx.margins, ctx.mixed), None, None, None
@@ -149,7 +147,7 @@ def _batch_to_space_backward(ctx, grad):
 
 _batch_to_space_op, _BatchToSpaceFunction = _register(
     "batch_to_space(Tensor y, int[] block, int[] crops, bool mixed) -> Tensor",
-    _batch_to_space_impl, _batch_to_space_fake, _batch_to_space_setup, _batch_to_space_backward)
+    _batch_to_space_impl, _batch_to_space_fake, _reshape_setup, _batch_to_space_backward)
 
 
 def _batch_to_space(y, block, crops, mixed=False):
