@@ -12,6 +12,7 @@ from conftest import require
 torch = require("torch")
 
 import torch_bridge as tb  # noqa: E402
+from test_torch_sparse_res_block import _randomise_batchnorm  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -31,15 +32,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def _randomise_batchnorm(module, rng):
-    for m in module.modules():
-        if isinstance(m, torch.nn.BatchNorm2d):
-            m.running_mean.copy_(torch.tensor(rng.uniform(-1, 1, m.num_features)))
-            m.running_var.copy_(torch.tensor(rng.uniform(0.5, 2, m.num_features)))
-            m.weight.data.copy_(torch.tensor(rng.uniform(0.5, 1.5, m.num_features)))
-            m.bias.data.copy_(torch.tensor(rng.uniform(-1, 1, m.num_features)))
 
 
 def _mask(rng, n, height, width, device, pixels=4):

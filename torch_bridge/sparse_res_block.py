@@ -57,15 +57,20 @@ def _use_fused(module, x, parameters, ready=True):
     where they do not apply."""
     if module.method == "gemm":
         return False
-    recording = torch.is_grad_enabled() and (
-        x.requires_grad or any(p.requires_grad for p in parameters))
-    reason = (not x.is_cuda and "CUDA tensors" or not block_conv.fused_dtype(x) and (
-        "float16, bfloat16 or float32 with TF32 allowed") or recording and (
-        "no gradient to record (torch.no_grad() or parameters without requires_grad)")
-        or not ready and "fold_batchnorm() first")
-    if reason and module.method == "fused":
+    if not x.is_cuda:
+        reason = "CUDA tensors"
+    elif not block_conv.fused_dtype(x):
+        reason = "float16, bfloat16 or float32 with TF32 allowed"
+    elif torch.is_grad_enabled() and (x.requires_grad
+                                      or any(p.requires_grad for p in parameters)):
+        reason = "no gradient to record (torch.no_grad() or parameters without requires_grad)"
+    elif not ready:
+        reason = "fold_batchnorm() first"
+    else:
+        return True
+    if module.method == "fused":
         raise ValueError(f"method='fused' needs {reason}")
-    return not reason
+    return False
 
 
 def _ohwi(conv, x):
