@@ -74,6 +74,31 @@ def test_sparse_conv_fused(rng, dtype, kernel):
 
 
 @cuda
+def test_fused_weights_follow_the_parameters(rng):
+    """The fused kernels' prepared weights are remade when a parameter changes in place, is
+    replaced, or is loaded, and when the module changes dtype."""
+    conv = tb.SparseConv2d(8, 8, bsize_out=8, method="fused").cuda()
+    shape = (1, 24, 24)
+    x = torch.randn(*shape, 8, device="cuda")
+    found = conv.reduce_mask(_mask(rng, *shape).cuda())
+    covered = _covered(found, shape, 8).cuda()
+
+    def check(x):
+        _close(conv(x, found)[covered], conv.dense(x)[covered], x.dtype)
+
+    with torch.no_grad():
+        check(x)
+        conv.conv.weight.mul_(-2)
+        check(x)
+        conv.conv.weight = torch.nn.Parameter(torch.randn_like(conv.conv.weight))
+        check(x)
+        conv.load_state_dict({k: torch.randn_like(v) for k, v in conv.state_dict().items()})
+        check(x)
+        conv.half()
+        check(x.half())
+
+
+@cuda
 def test_stage_fused_and_trained_by_gemm(rng):
     """A stage in inference runs fused and matches the gemm method; with gradients, auto trains
     through gemm."""

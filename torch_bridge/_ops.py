@@ -30,7 +30,8 @@ _lib = torch.library.Library("sbnet", "DEF")
 
 def _register(schema, impl, fake, setup=None, backward=None):
     """Define sbnet::<op> with its CPU and CUDA kernel, fake kernel and autograd; returns the
-    op's overload and, with a backward, the autograd.Function for eager calls."""
+    op's overload and, with a backward, the function that runs an eager call recording its
+    gradient (see _autograd)."""
     name = schema[:schema.index("(")]
     _lib.define(schema)
     for key in ("CPU", "CUDA"):
@@ -39,10 +40,22 @@ def _register(schema, impl, fake, setup=None, backward=None):
     if backward is None:
         return getattr(torch.ops.sbnet, name).default, None
     torch.library.register_autograd(f"sbnet::{name}", backward, setup_context=setup, lib=_lib)
+    return getattr(torch.ops.sbnet, name).default, _autograd(name, impl, setup, backward)
+
+
+def _autograd(name, impl, setup, backward):
+    """An autograd.Function running impl, setup and backward, as its C apply. Function.apply's
+    Python wrapper binds the arguments with inspect.signature on every call when the Function
+    has a setup_context (~20-30 us) and unwraps functorch wrappers, which calls with functorch
+    transforms active never reach (they go through the dispatcher, see _call)."""
+    def forward(ctx, *args):
+        output = impl(*args)
+        setup(ctx, args, output)
+        return output
+
     function = type(name, (torch.autograd.Function,),
-                    dict(forward=staticmethod(impl), setup_context=staticmethod(setup),
-                         backward=staticmethod(backward)))
-    return getattr(torch.ops.sbnet, name).default, function
+                    dict(forward=staticmethod(forward), backward=staticmethod(backward)))
+    return super(torch.autograd.Function, function).apply
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -57,12 +70,12 @@ def _traced(tensors):
             or any(type(t) not in _PLAIN for t in tensors))
 
 
-def _call(op, function, impl, args, tensors, differentiable=()):
+def _call(op, autograd, impl, args, tensors, differentiable=()):
     """Run an op on checked arguments by the cheapest route that serves the call (see above)."""
     if _traced(tensors):
         return op(*args)
     if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
-        return function.apply(*args)
+        return autograd(*args)
     return impl(*args)
 
 
@@ -238,7 +251,7 @@ def _gather_backward(ctx, grad):
     return dx, None, None, None, None, None, None, None, None, None
 
 
-_gather_op, _GatherFunction = _register(
+_gather_op, _gather_autograd = _register(
     "sparse_gather(Tensor x, Tensor bin_counts, Tensor active_block_indices, int[] bsize, "
     "int[] boffset, int[] bstride, bool transpose, Tensor? scale, Tensor? shift, bool relu) "
     "-> Tensor",
@@ -251,7 +264,7 @@ def _gather(x, bin_counts, active_block_indices, bsize, boffset, bstride, transp
             shift, relu)
     tensors = (x, bin_counts, active_block_indices) if scale is None else (
         x, bin_counts, active_block_indices, scale, shift)
-    return _call(_gather_op, _GatherFunction, _gather_impl, args, tensors, (x,))
+    return _call(_gather_op, _gather_autograd, _gather_impl, args, tensors, (x,))
 
 
 _GATHER_CHECKS = {}
@@ -332,7 +345,7 @@ def _scatter_backward(ctx, grad):
     return d_blocks, None, None, d_ybase, None, None, None, None, None, None
 
 
-_scatter_op, _ScatterFunction = _register(
+_scatter_op, _scatter_autograd = _register(
     "sparse_scatter(Tensor blocks, Tensor bin_counts, Tensor active_block_indices, "
     "Tensor ybase, int[] bsize, int[] boffset, int[] bstride, bool add, bool atomic, "
     "bool transpose) -> Tensor",
@@ -343,7 +356,7 @@ def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bs
              atomic, transpose):
     args = (blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,
             atomic, transpose)
-    return _call(_scatter_op, _ScatterFunction, _scatter_impl, args,
+    return _call(_scatter_op, _scatter_autograd, _scatter_impl, args,
                  (blocks, bin_counts, active_block_indices, ybase), (blocks, ybase))
 
 

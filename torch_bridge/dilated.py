@@ -116,14 +116,14 @@ def _space_to_batch_backward(ctx, grad):
     return _batch_to_space(grad, ctx.block, ctx.margins, ctx.mixed), None, None, None
 
 
-_space_to_batch_op, _SpaceToBatchFunction = _register(
+_space_to_batch_op, _space_to_batch_autograd = _register(
     "space_to_batch(Tensor x, int[] block, int[] paddings, bool mixed) -> Tensor",
     _space_to_batch_impl, _space_to_batch_fake, _reshape_setup, _space_to_batch_backward)
 
 
 def _space_to_batch(x, block, paddings, mixed=False):
     args = (x, block, paddings, mixed)
-    return _call(_space_to_batch_op, _SpaceToBatchFunction, _space_to_batch_impl, args, (x,),
+    return _call(_space_to_batch_op, _space_to_batch_autograd, _space_to_batch_impl, args, (x,),
                  (x,))
 
 
@@ -145,14 +145,14 @@ def _batch_to_space_backward(ctx, grad):
     return _space_to_batch(grad, ctx.block, ctx.margins, ctx.mixed), None, None, None
 
 
-_batch_to_space_op, _BatchToSpaceFunction = _register(
+_batch_to_space_op, _batch_to_space_autograd = _register(
     "batch_to_space(Tensor y, int[] block, int[] crops, bool mixed) -> Tensor",
     _batch_to_space_impl, _batch_to_space_fake, _reshape_setup, _batch_to_space_backward)
 
 
 def _batch_to_space(y, block, crops, mixed=False):
     args = (y, block, crops, mixed)
-    return _call(_batch_to_space_op, _BatchToSpaceFunction, _batch_to_space_impl, args, (y,),
+    return _call(_batch_to_space_op, _batch_to_space_autograd, _batch_to_space_impl, args, (y,),
                  (y,))
 
 

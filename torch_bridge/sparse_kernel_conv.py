@@ -124,7 +124,7 @@ def _conv_backward(ctx, grad):
     return dx, dv, None, db, None, None, None, None, None
 
 
-_conv_op, _ConvFunction = _register(
+_conv_op, _conv_autograd = _register(
     "sparse_kernel_conv2d(Tensor x, Tensor values, Tensor positions, Tensor? bias, "
     "int[] kernel_shape, int[] strides, int[] pads, int[] dilations, str strategy) -> Tensor",
     _conv_impl, _conv_fake, _conv_setup, _conv_backward)
@@ -242,7 +242,7 @@ def sparse_kernel_conv2d(x, values, positions, kernel_shape, *, strides=(1, 1), 
     args = (x, values, positions, bias, kernel_shape, strides, pads, dilations, strategy or "")
     tensors = (x, values, positions) if bias is None else (x, values, positions, bias)
     differentiable = (x, values) if bias is None else (x, values, bias)
-    return _call(_conv_op, _ConvFunction, _conv_impl, args, tensors, differentiable)
+    return _call(_conv_op, _conv_autograd, _conv_impl, args, tensors, differentiable)
 
 
 class SparseKernelConv2d(torch.nn.Module):

@@ -100,7 +100,7 @@ def _conv_backward(ctx, grad):
     dx = dw = db = None
     if ctx.needs_input_grad[0]:  # the dual op: the transposed map, the transposed weight
         weight_t = weight.transpose(0, -1).contiguous()
-        dx = _call(_conv_op, _ConvFunction, _conv_impl,
+        dx = _call(_conv_op, _conv_autograd, _conv_impl,
                    (grad, weight_t, None, neighbors_t, neighbors, ctx.algo),
                    (grad, weight_t, neighbors_t, neighbors), (grad, weight_t))
     if ctx.needs_input_grad[1]:
@@ -111,7 +111,7 @@ def _conv_backward(ctx, grad):
     return dx, dw, db, None, None, None
 
 
-_conv_op, _ConvFunction = _register(
+_conv_op, _conv_autograd = _register(
     "submanifold_conv(Tensor features, Tensor weight, Tensor? bias, Tensor neighbors, "
     "Tensor neighbors_t, str algo) -> Tensor",
     _conv_impl, _conv_fake, _conv_setup, _conv_backward)
@@ -299,7 +299,7 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
     args = (features, weight, bias, neighbors, neighbors_t, algo)
     tensors = (features, weight, neighbors, neighbors_t) + (() if bias is None else (bias,))
     differentiable = (features, weight) + (() if bias is None else (bias,))
-    return _call(_conv_op, _ConvFunction, _conv_impl, args, tensors, differentiable)
+    return _call(_conv_op, _conv_autograd, _conv_impl, args, tensors, differentiable)
 
 
 # --- spconv's tensor and modules ----------------------------------------------------------
