@@ -6,8 +6,7 @@ T1/T2 benchmark) on the paper's stage sizes, and against submanifold sparse conv
 
 The `modes` suite runs one unit and a stage of 3 units sharing one reduce_mask
 (torch_bridge.SparseResStage) the ways a PyTorch user can: eagerly, torch.compile in the default
-mode and in mode="reduce-overhead", compiled with inductor's freezing (weights as constants, for
-inference), and CapacityGraphs; with the compile times. Eager runs are timed first, before
+mode and in mode="reduce-overhead", and CapacityGraphs; with the compile times. Eager runs are timed first, before
 anything is compiled. It writes <out>/res_blocks_modes_<device>.csv and .md.
 
 Dense baseline: the same module run densely with cuDNN, channels_last, cudnn.benchmark, BN
@@ -215,32 +214,24 @@ BEST_BLOCK = {"tf32": {"conv-2": 16, "conv-3": 8, "conv-4": 8, "conv-5": 8},
               "fp16": {"conv-2": 16, "conv-3": 16, "conv-4": 8, "conv-5": 8}}
 
 
-# How each compiled column compiles: torch.compile's mode and inductor settings. "frozen" is
-# inductor's freezing, for inference: the weights become constants, so the compiled graph does
-# not convert them (layout, dtype) on every call.
-COMPILED = {"sparse_compiled": (None, {}), "sparse_compiled_frozen": (None, {"freezing": True}),
-            "sparse_reduce_overhead": ("reduce-overhead", {})}
-
-
-def _compiled(fn, mode, config, *args):
+def _compiled(fn, mode, *args):
     """torch.compile(fn) and its compile time (the first call, with reduce-overhead's graph
     recording on the calls after it)."""
     torch._dynamo.reset()  # each row compiles afresh: no cache limit, no stale guards
-    with torch._inductor.config.patch(config):
-        compiled = torch.compile(fn, fullgraph=True, mode=mode)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    compiled = torch.compile(fn, fullgraph=True, mode=mode)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    compiled(*args)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    for _ in range(3):
         compiled(*args)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        for _ in range(3):
-            compiled(*args)
     return compiled, seconds
 
 
 def run_modes(stage, precision, units, repeats, rng):
     """T2 at 90% (top-left mask), batch 1, the stage's best block size: `units` units sharing
-    one reduce_mask, dense and sparse, eager / compiled (default, frozen, reduce-overhead) /
+    one reduce_mask, dense and sparse, eager / compiled (default, reduce-overhead) /
     CapacityGraphs. Eager runs are timed before anything is compiled."""
     height, width, channels, bottleneck = STAGES[stage]
     dtype, tf32 = PRECISIONS[precision]
@@ -257,10 +248,6 @@ def run_modes(stage, precision, units, repeats, rng):
     def sparse(x, mask):
         return model(x, mask, capacity=capacity)
 
-    # x and mask are the same buffers at every call, as CapacityGraphs has them: tell
-    # reduce-overhead's CUDA graphs so, or they copy them in before every replay.
-    torch._dynamo.mark_static_address(x)
-    torch._dynamo.mark_static_address(mask)
     row = dict(stage=stage, precision=precision, units=units, bsize=bsize, active_blocks=active,
                capacity=capacity)
     covered = _covered(model.units[0].reduce_mask(mask), (1, height, width), bsize)
@@ -279,14 +266,18 @@ def run_modes(stage, precision, units, repeats, rng):
         row["dense_graph_ms"] = events_ms(graph(lambda: model.dense(x)).replay, repeats)
         graphs = tb.CapacityGraphs(lambda capacity: model(x, mask, capacity=capacity))
         timed("sparse_capacity_graphs", lambda: graphs(active), want)
-        for name, (mode, config) in COMPILED.items():
-            compiled, row[f"{name}_compile_s"] = _compiled(sparse, mode, config, x, mask)
+        # x and mask are the same buffers at every call, as CapacityGraphs has them: tell
+        # reduce-overhead's CUDA graphs so, or they copy them in before every replay.
+        torch._dynamo.mark_static_address(x)
+        torch._dynamo.mark_static_address(mask)
+        for name, mode in (("sparse_compiled", None), ("sparse_reduce_overhead",
+                                                       "reduce-overhead")):
+            compiled, row[f"{name}_compile_s"] = _compiled(sparse, mode, x, mask)
             timed(name, lambda: compiled(x, mask), want)
     row["eager_speedup"] = row["dense_eager_ms"] / row["sparse_eager_ms"]
     row["reduce_overhead_vs_capacity_graphs"] = (row["sparse_reduce_overhead_ms"]
                                                  / row["sparse_capacity_graphs_ms"])
     row["compiled_vs_eager"] = row["sparse_compiled_ms"] / row["sparse_eager_ms"]
-    row["frozen_vs_eager"] = row["sparse_compiled_frozen_ms"] / row["sparse_eager_ms"]
     return row
 
 
@@ -294,23 +285,19 @@ def _modes_table(rows, device):
     lines = [f"# T2 units at 90% (top-left mask), batch 1, by how they run: {device}, "
              f"torch {torch.__version__}", "",
              "ms per call (CUDA events around each call, so host time counts), reduce_mask "
-             "included; dense eager / graphed beside. Frozen: torch.compile with inductor's "
-             "freezing (torch._inductor.config.freezing = True).", "",
+             "included; dense eager / graphed beside.", "",
              "| stage | precision | units | block | dense eager | dense graphed | sparse eager "
-             "| compiled | frozen | reduce-overhead | CapacityGraphs | eager speed-up | "
-             "compiled / eager | frozen / eager | reduce-overhead / CapacityGraphs | "
-             "compile s (default / frozen / reduce-overhead) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| compiled | reduce-overhead | CapacityGraphs | eager speed-up | compiled / eager "
+             "| reduce-overhead / CapacityGraphs | compile s (default / reduce-overhead) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['stage']} | {r['precision']} | {r['units']} | {r['bsize']} | "
             f"{r['dense_eager_ms']:.3f} | {r['dense_graph_ms']:.3f} | {r['sparse_eager_ms']:.3f}"
-            f" | {r['sparse_compiled_ms']:.3f} | {r['sparse_compiled_frozen_ms']:.3f} | "
-            f"{r['sparse_reduce_overhead_ms']:.3f} | {r['sparse_capacity_graphs_ms']:.3f} | "
-            f"{r['eager_speedup']:.2f}x | {r['compiled_vs_eager']:.2f} | "
-            f"{r['frozen_vs_eager']:.2f} | {r['reduce_overhead_vs_capacity_graphs']:.2f} | "
-            f"{r['sparse_compiled_compile_s']:.0f} / {r['sparse_compiled_frozen_compile_s']:.0f}"
-            f" / {r['sparse_reduce_overhead_compile_s']:.0f} |")
+            f" | {r['sparse_compiled_ms']:.3f} | {r['sparse_reduce_overhead_ms']:.3f} | "
+            f"{r['sparse_capacity_graphs_ms']:.3f} | {r['eager_speedup']:.2f}x | "
+            f"{r['compiled_vs_eager']:.2f} | {r['reduce_overhead_vs_capacity_graphs']:.2f} | "
+            f"{r['sparse_compiled_compile_s']:.0f} / {r['sparse_reduce_overhead_compile_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -385,8 +372,7 @@ def main(argv=None):
             r = rows[-1]
             print(f"[{time.time() - started:5.0f}s] modes {stage} {precision} x{units}: dense "
                   f"{r['dense_eager_ms']:.3f} ms, sparse eager {r['sparse_eager_ms']:.3f} / "
-                  f"compiled {r['sparse_compiled_ms']:.3f} / frozen "
-                  f"{r['sparse_compiled_frozen_ms']:.3f} / reduce-overhead "
+                  f"compiled {r['sparse_compiled_ms']:.3f} / reduce-overhead "
                   f"{r['sparse_reduce_overhead_ms']:.3f} / CapacityGraphs "
                   f"{r['sparse_capacity_graphs_ms']:.3f} ms", flush=True)
             write_csv(rows, args.out / f"res_blocks_modes_{slug}.csv")

@@ -71,22 +71,6 @@ def _run_inference(rng, case, dtype):
         _close(got, stage(x, mask), dtype)  # capacity or not: the same result
 
 
-@cuda_only
-def test_stage_inference_frozen(rng):
-    """With inductor's freezing (inference) the weights are constants but the mask stays an
-    input: a new mask, or the same buffer changed in place, gives eager's result."""
-    stage = _stage(rng, "cuda", torch.float16).fold_batchnorm()
-    x = torch.randn(2, 40, 56, 16, device="cuda", dtype=torch.float16)
-    mask = _mask(rng, 2, 40, 56, "cuda")
-    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
-        compiled = torch.compile(lambda x, mask: stage(x, mask, capacity=32), fullgraph=True)
-        for _ in range(2):
-            _close(compiled(x, mask), stage(x, mask, capacity=32), torch.float16)
-            mask = _mask(rng, 2, 40, 56, "cuda")
-        mask.copy_(_mask(rng, 2, 40, 56, "cuda"))
-        _close(compiled(x, mask), stage(x, mask, capacity=32), torch.float16)
-
-
 def _run_training(rng, case, dtype):
     """Gradients of x and of every weight through a compiled unit equal eager's."""
     device, backend, mode = case

@@ -193,15 +193,22 @@ def batch_to_space(y, block, crops=0, *, mixed=False):
 # --- dilated convolution --------------------------------------------------------------------
 
 # Where the reshape route was faster than the native dilation on the H100, by precision and the
-# gradients that autograd records (bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv, GPU time:
-# each of its rows picked by reshape_wins is within 5% of the faster route): conditions
-# (in-channels, out-channels, rate, N*H*W), each a lower bound. Only weight gradients on wide
-# layers gain: there the sub-lattices' plain convolution beats cuDNN's dilated one by more than
-# the two reshapes cost; the forward and the input gradient never do.
+# gradients that autograd records (bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv: each of its
+# rows picked by reshape_wins is within 5% of the faster route in both timings, eager and CUDA
+# graphs, or in the graphs' where no route is in both): conditions (in-channels, out-channels,
+# rate, N*H*W), each a lower bound. With 64 channels or more the sub-lattices' plain convolution
+# beats cuDNN's dilated one by more than the two reshapes cost in fp16, and for the weight
+# gradient in TF32; a TF32 forward or input gradient gains on few layers; the seed's 3 -> 128
+# channels never do.
 RESHAPE_WINS = {
-    ("float32", "weight"): ((512, 512, 2, 0), (256, 256, 4, 16384)),
-    ("float32", "both"): ((512, 512, 2, 0),),  # the two gradients' times summed
-    ("float16", "weight"): ((512, 256, 8, 0),),
+    ("float32", None): ((256, 256, 4, 65536), (2048, 256, 12, 0)),
+    ("float32", "input"): ((2048, 256, 12, 0),),
+    ("float32", "weight"): ((64, 64, 2, 32768),),
+    ("float32", "both"): ((64, 64, 2, 32768),),  # the two gradients' times summed
+    ("float16", None): ((64, 64, 2, 0),),
+    ("float16", "input"): ((64, 64, 2, 262144), (256, 256, 2, 65536), (512, 256, 8, 0)),
+    ("float16", "weight"): ((64, 64, 2, 0),),
+    ("float16", "both"): ((64, 64, 2, 0),),
 }
 
 
