@@ -103,8 +103,18 @@ def dtype_name(a):
 
 
 def name_of(dtype):
-    """NumPy's name of a NumPy or torch dtype (torch.float32 prints as 'torch.float32')."""
-    return dtype.name if isinstance(dtype, numpy.dtype) else str(dtype)[6:]
+    """NumPy's name of a NumPy or torch dtype (torch.float32 prints as 'torch.float32'),
+    remembered: numpy.dtype.name is computed in Python on every access (~2 us), and the ops ask
+    for it several times a call."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = (dtype.name if isinstance(dtype, numpy.dtype)
+                                      else str(dtype)[6:])
+        return name
+
+
+_DTYPE_NAMES = {}
 
 
 def size(shape):
