@@ -6,8 +6,8 @@ T1/T2 benchmark) on the paper's stage sizes, and against submanifold sparse conv
 
 The `modes` suite runs one unit and a stage of 3 units sharing one reduce_mask
 (torch_bridge.SparseResStage) the ways a PyTorch user can: eagerly, torch.compile in the default
-mode and in mode="reduce-overhead", and CapacityGraphs; with the compile times. Eager runs are timed first, before
-anything is compiled. It writes <out>/res_blocks_modes_<device>.csv and .md.
+mode and in mode="reduce-overhead", and CapacityGraphs; with the compile times. Eager runs are
+timed first, before anything is compiled. It writes <out>/res_blocks_modes_<device>.csv and .md.
 
 Dense baseline: the same module run densely with cuDNN, channels_last, cudnn.benchmark, BN
 folded into the convolutions, measured in the same run. Sparse: reduce_mask (inside the timed
