@@ -2,7 +2,7 @@
 seed's benchmark, on a modern GPU), and the reshape kernels against the copy bandwidth.
 
     python -m bench.dilated [--quick] [--out DIR] [--modes eager graph] [--repeats N]
-                            [--conv-layout auto|nchw]
+                            [--conv-layout auto|nchw] [--rescore CSV]
 
 Three routes per configuration, in the same run: "ours" = torch_bridge.dilated_conv2d
 (method="reshape": space_to_batch -> cuDNN convolution -> batch_to_space on this library's
@@ -15,7 +15,8 @@ the input alone, backward wrt the weights alone (each from a forward recorded on
 against the native one before it is timed. Timing: CUDA events around each call (mode
 "eager", what a Python caller sees, host time included) or around the replay of a CUDA graph
 of the call ("graph": GPU time), median of --repeats after warm-up. "auto" is what
-method="auto" picks (torch_bridge.dilated.choose_method), scored with the times measured here.
+method="auto" picks (torch_bridge.dilated.reshape_wins, its table for the timing's kind: eager or
+captured), scored with the times measured here; --rescore scores a committed run again.
 
 The reshape kernels alone run in CUDA graphs, a launch on its own buffers each (so the L2
 cache does not hold the data between launches), against a 1 GiB device-to-device copy measured
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 
 import torch_bridge as tb
 from sbnet_cupy.space_to_batch import dilated_conv_geometry
-from bench._common import events_ms, graph, write_csv
+from bench._common import events_ms, graph, read_csv, write_csv
 from torch_bridge import dilated
 
 # (N, C_in, K, H = W, rate): the seed's runs (batch 128, 3 -> 128, scale 2), wider layers at
@@ -142,12 +143,20 @@ def _pass_call(route, pass_name, x, w, gy):
     return make_call
 
 
-def _auto(x, w, r, pass_name):
-    """What method="auto" picks for the forward that `pass_name` times."""
-    xg = x.detach().requires_grad_(pass_name == "backward_input")
-    wg = w.detach().requires_grad_(pass_name == "backward_weight")
-    with torch.set_grad_enabled(pass_name != "forward"):
-        return dilated.choose_method(xg, wg, (r, r))
+PASS_GRADS = {"forward": None, "backward_input": "input", "backward_weight": "weight"}
+
+
+def score_auto(row, mode):
+    """What method="auto" picks for a row's configuration and pass, timed in `mode` ("graph":
+    as captured in a CUDA graph), and its time against the faster of reshape and native:
+    row[auto_<mode>] and row[auto_<mode>_vs_best]."""
+    precision = {"tf32": "float32", "fp16": "float16"}[row["precision"]]
+    wins = dilated.reshape_wins(precision, row["C"], row["K"], row["rate"],
+                                row["N"] * row["size"] ** 2, PASS_GRADS[row["pass_"]],
+                                graphed=mode == "graph")
+    row[f"auto_{mode}"] = "reshape" if wins else "native"
+    picked = row[f"{'ours' if wins else 'native'}_{mode}_ms"]
+    row[f"auto_{mode}_vs_best"] = picked / min(row[f"ours_{mode}_ms"], row[f"native_{mode}_ms"])
 
 
 def _check(routes, x, w, gy, precision):
@@ -180,10 +189,7 @@ def run_config(config, precision, modes, repeats):
             for name, route in routes.items():
                 row[f"{name}_{mode}_ms"] = _time(_pass_call(route, pass_name, x, w, gy), mode,
                                                  repeats)
-            row[f"auto_{mode}"] = _auto(x, w, r, pass_name)
-            fastest = min(row[f"ours_{mode}_ms"], row[f"native_{mode}_ms"])
-            picked = row[f"{'ours' if row[f'auto_{mode}'] == 'reshape' else 'native'}_{mode}_ms"]
-            row[f"auto_{mode}_vs_best"] = picked / fastest
+            score_auto(row, mode)
             row[f"ours_vs_torch_{mode}"] = row[f"torch_{mode}_ms"] / row[f"ours_{mode}_ms"]
             row[f"ours_vs_native_{mode}"] = row[f"native_{mode}_ms"] / row[f"ours_{mode}_ms"]
         rows.append(row)
@@ -277,11 +283,16 @@ def _label(row):
     return f"{row['N']}x{row['C']}->{row['K']} {row['size']}px r{row['rate']}"
 
 
-def write_markdown(path, device, command, copy_gbs, rows, reshape_rows, modes):
+def run_stamp(command):
+    """When and with what a run was measured, for write_markdown."""
+    return (f"{datetime.date.today()}, `{command}`, torch {torch.__version__}, cuDNN "
+            f"{torch.backends.cudnn.version()}")
+
+
+def write_markdown(path, device, stamp, copy_gbs, rows, reshape_rows, modes):
     lines = [f"# Dilated 3x3 convolution through reshapes on {device}", "",
-             f"{datetime.date.today()}, `{command}`, torch {torch.__version__}, cuDNN "
-             f"{torch.backends.cudnn.version()}. Median ms; speed-up = other route's time / "
-             f"ours. Copy bandwidth (1 GiB, read + write): **{copy_gbs:.0f} GB/s**.", ""]
+             f"{stamp}. Median ms; speed-up = other route's time / ours. Copy bandwidth (1 GiB, "
+             f"read + write): **{copy_gbs:.0f} GB/s**.", ""]
     for mode in modes:
         lines += [f"## Routes, {mode}", "",
                   "| config | precision | pass | native | ours | torch ops | ours vs torch | "
@@ -371,7 +382,13 @@ def main(argv=None):
     parser.add_argument("--conv-layout", choices=["auto", "nchw"], default="auto",
                         help="the reshape route's convolution: channels_last where "
                         "torch_bridge.dilated.conv_channels_last says so, or always NCHW")
+    parser.add_argument("--rescore", type=pathlib.Path,
+                        help="only score method='auto' again, with the current rule, in this "
+                        "CSV of routes (the times as measured) and rewrite it with its .md and "
+                        ".png")
     args = parser.parse_args(argv)
+    if args.rescore:
+        return rescore(args.rescore)
     dilated.CONV_CHANNELS_LAST = args.conv_layout == "auto"
     configs, reshapes = (QUICK_CONFIGS, QUICK_RESHAPES) if args.quick else (CONFIGS, RESHAPES)
     repeats = min(args.repeats, 5) if args.quick else args.repeats
@@ -408,10 +425,30 @@ def main(argv=None):
                       f"{r['pass_']:>15}: {times} ms", flush=True)
             write_csv(rows, args.out / f"dilated_{slug}.csv")  # after every config
     command = "python -m bench.dilated " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_markdown(args.out / f"dilated_{slug}.md", device, command, copy_gbs, rows,
+    write_markdown(args.out / f"dilated_{slug}.md", device, run_stamp(command), copy_gbs, rows,
                    reshape_rows, args.modes)
     plot(rows, reshape_rows, args.modes, args.out / f"dilated_{slug}.png")
     print(f"done in {time.time() - started:.0f}s", flush=True)
+    return 0
+
+
+def rescore(path):
+    """score_auto on every row of a committed run (e.g. after the rule was refitted to it), its
+    tables and plot written again; the copy bandwidth is recovered from the reshape rows."""
+    rows = read_csv(path)
+    reshape_rows = read_csv(path.with_name(path.name.replace("dilated_", "dilated_reshapes_")))
+    modes = [m for m in ("eager", "graph") if f"ours_{m}_ms" in rows[0]]
+    for row in rows:
+        for mode in modes:
+            score_auto(row, mode)
+    copy_gbs = statistics.median(r["GBs"] / r["of_copy"] for r in reshape_rows)
+    device = path.stem.removeprefix("dilated_").replace("_", " ")
+    measured = path.with_suffix(".md").read_text().splitlines()[2].split(". Median ms")[0]
+    write_csv(rows, path)
+    write_markdown(path.with_suffix(".md"), device, f"{measured}; auto scored again on "
+                   f"{datetime.date.today()} by `python -m bench.dilated --rescore {path}`",
+                   copy_gbs, rows, reshape_rows, modes)
+    plot(rows, reshape_rows, modes, path.with_suffix(".png"))
     return 0
 
 

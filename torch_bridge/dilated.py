@@ -193,37 +193,52 @@ def batch_to_space(y, block, crops=0, *, mixed=False):
 # --- dilated convolution --------------------------------------------------------------------
 
 # Where the reshape route was faster than the native dilation on the H100, by precision and the
-# gradients that autograd records (bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv: each of its
-# rows picked by reshape_wins is within 5% of the faster route in both timings, eager and CUDA
-# graphs, or in the graphs' where no route is in both): conditions (in-channels, out-channels,
-# rate, N*H*W), each a lower bound. With 64 channels or more the sub-lattices' plain convolution
-# beats cuDNN's dilated one by more than the two reshapes cost in fp16, and for the weight
-# gradient in TF32; a TF32 forward or input gradient gains on few layers; the seed's 3 -> 128
-# channels never do.
-RESHAPE_WINS = {
+# gradients that autograd records (bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv: every one of
+# its rows, each timing scored with its own table, is within 5% of the faster route):
+# conditions (in-channels, out-channels, rate, N*H*W), each a lower bound; "both" sums the two
+# gradients' times. Two tables, because the two timings disagree: inside a CUDA graph (GPU time)
+# the sub-lattices' plain convolution beats cuDNN's dilated one by more than the two reshapes
+# cost from 64 channels up in fp16, and for the weight gradient in TF32; called eagerly, the
+# route's extra launches and autograd nodes cost host time that only the slower TF32 layers
+# and fp16 weight gradients at 512 channels earn back. The seed's 3 -> 128 channels never win.
+RESHAPE_WINS_GRAPHED = {
     ("float32", None): ((256, 256, 4, 65536), (2048, 256, 12, 0)),
     ("float32", "input"): ((2048, 256, 12, 0),),
     ("float32", "weight"): ((64, 64, 2, 32768),),
-    ("float32", "both"): ((64, 64, 2, 32768),),  # the two gradients' times summed
+    ("float32", "both"): ((64, 64, 2, 32768),),
     ("float16", None): ((64, 64, 2, 0),),
     ("float16", "input"): ((64, 64, 2, 262144), (256, 256, 2, 65536), (512, 256, 8, 0)),
     ("float16", "weight"): ((64, 64, 2, 0),),
     ("float16", "both"): ((64, 64, 2, 0),),
 }
+RESHAPE_WINS_EAGER = {
+    ("float32", None): ((256, 256, 4, 65536),),
+    ("float32", "weight"): ((64, 64, 2, 32768),),
+    ("float32", "both"): ((64, 64, 2, 32768),),
+    ("float16", "weight"): ((512, 512, 2, 0),),
+}
 
 
-def reshape_wins(dtype, in_channels, out_channels, rate, pixels, grads):
-    """Whether RESHAPE_WINS picks the reshape route: dtype a name ("float32", ...), rate the
-    smaller of the two, pixels N*H*W, grads None (no autograd), "input", "weight" or "both"."""
+def reshape_wins(dtype, in_channels, out_channels, rate, pixels, grads, graphed):
+    """Whether the tables above pick the reshape route: dtype a name ("float32", ...), rate the
+    smaller of the two, pixels N*H*W, grads None (no autograd), "input", "weight" or "both";
+    graphed: the call is captured in a CUDA graph (RESHAPE_WINS_GRAPHED) or not
+    (RESHAPE_WINS_EAGER)."""
+    table = RESHAPE_WINS_GRAPHED if graphed else RESHAPE_WINS_EAGER
     return any(in_channels >= c and out_channels >= k and rate >= r and pixels >= p
-               for c, k, r, p in RESHAPE_WINS.get((dtype, grads), ()))
+               for c, k, r, p in table.get((dtype, grads), ()))
 
 
-def choose_method(x, weight, dilation):
+def choose_method(x, weight, dilation, *, graphed=None):
     """The route that "auto" takes for F.conv2d(x, weight, dilation=dilation) on this call:
-    "reshape" or "native", by reshape_wins (CPU tensors: native)."""
+    "reshape" or "native", by reshape_wins (CPU tensors: native). graphed: None for whether the
+    current stream is capturing a CUDA graph (CapacityGraphs, torch.cuda.graph); a call that
+    torch.compile traces takes the eager table, since its mode is not known while tracing."""
     if not x.is_cuda:
         return "native"
+    if graphed is None:
+        graphed = (not torch.compiler.is_compiling()
+                   and torch.cuda.is_current_stream_capturing())
     grads = None
     if torch.is_grad_enabled():
         grads = {(True, True): "both", (True, False): "input", (False, True): "weight",
@@ -231,7 +246,7 @@ def choose_method(x, weight, dilation):
     n, c, h, w = x.shape
     pixels = n * h * w
     wins = reshape_wins(str(x.dtype).removeprefix("torch."), c, weight.shape[0], min(dilation),
-                        pixels, grads)
+                        pixels, grads, graphed)
     return "reshape" if wins else "native"
 
 
