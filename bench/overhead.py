@@ -111,6 +111,76 @@ def torch_calls(mask, x, counts, indices, blocks):
     }
 
 
+def later_torch_calls(requires_grad=False, device="cuda"):
+    """The ops added after SBNet's, on small inputs of their own: dilated convolution's reshapes
+    and its reshape route, the pruned-kernel convolution and a submanifold convolution whose
+    rulebook is built (the modules). requires_grad: the inputs that carry gradients require
+    them."""
+    import torch_bridge.submanifold as spconv
+
+    torch.manual_seed(0)  # the modules' initial weights: the same on every device
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 32, 32, generator=gen).to(device).requires_grad_(requires_grad)
+    y = tb.space_to_batch(x.detach(), 2).requires_grad_(requires_grad)
+    weight = torch.randn(16, 16, 3, 3, generator=gen).to(device)
+    conv = torch.nn.Conv2d(16, 16, 3, padding=1)
+    with torch.no_grad():
+        conv.weight.mul_(torch.rand(conv.weight.shape, generator=gen) < 0.1)  # 10% left
+    pruned = tb.SparseKernelConv2d.from_conv(conv.to(device))
+    sites = (torch.rand(1, 32, 32, generator=gen) < 0.2).nonzero().int().to(device)
+    features = torch.randn(len(sites), 16, generator=gen).to(device)
+    subm = spconv.SubMConv2d(16, 16, 3, indice_key="subm").to(device)
+    with torch.no_grad():  # builds the rulebook, which the tensor then carries
+        built = subm(spconv.SparseConvTensor(features, sites, [32, 32], 1))
+    sparse = built.replace_feature(features.requires_grad_(requires_grad))
+    return {
+        "space_to_batch (NCHW, r=2)": lambda: tb.space_to_batch(x, 2),
+        "batch_to_space (NCHW, r=2)": lambda: tb.batch_to_space(y, 2),
+        "dilated_conv2d (reshape route, r=2)": lambda: tb.dilated_conv2d(
+            x, weight, dilation=2, padding=2, method="reshape"),
+        "SparseKernelConv2d (module, 3x3 at 10%)": lambda: pruned(x),
+        "SubMConv2d (module, rulebook built)": lambda: subm(sparse),
+    }
+
+
+def _check_later():
+    """later_torch_calls on CUDA agree with the same calls on the CPU (the NumPy backend; TF32
+    and the fused kernels' float32 accumulation allowed for)."""
+    with torch.no_grad():
+        for (name, on_gpu), on_cpu in zip(later_torch_calls().items(),
+                                          later_torch_calls(device="cpu").values()):
+            got, want = on_gpu(), on_cpu()
+            if not isinstance(got, torch.Tensor):  # a SparseConvTensor
+                got, want = got.features, want.features
+            scale = float(want.abs().max())
+            numpy.testing.assert_allclose(got.cpu().numpy(), want.numpy(), rtol=2e-2,
+                                          atol=2e-2 * scale, err_msg=name)
+
+
+def later_cupy_calls():
+    """later_torch_calls' ops through sbnet_cupy on CuPy arrays (NHWC, HWIO)."""
+    import cupy
+
+    rng = numpy.random.default_rng(0)
+    x = cupy.asarray(rng.standard_normal((1, 32, 32, 16)), dtype=cupy.float32)
+    y = sbnet_cupy.space_to_batch(x, 2)
+    w = rng.standard_normal((3, 3, 16, 16)).astype(numpy.float32)
+    w[rng.random(w.shape) > 0.1] = 0
+    kernel = sbnet_cupy.SparseKernel.from_dense(cupy.asarray(w))
+    sites = numpy.argwhere(rng.random((1, 32, 32)) < 0.2).astype(numpy.int32)
+    coords = cupy.asarray(sites)
+    features = cupy.asarray(rng.standard_normal((len(sites), 16)), dtype=cupy.float32)
+    rulebook = sbnet_cupy.submanifold_rulebook(coords, (32, 32), 1, 3)
+    taps = cupy.asarray(rng.standard_normal((16, 3, 3, 16)), dtype=cupy.float32)
+    return {
+        "space_to_batch (r=2)": lambda: sbnet_cupy.space_to_batch(x, 2),
+        "batch_to_space (r=2)": lambda: sbnet_cupy.batch_to_space(y, 2),
+        "sparse_kernel_conv2d (3x3 at 10%)": lambda: sbnet_cupy.sparse_kernel_conv2d(x, kernel),
+        "rulebook_conv (submanifold 3x3, rulebook built)": lambda: sbnet_cupy.rulebook_conv(
+            features, rulebook, taps),
+    }
+
+
 def cupy_calls(mask, x, counts, indices, blocks):
     import cupy
 
@@ -162,22 +232,23 @@ def main(argv=None):
     args = parser.parse_args(argv)
     inputs = _inputs()
     _check(*inputs)
+    _check_later()
     rows = []
-    for name, call in torch_calls(*inputs).items():
+    # With autograd recording: the inputs that carry gradients require them.
+    mask, x, counts, indices, blocks = inputs
+    graded = {**torch_calls(mask, x.detach().requires_grad_(True), counts, indices,
+                            blocks.detach().requires_grad_(True)),
+              **later_torch_calls(requires_grad=True)}
+    for name, call in {**torch_calls(*inputs), **later_torch_calls()}.items():
         row = dict(api="torch_bridge", op=name)
         with torch.no_grad():
             row["no_grad_us"] = _host_us(call, args.calls, args.rounds)
         with torch.inference_mode():
             row["inference_mode_us"] = _host_us(call, args.calls, args.rounds)
+        if not name.startswith(("reduce_mask", "sparse_scatter_var")):
+            row["autograd_us"] = _host_us(graded[name], args.calls, args.rounds)
         rows.append(row)
-    # With autograd recording: the inputs that carry gradients require them.
-    mask, x, counts, indices, blocks = inputs
-    graded = (mask, x.detach().requires_grad_(True), counts, indices,
-              blocks.detach().requires_grad_(True))
-    for row, call in zip(rows, torch_calls(*graded).values()):
-        if not row["op"].startswith(("reduce_mask", "sparse_scatter_var")):
-            row["autograd_us"] = _host_us(call, args.calls, args.rounds)
-    for name, call in cupy_calls(*inputs).items():
+    for name, call in {**cupy_calls(*inputs), **later_cupy_calls()}.items():
         rows.append(dict(api="sbnet_cupy (CuPy arrays)", op=name,
                          no_grad_us=_host_us(call, args.calls, args.rounds)))
     if args.profile:
