@@ -25,8 +25,10 @@ def events_ms(run, repeats, reset=None, warmup=3):
 
 def graph(run):
     """run() captured in a CUDA graph, after three calls on a side stream (kernels compile and
-    cudnn.benchmark tunes outside the capture)."""
+    cudnn.benchmark tunes outside the capture), with frozen weights as CapacityGraphs has them
+    (torch_bridge.frozen_weights: the fused kernels' weight copies kept outside the graph)."""
     import torch
+    from torch_bridge import frozen_weights
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -35,8 +37,9 @@ def graph(run):
             run()
     torch.cuda.current_stream().wait_stream(side)
     captured = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(captured):
+    with frozen_weights() as weights, torch.cuda.graph(captured):
         run()
+    captured.weights = weights  # alive as long as the graph
     return captured
 
 

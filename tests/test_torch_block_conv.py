@@ -1,6 +1,9 @@
 """torch_bridge's modules on the fused block convolutions (method="fused"), against the same
 modules run densely and through gather, cuDNN and scatter (method="gemm")."""
 
+import contextlib
+import weakref
+
 import pytest
 
 from conftest import require
@@ -8,6 +11,7 @@ from conftest import require
 torch = require("torch")
 
 import torch_bridge as tb  # noqa: E402
+from torch_bridge import block_conv  # noqa: E402
 from test_torch_sparse_res_block import _covered, _mask, _randomise_batchnorm  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -96,6 +100,64 @@ def test_fused_weights_follow_the_parameters(rng):
         check(x)
         conv.half()
         check(x.half())
+
+
+def test_weight_copies_kept_per_version():
+    """The kernels' copies of the weights are made once per parameter version and x dtype,
+    remade when a parameter changes in place or is replaced, and not kept past the
+    parameters."""
+    made = []
+
+    def prepare(x, weight, bias):
+        made.append(1)
+        return (weight.to(x.dtype) * 2,)
+
+    weight, x = torch.randn(4, 3, 3, 3), torch.randn(2)
+    first = block_conv._prepared(prepare, x, (weight, None))
+    assert block_conv._prepared(prepare, x, (weight, None)) is first and len(made) == 1
+    weight.mul_(3)
+    assert torch.equal(block_conv._prepared(prepare, x, (weight, None))[0], weight * 2)
+    block_conv._prepared(prepare, x.double(), (weight, None))
+    bias = torch.randn(4)
+    block_conv._prepared(prepare, x.double(), (weight, bias))
+    block_conv._prepared(prepare, x.double(), (weight, torch.randn(4)))
+    assert len(made) == 5
+    latest = weakref.ref(block_conv._PREPARED[weight][2][0])
+    del weight
+    assert latest() is None
+
+
+@cuda
+@pytest.mark.parametrize("frozen", [False, True])
+def test_fused_weights_in_cuda_graphs(rng, frozen):
+    """A CUDA graph captured through a fused module makes the weight copies inside the graph,
+    so replays follow in-place changes of the parameters; under frozen_weights it reads the
+    copies made before the capture, kept in the list frozen_weights yields."""
+    conv = tb.SparseConv2d(8, 8, bsize_out=8, method="fused").cuda()
+    shape = (1, 24, 24)
+    x = torch.randn(*shape, 8, device="cuda")
+    found = conv.reduce_mask(_mask(rng, *shape).cuda(), capacity=16)
+    covered = _covered(found, shape, 8).cuda()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            conv(x, found)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        context = tb.frozen_weights() if frozen else contextlib.nullcontext([])
+        with context as kept, torch.cuda.graph(graph):
+            y = conv(x, found)
+        graph.replay()
+        before = y.clone()
+        _close(before[covered], conv.dense(x)[covered], x.dtype)
+        conv.conv.weight.mul_(-2)
+        graph.replay()
+        if frozen:
+            assert kept and torch.equal(y, before)
+        else:
+            assert not kept
+            _close(y[covered], conv.dense(x)[covered], x.dtype)
 
 
 @cuda

@@ -177,6 +177,24 @@ def test_export_round_trip(rng, device):
         _close(loaded.module()(other, mask), model(other, mask), torch.float32)
 
 
+@cuda_only
+def test_compiled_fused_unit_launches_only_the_ops(rng):
+    """The default compile of a fused unit (float32 weights, float16 input: casts and the 3x3
+    weight's permute to make) generates no kernel of its own: the op makes the weights' copies,
+    once, outside the graph."""
+    from torch._inductor.utils import run_and_get_code
+
+    stage = _stage(rng, "cuda", torch.float32, units=1).fold_batchnorm()
+    x = torch.randn(1, 40, 48, 16, device="cuda", dtype=torch.float16)
+    mask = _mask(rng, 1, 40, 48, "cuda")
+    with torch.no_grad():
+        compiled = _compile(lambda x, mask: stage(x, mask, capacity=24), "inductor", "default")
+        got, codes = run_and_get_code(compiled, x, mask)
+        _close(got, stage(x, mask, capacity=24), torch.float16)
+    code = "\n".join(codes)
+    assert "sbnet.block_conv_res_unit" in code and "@triton.jit" not in code, code
+
+
 def test_fast_path_keeps_the_checks():
     """Calls that skip the dispatcher still check every argument."""
     x = torch.ones(1, 8, 8, 4)

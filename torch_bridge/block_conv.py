@@ -4,9 +4,20 @@ what SparseConv2d and SparseResBlockBottleneck run when no gradient is recorded.
 Each op exists out of place (a new tensor) and in place (``_``, into its last tensor argument),
 with fake kernels, so torch.compile and torch.export see one op per launch group. They record
 no gradient: the modules train through gather, cuDNN and scatter.
+
+The ops take the modules' parameters as they are (weights [K, C, KH, KW] in any float dtype)
+and prepare the kernels' copies themselves (OHWI in x's dtype, float32 bias and affine), once
+per parameter version: eager calls and torch.compile's graphs alike then launch nothing but the
+kernels. While a CUDA graph is captured the copies are made inside the graph, so that its
+replays follow in-place changes of the parameters, unless the capture runs under
+frozen_weights() (as CapacityGraphs' does), which has the graph read the copies made before.
 """
 
+import contextlib
+import weakref
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from sbnet_cupy import BlockParams, _checks
 from sbnet_cupy.block_conv import launch_conv, launch_res_unit
@@ -31,6 +42,70 @@ def _addresses(*tensors):
     return tuple(0 if t is None else t.data_ptr() for t in tensors)
 
 
+# --- the kernels' copies of the weights ------------------------------------------------------
+
+def _ohwi(weight, x):
+    """A convolution's weight [K, C, KH, KW] as the kernels read it: [K, KH, KW, C] in x's
+    dtype."""
+    return weight.detach().to(x.device, x.dtype).permute(0, 2, 3, 1).contiguous()
+
+
+def _float32(t, x):
+    return None if t is None else t.detach().to(x.device, torch.float32)
+
+
+def _conv_weights(x, weight, bias):
+    return _ohwi(weight, x), _float32(bias, x)
+
+
+def _unit_weights(x, scale, shift, w1, b1, w2, b2, w3):
+    return (_float32(scale, x), _float32(shift, x), _ohwi(w1, x), _float32(b1, x), _ohwi(w2, x),
+            _float32(b2, x), _ohwi(w3, x))
+
+
+_PREPARED = WeakIdKeyDictionary()  # first source -> (key, weak refs to the sources, copies)
+_FROZEN = []  # one list per active frozen_weights(): the copies its captures read
+
+
+@contextlib.contextmanager
+def frozen_weights():
+    """Inside, a CUDA graph captured through the fused modules reads the kernels' copies of the
+    weights made before the capture (by the warm-up call any capture needs) instead of making
+    them in the graph: a shorter graph, which does not follow later in-place changes of the
+    parameters (capture again after those). Yields the list of the copies the captures read;
+    keep it as long as the graphs."""
+    kept = []
+    _FROZEN.append(kept)
+    try:
+        yield kept
+    finally:
+        _FROZEN.remove(kept)
+
+
+def _same_tensors(refs, sources):
+    return all((t is None) if r is None else (r() is t) for r, t in zip(refs, sources))
+
+
+def _prepared(prepare, x, sources):
+    """prepare(x, *sources), kept while the sources stay the same tensors with the same data and
+    version and x's device and dtype stay (see the module's docstring for CUDA graphs). Weak
+    references: the cache keeps neither the parameters nor, through them, the modules alive."""
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing and not _FROZEN:
+        return prepare(x, *sources)
+    key = (x.device, x.dtype, *((0, 0) if t is None else (t.data_ptr(), t._version)
+                                for t in sources))
+    cached = _PREPARED.get(sources[0])
+    if cached is None or cached[0] != key or not _same_tensors(cached[1], sources):
+        if capturing:  # nothing made before the capture: make them in the graph
+            return prepare(x, *sources)
+        refs = tuple(None if t is None else weakref.ref(t) for t in sources)
+        cached = _PREPARED[sources[0]] = (key, refs, prepare(x, *sources))
+    if capturing:
+        _FROZEN[-1].append(cached[2])
+    return cached[2]
+
+
 # --- one convolution: SparseConv2d ----------------------------------------------------------
 
 def _cuda_only(y):
@@ -43,6 +118,7 @@ def _conv_into(x, weight, bias, bin_counts, active_block_indices, y, bsize, boff
     _cuda_only(y)
     counts, indices = _ops._block_list(bin_counts, active_block_indices)
     x = _ops._contiguous(x)
+    weight, bias = _prepared(_conv_weights, x, (weight, bias))
     device = y.get_device()
     launch_conv(device, _ops._raw_stream(device), _checks.dtype_name(x), x.data_ptr(),
                 y.data_ptr(), weight.data_ptr(), *_addresses(bias), indices.data_ptr(),
@@ -77,10 +153,10 @@ _conv_in_place_op, _ = _ops._register("block_conv2d_" + _CONV_SCHEMA.format("(a!
 
 
 def block_conv2d(x, weight, bias, found, base, params, *, inplace=False):
-    """The stride-1 convolution of x [N, H, W, C] by weight [K, KH, KW, C] (OHWI) and float32
-    bias [K] (or None) on the blocks of `found` (reduce_mask with params), written into a copy
-    of base [N, H', W', K] (into base itself with inplace=True). Checked by the caller
-    (SparseConv2d): contiguous CUDA tensors of one dtype that fused_dtype accepts."""
+    """The stride-1 convolution of x [N, H, W, C] by weight [K, C, KH, KW] and bias [K] (or
+    None) on the blocks of `found` (reduce_mask with params), written into a copy of base
+    [N, H', W', K] (into base itself with inplace=True). Checked by the caller (SparseConv2d):
+    contiguous CUDA tensors x and base of one dtype that fused_dtype accepts."""
     args = (x, weight, bias, found.bin_counts, found.active_block_indices, base, params.bsize,
             params.boffset, params.bstrides, params.bsize_out)
     tensors = (x, weight, found.bin_counts, found.active_block_indices, base)
@@ -96,12 +172,13 @@ def _unit_into(y, bin_counts, active_block_indices, scale, shift, w1, b1, w2, b2
                boffset, bstride, bsize_out):
     _cuda_only(y)
     counts, indices = _ops._block_list(bin_counts, active_block_indices)
+    weights = _prepared(_unit_weights, y, (scale, shift, w1, b1, w2, b2, w3))
     rows, bottleneck = indices.shape[0], w1.shape[0]
     stacks = (y.new_empty((rows, *bsize, bottleneck)), y.new_empty((rows, *bsize_out,
                                                                      bottleneck)))
     device = y.get_device()
     launch_res_unit(device, _ops._raw_stream(device), _checks.dtype_name(y), y.data_ptr(),
-                    y.data_ptr(), _addresses(scale, shift, w1, b1, w2, b2, w3),
+                    y.data_ptr(), _addresses(*weights),
                     indices.data_ptr(), counts.data_ptr(), rows, y.shape, bottleneck,
                     _params(bsize, boffset, bstride, bsize_out), _addresses(*stacks))
 
@@ -129,9 +206,9 @@ _unit_in_place_op, _ = _ops._register("block_conv_res_unit_" + _UNIT_SCHEMA.form
 
 def res_unit(x, found, weights, params, *, inplace=False):
     """SBNet's bottleneck unit on the blocks of `found`: x + F(x) as a new tensor, or added into
-    x with inplace=True. weights: (scale, shift, w1, b1, w2, b2, w3) of the folded unit, the
-    convolutions OHWI in x's dtype, the rest float32. Checked by the caller
-    (SparseResBlockBottleneck)."""
+    x with inplace=True. weights: (scale, shift, w1, b1, w2, b2, w3) of the folded unit: bn1's
+    affine [C], the convolutions' weights [K, C, 1, 1], [K, K, 3, 3], [C, K, 1, 1] and biases
+    [K], in any float dtype. Checked by the caller (SparseResBlockBottleneck)."""
     args = (x, found.bin_counts, found.active_block_indices, *weights, params.bsize,
             params.boffset, params.bstrides, params.bsize_out)
     tensors = (x, found.bin_counts, found.active_block_indices, *weights)

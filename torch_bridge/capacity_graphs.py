@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from .block_conv import frozen_weights
+
 
 def capacity_bucket(count, ratio=1.125, minimum=8):
     """The capacity to run `count` blocks with: the smallest of minimum * ratio**i (rounded up to
@@ -24,11 +26,14 @@ class CapacityGraphs:
     the previous frame's bin_counts, or known from the mask's source) replays the graph of its
     bucket and returns that graph's outputs, which the next replay of the same bucket
     overwrites. If the count outgrew the bucket, the result's ReduceMask.overflowed says so.
+    The graphs are for fixed weights: they read the fused kernels' copies of the weights made
+    when they were captured (frozen_weights), so make a new CapacityGraphs after changing
+    parameters in place.
     """
 
     def __init__(self, fn, *, ratio=1.125, minimum=8):
         self.fn, self.ratio, self.minimum = fn, ratio, minimum
-        self.graphs = {}  # capacity -> (graph, outputs)
+        self.graphs = {}  # capacity -> (graph, outputs, the weight copies it reads)
 
     def __call__(self, count):
         capacity = capacity_bucket(count, self.ratio, self.minimum)
@@ -39,9 +44,9 @@ class CapacityGraphs:
                 self.fn(capacity)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with frozen_weights() as weights, torch.cuda.graph(graph):
                 outputs = self.fn(capacity)
-            self.graphs[capacity] = graph, outputs
-        graph, outputs = self.graphs[capacity]
+            self.graphs[capacity] = graph, outputs, weights
+        graph, outputs, _ = self.graphs[capacity]
         graph.replay()
         return outputs

@@ -73,32 +73,6 @@ def _use_fused(module, x, parameters, ready=True):
     return False
 
 
-def _ohwi(weight, x):
-    """A convolution's weight [K, C, KH, KW] as the fused kernels read it: [K, KH, KW, C] in x's
-    dtype."""
-    return weight.detach().to(x.device, x.dtype).permute(0, 2, 3, 1).contiguous()
-
-
-def _float32(t, x):
-    return None if t is None else t.detach().to(x.device, torch.float32)
-
-
-def _prepared(module, x):
-    """module._prepare(x, *module._fused_sources()) (the fused kernels' weights), kept while the
-    sources stay the same tensors with the same data and version, and x's device and dtype stay;
-    a compiled graph prepares its own. The sources are named, not found through
-    module.parameters(), whose walk through the submodules cost more than the whole launch."""
-    sources = module._fused_sources()
-    if torch.compiler.is_compiling():
-        return module._prepare(x, *sources)
-    key = (x.device, x.dtype, *((0, 0) if t is None else (t.data_ptr(), t._version)
-                                for t in sources))
-    cached = module._fused_weights
-    if cached is None or cached[0] != key or any(a is not b for a, b in zip(cached[1], sources)):
-        cached = module._fused_weights = (key, sources, module._prepare(x, *sources))
-    return cached[2]
-
-
 def _check_fused(x, bin_counts, active_block_indices, channels):
     _checks.nhwc("x", x)
     _checks.check_block_list(active_block_indices, bin_counts)
@@ -132,7 +106,6 @@ class SparseConv2d(nn.Module):
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, bias=bias)  # VALID
         self.bsize_out = bsize_out
         self.method = _check_method(method)
-        self._fused_weights = None
 
     def block_params(self, height, width):
         k = self.conv.kernel_size[0]
@@ -143,12 +116,6 @@ class SparseConv2d(nn.Module):
         params = self.block_params(*mask.shape[1:3])
         return _ops.reduce_mask(mask, params.bcount, bsize=params.bsize, boffset=params.boffset,
                                 bstride=params.bstrides, tol=tol, capacity=capacity)
-
-    def _fused_sources(self):
-        return self.conv.weight, self.conv.bias
-
-    def _prepare(self, x, weight, bias):
-        return _ohwi(weight, x), _float32(bias, x)
 
     def fused(self, x):
         """Whether forward(x, ...) runs the fused kernels (see method)."""
@@ -169,9 +136,8 @@ class SparseConv2d(nn.Module):
             _ops._same_device(x, found.bin_counts, found.active_block_indices, base, x=x,
                               bin_counts=found.bin_counts,
                               active_block_indices=found.active_block_indices, base=base)
-            weight, bias = _prepared(self, x)
-            return block_conv.block_conv2d(_ops._contiguous(x), weight, bias, found, base,
-                                           params, inplace=inplace)
+            return block_conv.block_conv2d(_ops._contiguous(x), self.conv.weight, self.conv.bias,
+                                           found, base, params, inplace=inplace)
         blocks = _ops.sparse_gather(x, found.bin_counts, found.active_block_indices,
                                     bsize=params.bsize, boffset=params.boffset,
                                     bstride=params.bstrides)
@@ -212,7 +178,7 @@ class SparseResBlockBottleneck(nn.Module):
         self.conv3 = nn.Conv2d(bottleneck, channels, 1, bias=False)
         self.bsize_out = bsize_out
         self.method = _check_method(method)
-        self._inside, self._affine, self._fused_weights = {}, {}, None
+        self._inside, self._affine = {}, {}
 
     def block_params(self, height, width):
         params = (_res_block_params if torch.compiler.is_compiling()
@@ -272,13 +238,9 @@ class SparseResBlockBottleneck(nn.Module):
                                         found.active_block_indices, bsize=params.bsize,
                                         boffset=params.boffset, bstride=params.bstrides))
 
-    def _fused_sources(self):
+    def _fused_weights(self):
         return (self.bn1.scale, self.bn1.shift, self.conv1.weight, self.conv1.bias,
                 self.conv2.weight, self.conv2.bias, self.conv3.weight)
-
-    def _prepare(self, x, scale, shift, w1, b1, w2, b2, w3):
-        return (_float32(scale, x), _float32(shift, x), _ohwi(w1, x), _float32(b1, x),
-                _ohwi(w2, x), _float32(b2, x), _ohwi(w3, x))
 
     def fused(self, x):
         """Whether forward(x, ...) runs the fused kernels (see method)."""
@@ -298,8 +260,7 @@ class SparseResBlockBottleneck(nn.Module):
                               active_block_indices=found.active_block_indices)
             if inplace and not x.is_contiguous():
                 raise ValueError("inplace=True needs a contiguous x")
-            weights = _prepared(self, x)
-            return block_conv.res_unit(_ops._contiguous(x), found, weights, params,
+            return block_conv.res_unit(_ops._contiguous(x), found, self._fused_weights(), params,
                                        inplace=inplace)
         fused = isinstance(self.bn1, _BatchNormAffine) and x.dtype != torch.bfloat16
         affine = {}
