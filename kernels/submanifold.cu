@@ -121,6 +121,17 @@ static __device__ i64 subm_connect(const RuleArgs& a, i64 row, int k, bool trans
     return key;
 }
 
+// site[0 .. DIMS] = the batch index and coordinates of `key` in a grid of query_shape.
+template <int DIMS>
+static __device__ __forceinline__ void subm_decode(const RuleArgs& a, i64 key, int* site) {
+#pragma unroll
+    for (int d = DIMS - 1; d >= 0; --d) {
+        site[1 + d] = (int)(key % a.query_shape[d]);
+        key /= a.query_shape[d];
+    }
+    site[0] = (int)key;
+}
+
 static __device__ __forceinline__ i64 subm_first() {
     return (i64)blockIdx.x * blockDim.x + threadIdx.x;
 }
@@ -186,14 +197,7 @@ template <int DIMS> __global__ void compact_table(const RuleArgs a) {
 // Coordinates [n, 1 + DIMS] (in out_map) of the keys keys_in [n] of a grid of query_shape.
 template <int DIMS> __global__ void decode_keys(const RuleArgs a) {
     for (i64 r = subm_first(); r < a.n; r += subm_step()) {
-        i64 key = a.keys_in[r];
-        int* site = a.out_map + r * (1 + DIMS);
-#pragma unroll
-        for (int d = DIMS - 1; d >= 0; --d) {
-            site[1 + d] = (int)(key % a.query_shape[d]);
-            key /= a.query_shape[d];
-        }
-        site[0] = (int)key;
+        subm_decode<DIMS>(a, a.keys_in[r], a.out_map + r * (1 + DIMS));
     }
 }
 
@@ -302,14 +306,7 @@ template <int DIMS> __global__ void emit_sites(const RuleArgs a) {
         int row = a.ranks[w] + a.group[w / RANK_WORDS];
         a.ranks[w] = row;
         for (; word; word &= word - 1u, ++row) {
-            i64 key = w * 32 + (__ffs(word) - 1);
-            int* site = a.out_map + (i64)row * (1 + DIMS);
-#pragma unroll
-            for (int d = DIMS - 1; d >= 0; --d) {
-                site[1 + d] = (int)(key % a.query_shape[d]);
-                key /= a.query_shape[d];
-            }
-            site[0] = (int)key;
+            subm_decode<DIMS>(a, w * 32 + (__ffs(word) - 1), a.out_map + (i64)row * (1 + DIMS));
         }
     }
 }

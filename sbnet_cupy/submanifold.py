@@ -89,11 +89,13 @@ class Rulebook:
         neighbors_t: int32 [K, N_in], the output row input site i feeds through tap k (-1).
         in_coords, out_coords: int32 [N_in, 1 + D] and [N_out, 1 + D] (out_coords is
             in_coords for a submanifold rulebook).
-        in_shape, out_shape: the spatial shapes (tuples of D ints); batch_size.
-        kernel_size, stride, padding, dilation: tuples of D ints (padding of a submanifold
+        in_shape, out_shape: the spatial shapes (D ints); batch_size.
+        kernel_size, stride, padding, dilation: D ints each (padding of a submanifold
             rulebook is kernel // 2 * dilation).
         subm: whether output sites are the input sites.
         inverted: whether this is inverse() of a strided rulebook (outputs are its inputs).
+
+    The spatial shapes and the geometry are tuples here and lists in torch_bridge's subclass.
     """
 
     def __init__(self, neighbors, neighbors_t, in_coords, out_coords, in_shape, out_shape,
@@ -104,16 +106,23 @@ class Rulebook:
         self.kernel_size, self.stride = kernel_size, stride
         self.padding, self.dilation = padding, dilation
         self.subm, self.inverted = subm, inverted
+        # Device tables (_Table) of in_coords and out_coords that a later rulebook on the same
+        # sites may reuse; torch_bridge's build_rulebook sets them, sbnet_cupy's keep none.
+        self._tables = (None, None)
 
     @property
     def num_taps(self):
         return math.prod(self.kernel_size)
 
     def inverse(self):
-        """The rulebook of the inverse convolution: outputs and inputs swapped, same taps."""
-        return Rulebook(self.neighbors_t, self.neighbors, self.out_coords, self.in_coords,
-                        self.out_shape, self.in_shape, self.batch_size, self.kernel_size,
-                        self.stride, self.padding, self.dilation, self.subm, not self.inverted)
+        """The rulebook of the inverse convolution (of this rulebook's class): outputs and
+        inputs swapped, maps and tables included; the same taps."""
+        inverse = type(self)(self.neighbors_t, self.neighbors, self.out_coords, self.in_coords,
+                             self.out_shape, self.in_shape, self.batch_size, self.kernel_size,
+                             self.stride, self.padding, self.dilation, self.subm,
+                             not self.inverted)
+        inverse._tables = self._tables[::-1]
+        return inverse
 
     def __repr__(self):
         kind = "submanifold" if self.subm else "inverse" if self.inverted else "strided"
@@ -188,15 +197,28 @@ def check_conv(features, rulebook, weight, bias):
     """Checks rulebook_conv's arguments (arrays or tensors)."""
     if not isinstance(rulebook, Rulebook):
         raise TypeError(f"rulebook must be a Rulebook, got {type(rulebook).__name__}")
+    check_operands(features, weight, bias, rulebook.kernel_size, rulebook.in_coords.shape[0])
+
+
+def check_operands(features, weight, bias, kernel_size, n_in):
+    """Checks features [n_in, Cin], weight [Cout, *kernel_size, Cin] and bias (None or [Cout])
+    of one dtype (arrays or tensors): rulebook_conv's checks that read no rulebook."""
     dtype = _checks.dtype_name(features)
-    if features.ndim != 2 or features.shape[0] != rulebook.in_coords.shape[0]:
-        raise ValueError(f"features must be [N, C] with N = {rulebook.in_coords.shape[0]} (the "
-                         f"rulebook's input sites), got shape {tuple(features.shape)}")
-    check_weight(weight, rulebook.kernel_size, features.shape[1], dtype)
+    if features.ndim != 2 or features.shape[0] != n_in:
+        raise ValueError(f"features must be [N, C] with N = {n_in} (the rulebook's input "
+                         f"sites), got shape {tuple(features.shape)}")
+    check_weight(weight, kernel_size, features.shape[1], dtype)
     if bias is not None and (tuple(bias.shape) != (weight.shape[0],)
                              or _checks.dtype_name(bias) != dtype):
         raise ValueError(f"bias must be a {dtype} array of shape ({weight.shape[0]},), got "
                          f"{_checks.dtype_name(bias)} {tuple(bias.shape)}")
+
+
+def check_algo(algo, dtype):
+    """Checks rulebook_conv's algo (not None) for features of dtype (a name)."""
+    if algo not in ALGOS or (algo == "fused" and dtype == "float64"):
+        raise ValueError(f"algo must be None or one of {ALGOS} ('fused' for float16, bfloat16 "
+                         f"or float32), got {algo!r} for {dtype}")
 
 
 def check_weight(weight, kernel_size, channels, dtype):
@@ -792,9 +814,7 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
         raise TypeError("bfloat16 runs through torch_bridge.submanifold (CUDA tensors)")
     if algo is None:
         algo = "gemm" if xp is numpy else choose_algo(dtype, block_conv.tf32_allowed())
-    if algo not in ALGOS or (algo == "fused" and dtype == "float64"):
-        raise ValueError(f"algo must be None or one of {ALGOS} ('fused' for float16, bfloat16 "
-                         f"or float32), got {algo!r} for {dtype}")
+    check_algo(algo, dtype)
     with _checks.on_device(features):
         return conv_arrays(xp, features, rulebook.neighbors, weight, bias, algo)
 

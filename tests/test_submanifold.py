@@ -376,6 +376,25 @@ def test_strided_bitmap_ranks_across_words_and_groups(rng, out_shape, fraction):
 
 
 @requires_gpu
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_strided_hash_and_sort_equals_numpy(rng, monkeypatch, case):
+    """The path of output grids too large for a bitmap (forced: no grid fits): the output
+    sites hashed, sorted and decoded (decode_keys), every DIMS, equal to NumPy's."""
+    import cupy
+
+    monkeypatch.setattr(sm, "_BITMAP_MAX_BITS", 0)
+    batch, shape, n, kernel, stride, padding, dilation = CASES[case]
+    coords = random_sites(rng, batch, shape, n)
+    host = sm.strided_rulebook(coords, shape, batch, kernel, stride, padding, dilation)
+    for check in (True, False):
+        device = sm.strided_rulebook(cupy.asarray(coords), shape, batch, kernel, stride,
+                                     padding, dilation, check=check)
+        numpy.testing.assert_array_equal(device.out_coords.get(), host.out_coords)
+        numpy.testing.assert_array_equal(device.neighbors.get(), host.neighbors)
+        numpy.testing.assert_array_equal(device.neighbors_t.get(), host.neighbors_t)
+
+
+@requires_gpu
 def test_unchecked_bad_coords_stay_in_bounds(rng):
     """check=False trusts the coordinates: bad ones give wrong maps, never rows out of range."""
     import cupy

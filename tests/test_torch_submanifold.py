@@ -140,6 +140,8 @@ def test_dense_and_replace_feature(rng):
 
 
 def test_errors(rng):
+    from sbnet_cupy import submanifold as core
+
     x = sparse_input(rng, 1, (6, 6), 10, 3)
     with pytest.raises(ValueError, match="needs the indice_key"):
         spconv.SparseInverseConv2d(3, 3, 3)
@@ -158,6 +160,14 @@ def test_errors(rng):
     rulebook = spconv.build_rulebook(x.indices, [6, 6], 1, 3, subm=True)
     with pytest.raises(TypeError, match="weight must have features' dtype"):
         spconv.rulebook_conv(x.features, rulebook, torch.zeros(2, 3, 3, 3))
+    weight = torch.zeros(2, 3, 3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="bias must be a float64 array of shape \\(2,\\)"):
+        spconv.rulebook_conv(x.features, rulebook, weight, torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="algo must be None or one of"):
+        spconv.rulebook_conv(x.features, rulebook, weight, algo="fused")
+    with pytest.raises(TypeError, match="rulebook must be a torch_bridge.submanifold.Rulebook"):
+        spconv.rulebook_conv(x.features, core.submanifold_rulebook(
+            x.indices.numpy(), [6, 6], 1, 3), weight)
 
 
 @requires_cuda
@@ -307,7 +317,11 @@ def test_reusable_table_needs_the_same_indices_grid_and_check():
     assert find([rulebook], indices.clone(), (4, 5, 6), 2, False) is None
     assert find([rulebook], indices, (4, 5, 7), 2, False) is None
     assert find([rulebook], indices, (4, 5, 6), 1, False) is None
-    assert find([rulebook.inverse()], indices, (4, 5, 6), 2, False) is table
+    inverse = rulebook.inverse()  # the core's inverse(), of the torch class, tables swapped
+    assert type(inverse) is spconv.Rulebook and isinstance(inverse, core.Rulebook)
+    assert inverse.in_indices is indices and inverse.out_indices is other
+    assert inverse._tables == (table, None) and inverse.inverted
+    assert find([inverse], indices, (4, 5, 6), 2, False) is table
     assert find([], indices, (4, 5, 6), 2, False) is None
 
 

@@ -9,6 +9,7 @@ the op as int32 tensors, which the GPU path copies to the features' device.
 import numpy
 import tensorflow as tf
 
+from sbnet_cupy import _checks
 from sbnet_cupy import submanifold as _core
 
 from . import _call
@@ -26,18 +27,9 @@ def build_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, pad
                                   padding, dilation)
 
 
-def _module(array):
-    """numpy for the NumPy arrays of CPU tensors, cupy for GPU tensors' arrays."""
-    if isinstance(array, numpy.ndarray):
-        return numpy
-    import cupy
-
-    return cupy
-
-
 def _conv(features, neighbors, weight, bias):
     def run(f, n, w, *b):
-        return _core.conv_arrays(_module(f), f, n, w, b[0] if b else None)
+        return _core.conv_arrays(_checks.array_module(features=f), f, n, w, b[0] if b else None)
 
     inputs = [features, neighbors, weight] + ([] if bias is None else [bias])
     (y,) = _call(run, inputs, [features.dtype])
@@ -47,7 +39,7 @@ def _conv(features, neighbors, weight, bias):
 
 def _grad_weight(features, dy, neighbors, shape):
     def run(f, d, n):
-        return _core.grad_weight_arrays(_module(f), f, d, n, tuple(shape))
+        return _core.grad_weight_arrays(_checks.array_module(features=f), f, d, n, tuple(shape))
 
     (dw,) = _call(run, [features, dy, neighbors], [features.dtype])
     dw.set_shape(shape)

@@ -137,37 +137,27 @@ _grad_weight_op, _ = _register(
 
 # --- rulebooks ----------------------------------------------------------------------------
 
-class Rulebook:
-    """sbnet_cupy.submanifold.Rulebook with torch tensors: neighbors int32 [K, N_out],
-    neighbors_t int32 [K, N_in], in_indices and out_indices int32 [N, 1 + D], in_shape and
-    out_shape (lists of D ints), batch_size, kernel_size, stride, padding, dilation (lists),
-    subm and inverted."""
+class Rulebook(_core.Rulebook):
+    """sbnet_cupy.submanifold.Rulebook with torch tensors and spconv's names: neighbors int32
+    [K, N_out], neighbors_t int32 [K, N_in], in_indices int32 [N_in, 1 + D] and out_indices
+    int32 [N_out, 1 + D] (the core's in_coords and out_coords), in_shape and out_shape (lists
+    of D ints), batch_size, kernel_size, stride, padding, dilation (lists of D ints), subm and
+    inverted. On CUDA it carries the device tables of its sites that build_rulebook may reuse;
+    inverse() swaps them with the sites."""
 
     def __init__(self, neighbors, neighbors_t, in_indices, out_indices, in_shape, out_shape,
                  batch_size, kernel_size, stride, padding, dilation, subm, inverted=False):
-        self.neighbors, self.neighbors_t = neighbors, neighbors_t
-        self.in_indices, self.out_indices = in_indices, out_indices
-        self.in_shape, self.out_shape, self.batch_size = in_shape, out_shape, batch_size
-        self.kernel_size, self.stride = kernel_size, stride
-        self.padding, self.dilation = padding, dilation
-        self.subm, self.inverted = subm, inverted
-        # Device tables of in_indices and out_indices that build_rulebook may reuse (CUDA).
-        self._tables = (None, None)
+        """The core's arguments, with the sites under spconv's names (keywords included)."""
+        super().__init__(neighbors, neighbors_t, in_indices, out_indices, in_shape, out_shape,
+                         batch_size, kernel_size, stride, padding, dilation, subm, inverted)
 
-    def inverse(self):
-        """The rulebook of the inverse convolution (outputs and inputs swapped)."""
-        inverse = Rulebook(self.neighbors_t, self.neighbors, self.out_indices, self.in_indices,
-                           self.out_shape, self.in_shape, self.batch_size, self.kernel_size,
-                           self.stride, self.padding, self.dilation, self.subm,
-                           not self.inverted)
-        inverse._tables = self._tables[::-1]
-        return inverse
+    @property
+    def in_indices(self):
+        return self.in_coords
 
-    def __repr__(self):
-        kind = "submanifold" if self.subm else "inverse" if self.inverted else "strided"
-        return (f"Rulebook({kind}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"padding={self.padding}, dilation={self.dilation}, sites "
-                f"{self.in_indices.shape[0]} -> {self.out_indices.shape[0]})")
+    @property
+    def out_indices(self):
+        return self.out_coords
 
 
 def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, padding=0,
@@ -257,22 +247,12 @@ def _build(coords, shape, batch_size, kernel_size, stride, padding, dilation, su
 
 
 def _check_conv(features, weight, bias, neighbors, kernel_size, n_in, algo):
-    if features.ndim != 2 or features.shape[0] != n_in:
-        raise ValueError(f"features must be [N, C] with N = {n_in} (the rulebook's input "
-                         f"sites), got shape {tuple(features.shape)}")
-    _core.check_weight(weight, tuple(kernel_size), features.shape[1],
-                       _checks.dtype_name(features))
+    _core.check_operands(features, weight, bias, kernel_size, n_in)
     if not features.is_cuda and features.dtype == torch.bfloat16:
         raise TypeError("bfloat16 needs CUDA tensors (the CPU backend is NumPy's)")
-    if bias is not None and (tuple(bias.shape) != (weight.shape[0],)
-                             or bias.dtype != features.dtype):
-        raise ValueError(f"bias must be a {features.dtype} tensor of shape ({weight.shape[0]},), "
-                         f"got {bias.dtype} {tuple(bias.shape)}")
     if neighbors.dtype != torch.int32:
         raise TypeError(f"the rulebook's maps must be int32, got {neighbors.dtype}")
-    if algo not in _core.ALGOS or (algo == "fused" and features.dtype == torch.float64):
-        raise ValueError(f"algo must be None or one of {_core.ALGOS} ('fused' for float16, "
-                         f"bfloat16 or float32), got {algo!r} for {features.dtype}")
+    _core.check_algo(algo, _checks.dtype_name(features))
 
 
 _CHECKS = {}
