@@ -103,18 +103,20 @@ def dtype_name(a):
 
 
 def name_of(dtype):
-    """NumPy's name of a NumPy or torch dtype (torch.float32 prints as 'torch.float32'),
-    remembered: numpy.dtype.name is computed in Python on every access (~2 us), and the ops ask
-    for it several times a call."""
+    """NumPy's name of a NumPy or torch dtype (torch.float32 prints as 'torch.float32'). NumPy's
+    are remembered: numpy.dtype.name is computed in Python on every access (~2 us), and the ops
+    ask for it several times a call. Torch's are not: torch.compile (2.11) cannot trace a
+    lookup in a dict with NumPy dtypes among its keys."""
+    if not isinstance(dtype, numpy.dtype):
+        return str(dtype)[6:]
     try:
-        return _DTYPE_NAMES[dtype]
+        return _NUMPY_NAMES[dtype]
     except KeyError:
-        name = _DTYPE_NAMES[dtype] = (dtype.name if isinstance(dtype, numpy.dtype)
-                                      else str(dtype)[6:])
+        name = _NUMPY_NAMES[dtype] = dtype.name
         return name
 
 
-_DTYPE_NAMES = {}
+_NUMPY_NAMES = {}
 
 
 def size(shape):
