@@ -86,6 +86,22 @@ def _same_tensors(refs, sources):
     return all((t is None) if r is None else (r() is t) for r, t in zip(refs, sources))
 
 
+def _outside_torch_pools(t):
+    """A copy of t (or None) in memory from CuPy's pool, allocated on torch's current stream so
+    that its reuse is ordered with the kernels that read it. Torch's CUDA graph pools then never
+    hold a kept copy: cudagraph trees' warm-up puts every torch allocation of its thread in its
+    pool, and fails on live ones it did not return."""
+    if t is None:
+        return None
+    import cupy
+
+    device = t.get_device()
+    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(
+            torch.cuda.current_stream(device)):
+        memory = cupy.empty(t.numel() * t.element_size(), cupy.uint8)
+    return torch.from_dlpack(memory).view(t.dtype).view(t.shape).copy_(t)
+
+
 def _prepared(prepare, x, sources):
     """prepare(x, *sources), kept while the sources stay the same tensors with the same data and
     version and x's device and dtype stay (see the module's docstring for CUDA graphs). Weak
@@ -100,7 +116,10 @@ def _prepared(prepare, x, sources):
         if capturing:  # nothing made before the capture: make them in the graph
             return prepare(x, *sources)
         refs = tuple(None if t is None else weakref.ref(t) for t in sources)
-        cached = _PREPARED[sources[0]] = (key, refs, prepare(x, *sources))
+        copies = prepare(x, *sources)
+        if x.is_cuda:
+            copies = tuple(_outside_torch_pools(t) for t in copies)
+        cached = _PREPARED[sources[0]] = (key, refs, copies)
     if capturing:
         _FROZEN[-1].append(cached[2])
     return cached[2]
