@@ -70,8 +70,8 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
     shared memory with the values, so its chunks are smaller (1 channel of 16-64 at 11x11xCinx3,
     "direct" 3). The sectors come back from L2 while the input under the CTAs resident at once
     (_RESIDENT_WARPS warps: an H100's 132 SMs x 16) fits in it (_L2_BYTES, the H100's 50 MiB);
-    past that, from DRAM. So: "direct" where "compiled" takes several passes and that input
-    exceeds L2.
+    past that, from DRAM (the reading of the times below; not profiled). So: "direct" where
+    "compiled" takes several passes and that input exceeds L2.
 
     Measured (bench/results/sparse_kernel_conv_NVIDIA_H100_80GB_HBM3.csv, 2026-11-23: both
     timed in each of the 92 cases where "compiled" applies): "compiled" wherever it applies (the
@@ -98,7 +98,8 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
     except ValueError:  # no room in shared memory
         return "direct"
     chunk, warps_y = plan.layout[4], plan.block[0] // 32
-    resident_images = min(n, _RESIDENT_WARPS / warps_y / (plan.grid[0] * plan.grid[1]))
+    ctas_per_image = max(plan.grid[0] * plan.grid[1], 1)  # 0: an empty output
+    resident_images = min(n, _RESIDENT_WARPS / warps_y / ctas_per_image)
     resident_bytes = resident_images * in_hw[0] * in_hw[1] * cin * (4 if dtype == "float32" else 2)
     return "direct" if chunk < cin and resident_bytes > _L2_BYTES else "compiled"
 

@@ -437,6 +437,7 @@ def test_rule():
     # 11x11x32x64 at 1%, batch 8: 134 MB of input but 35 MB under the resident CTAs
     # (4096 of them, 16 x 8 an image): compiled 2.30 (direct 2.34).
     assert _rule("float32", 8, (256, 512), 11, 32, 64, 2478) == "compiled"
+    assert _rule("float32", 8, (0, 512), 11, 64, 3, 2323) == "compiled"  # nothing to compute
 
 
 def test_rule_matches_the_benchmark():
