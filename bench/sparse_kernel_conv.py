@@ -1,7 +1,7 @@
 """Convolution with a pruned kernel against cuDNN's dense convolution: the seed's five sweeps.
 
     python -m bench.sparse_kernel_conv [--quick] [--out bench/results] [--sweeps ...]
-        [--batches ...] [--repeats N] [--replot CSV]
+        [--batches ...] [--repeats N] [--replot CSV] [--rescore CSV]
 
 Sweeps (seed 002, at its sizes; batch 1 and 8): kxkx3x64 kernels on 1x256x512x3, k = 3..11;
 11x11xCinx3 on 1x256x512xCin; 11x11x3xCout on 1x256x512x3; 11x11x32x64 on 1x256x512x32 over
@@ -12,16 +12,17 @@ float32 time is reported too) and "fp16" (float16 data, float32 accumulation on 
 
 Per case: our time for every strategy that applies (sbnet_cupy.sparse_kernel_conv2d, CuPy
 arrays sharing torch's memory through DLPack; "compiled" up to COMPILED_MAX_TAPS taps), the
-rule's choice and the fastest; effective TFLOP/s = 2 x non-zero taps x output pixels / time;
-cuDNN's time (torch, channels_last, cudnn.benchmark) measured in the same run; the estimated
-crossover ratio of non-zeros where cuDNN becomes faster (the rule's strategy at the case's ratio
-and at half of it, extrapolated linearly in the non-zeros). Each side runs as a CUDA graph of
-back-to-back launches, timed with CUDA events after a warm-up (and after "compiled" has
-compiled its kernel: NVRTC, once per mask and dtype, then CuPy's disk cache): the median of
---repeats replays. Every result is checked against cuDNN's strict float32 convolution first.
-The weights of a sweep point are the same at both batches and sizes. Writes
-<out>/sparse_kernel_conv_<device>.csv, .md and .png (--sweeps / --batches: a subset, named by
-it).
+rule's choice (choose_strategy), the fastest, and the rule's time over the fastest's (vs_best);
+effective TFLOP/s = 2 x non-zero taps x output pixels / time; cuDNN's time (torch,
+channels_last, cudnn.benchmark) measured in the same run; the estimated crossover ratio of
+non-zeros where cuDNN becomes faster (the rule's strategy at the case's ratio and at half of it,
+extrapolated linearly in the non-zeros). Each side runs as a CUDA graph of back-to-back
+launches, timed with CUDA events after a warm-up (and after "compiled" has compiled its kernel:
+NVRTC, once per mask and dtype, then CuPy's disk cache): the median of --repeats replays.
+Every result is checked against cuDNN's strict float32 convolution first. The weights of a
+sweep point are the same at both batches and sizes. Writes <out>/sparse_kernel_conv_<device>.csv,
+.md and .png (--sweeps / --batches: a subset, named by it). --rescore scores a committed run
+again with the current rule, without a GPU.
 """
 
 import argparse
@@ -40,6 +41,7 @@ from bench._common import read_csv, write_csv
 from bench.ops import _graph_ms
 
 SIZE = (256, 512)
+PRECISIONS = {"tf32": "float32", "fp16": "float16"}  # the data's dtype
 SWEEPS = {
     "kernel": ("k", [dict(k=k, cin=3, cout=64) for k in (3, 5, 7, 9, 11)]),
     "cin": ("Cin", [dict(k=11, cin=c, cout=3) for c in (1, 3, 8, 16, 32, 64)]),
@@ -137,7 +139,7 @@ def run_case(torch, cupy, case, repeats):
     plan = lambda kernel, strategy=None: skc.conv_plan(
         strategy, kernel.dtype, n, (height, width), cin, (height, width), cout, (k, k), (1, 1),
         (1, 1), (k // 2, k // 2), (1, 1), kernel.nnz)
-    row = dict(case, size=f"{height}x{width}", nnz=kernel.nnz, strategy=plan(kernel).strategy)
+    row = dict(case, size=f"{height}x{width}", nnz=kernel.nnz)
     measured = []
     for strategy in skc.STRATEGIES:
         try:
@@ -155,10 +157,8 @@ def run_case(torch, cupy, case, repeats):
         cupy.cuda.get_current_stream().synchronize()
         ms = _graph_ms(cupy, [call] * _launches(1e3 * (time.perf_counter() - start)), repeats)
         row[f"{strategy}_ms"] = ms
-    row["ours_ms"] = row[f"{row['strategy']}_ms"]
     row["best"] = min(measured, key=lambda s: row[f"{s}_ms"])
     row["best_ms"] = row[f"{row['best']}_ms"]
-    row["tflops"] = 2 * kernel.nnz * pixels / row["ours_ms"] / 1e9
 
     conv = lambda: torch.nn.functional.conv2d(x, w_dense, padding="same")
     for name, tf32 in (("cudnn_ms", True), ("cudnn_fp32_ms", False)):
@@ -172,7 +172,7 @@ def run_case(torch, cupy, case, repeats):
                                     repeats)
     torch.backends.cudnn.allow_tf32 = True
     row["cudnn_tflops"] = 2 * k * k * cin * cout * pixels / row["cudnn_ms"] / 1e9
-    row["speedup"] = row["cudnn_ms"] / row["ours_ms"]
+    score(row)
 
     # Crossover: our time is about linear in the non-zero taps; probe half of them with the
     # same strategy (a "compiled" probe costs a compilation, a denser one more).
@@ -189,6 +189,35 @@ def run_case(torch, cupy, case, repeats):
     return row
 
 
+def score(row):
+    """Set a row's strategy to the rule's (choose_strategy on the row's case) and the columns
+    that follow from that strategy's time as measured: ours_ms, tflops, speedup (over
+    cudnn_ms) and vs_best = ours_ms / best_ms."""
+    height, width = (int(side) for side in row["size"].split("x"))
+    n, k = row["batch"], row["k"]
+    row["strategy"] = skc.choose_strategy(
+        PRECISIONS[row["precision"]], n, (height, width), row["cin"], (height, width),
+        row["cout"], (k, k), (1, 1), (1, 1), (k // 2, k // 2), (1, 1), row["nnz"])
+    row["ours_ms"] = row[f"{row['strategy']}_ms"]
+    row["tflops"] = 2 * row["nnz"] * n * height * width / row["ours_ms"] / 1e9
+    row["speedup"] = row["cudnn_ms"] / row["ours_ms"]
+    row["vs_best"] = row["ours_ms"] / row["best_ms"]
+
+
+def _rule_summary(rows):
+    """How the rule did, over the cases where more than one strategy was timed."""
+    both = [r for r in rows if all(f"{s}_ms" in r for s in skc.STRATEGIES)]
+    if not both:
+        return []
+    worst = max(both, key=lambda r: r["vs_best"])
+    total = sum(r["ours_ms"] for r in both) / sum(r["best_ms"] for r in both)
+    return [f"- The rule's strategy (choose_strategy) was the faster in "
+            f"{sum(r['strategy'] == r['best'] for r in both)} of the {len(both)} cases where "
+            f"both ran; worst {worst['vs_best']:.3f}x the faster ({worst['k']}x{worst['k']}x"
+            f"{worst['cin']}x{worst['cout']} on {worst['batch']}x{worst['size']}, "
+            f"{worst['precision']}); their total time {total:.4f}x the faster choices'"]
+
+
 def _row_text(r):
     return (f"{r['sweep']:>6} n={r['batch']} {r['precision']:>4} {r['size']:>9} k={r['k']:<2} "
             f"{r['cin']:>2}->{r['cout']:<3} d={r['density']:<5} ours {r['ours_ms']:.4f} ms "
@@ -197,21 +226,24 @@ def _row_text(r):
             f"{r['crossover']:.2f}")
 
 
-def write_markdown(rows, path, device, command):
+def write_markdown(rows, path, device, stamp):
+    """The tables; `stamp`: when and by which command the rows were made."""
     def fmt(v):
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
     lines = [f"# Pruned-kernel convolution against cuDNN on {device}", "",
-             f"{datetime.date.today()}, `{command}`. Times in ms (CUDA graphs, median); "
-             f"speed-up = cuDNN / ours (rule's strategy); crossover: estimated ratio of "
-             f"non-zeros above which cuDNN is faster.", ""]
+             f"{stamp}. Times in ms (CUDA graphs, median); speed-up = cuDNN / ours (rule's "
+             f"strategy); vs_best = ours / the faster strategy; crossover: estimated ratio of "
+             f"non-zeros above which cuDNN is faster (probed with the rule's strategy of the "
+             f"run).", "", *_rule_summary(rows)]
     for row in rows:
         if all(row.get(k) == v for k, v in HEADLINE.items()) and row["size"] == "256x512":
             lines.append(f"- Headline, 11x11x3x64 on 1x256x512x3 at 10%, {row['precision']}: "
                          f"ours {row['ours_ms']:.4f} ms, cuDNN {row['cudnn_ms']:.4f} ms: "
                          f"**{row['speedup']:.2f}x** (target >= 3x)")
     columns = ["batch", "precision", "size", "k", "cin", "cout", "density", "nnz", "strategy",
-               "ours_ms", "tflops", "best", "best_ms", *(f"{s}_ms" for s in skc.STRATEGIES),
+               "ours_ms", "tflops", "best", "best_ms", "vs_best",
+               *(f"{s}_ms" for s in skc.STRATEGIES),
                "cudnn_ms", "cudnn_fp32_ms", "speedup", "crossover"]
     for sweep, (label, _) in SWEEPS.items():
         chosen = [r for r in rows if r["sweep"] == sweep]
@@ -267,10 +299,15 @@ def main(argv=None):
     parser.add_argument("--sweeps", nargs="+", choices=list(SWEEPS), default=list(SWEEPS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--replot", type=pathlib.Path, help="only redraw the plot of this CSV")
+    parser.add_argument("--rescore", type=pathlib.Path,
+                        help="only score the rule again, the current one, in this CSV (the "
+                        "times as measured) and rewrite it with its .md and .png")
     args = parser.parse_args(argv)
     if args.replot:
         plot(read_csv(args.replot), args.replot.with_suffix(".png"))
         return 0
+    if args.rescore:
+        return rescore(args.rescore)
     import cupy
     import torch
 
@@ -291,8 +328,31 @@ def main(argv=None):
         torch.cuda.empty_cache()
         print(_row_text(rows[-1]), f"[{time.time() - started:.0f} s]", flush=True)
         write_csv(rows, args.out / f"{name}.csv", digits=5)  # after every row: a timeout keeps the rest
-    write_markdown(rows, args.out / f"{name}.md", device, command)
+    write_markdown(rows, args.out / f"{name}.md", device,
+                   f"{datetime.date.today()}, `{command}`")
     plot(rows, args.out / f"{name}.png")
+    return 0
+
+
+def rescore(path):
+    """score() on every row of a committed run (e.g. after the rule changed), its tables and
+    plot written again. A row whose strategy changes loses its crossover, probed with the
+    strategy of the run; the others keep the values computed from the unrounded times."""
+    rows = read_csv(path)
+    for row in rows:
+        as_run = dict(row)
+        score(row)
+        if row["strategy"] == as_run["strategy"]:
+            row.update(tflops=as_run["tflops"], speedup=as_run["speedup"])
+        else:
+            row.pop("crossover", None)
+    title, _, stamp = path.with_suffix(".md").read_text().splitlines()[:3]
+    measured = stamp.split(". Times in ms")[0].split("; strategies scored again")[0]
+    write_csv(rows, path, digits=5)
+    write_markdown(rows, path.with_suffix(".md"), title.split(" on ", 1)[1],
+                   f"{measured}; strategies scored again on {datetime.date.today()} by "
+                   f"`python -m bench.sparse_kernel_conv --rescore {path}`")
+    plot(rows, path.with_suffix(".png"))
     return 0
 
 

@@ -41,6 +41,10 @@ _COMPILED_WARPS = 8  # warps a CTA, stacked vertically (__launch_bounds__(256, 2
 # runs "direct" and "compiled" refuses.
 COMPILED_MAX_TAPS = 8192
 _COMPILED_MAX_EXTENT = 33  # kernel rows (with dilation) a window may span: registers
+# The rule's H100: warps of "compiled" resident at once (132 SMs x 2 CTAs of 8 warps, by the
+# kernel's __launch_bounds__(256, 2)) and the L2 cache that holds the input between passes.
+_RESIDENT_WARPS = 132 * 16
+_L2_BYTES = 50 * 2**20
 _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
@@ -52,30 +56,52 @@ _MAX_KERNEL_SIDE = 255  # the kernels pack kh and kw in 8 bits and the input cha
 _MAX_CIN = 32767
 
 
-def choose_strategy(dtype, cin, cout, kernel_hw, strides, dilations, input_dilation=(1, 1),
-                    nnz=0):
-    """The strategy sparse_kernel_conv2d uses when none is given: "compiled" wherever it
-    applies, "direct" elsewhere.
+def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
+                    input_dilation, nnz):
+    """The strategy sparse_kernel_conv2d uses when none is given, for conv_plan's arguments:
+    "compiled" where it applies, unless its input falls out of L2 between passes; "direct"
+    elsewhere.
 
-    Measured (bench/results/sparse_kernel_conv_NVIDIA_H100_80GB_HBM3.csv, the `best` column, 112
-    cases of the seed's sweeps, before "compiled" existed): "direct" was fastest in 92 cases,
-    the window kernel "taps" in 20 (by up to 25%: 11x11xCinx3 at batch 8 and Cin <= 16, and
-    11x11x32x64 at 1-2% non-zeros, all with <= 4956 taps; by <= 5% at 11x11x32x64 with 20-50%
-    non-zeros), the patch product "patches" in none; so both are gone. "compiled" is "taps"
-    without its per-tap branch tree (the cost bench/README.md's diagnosis of "taps" points at)
-    and without its index reads, so it was expected to beat both wherever it applies: unit
-    vertical stride, no input dilation, float32 arithmetic, at most COMPILED_MAX_TAPS taps and
-    a kernel extent (KH - 1) * DH + 1 <= 33 rows. The run with it (same CSV, 2026-11-23): it
-    was the faster of "compiled" and "direct" in 80 of the 92 cases where this rule picks it;
-    "direct" won the other 12 by 1-41%, most at batch 8 with 3 output channels and 16-64 input
-    channels (11x11xCinx3), a pattern this rule cannot follow: the batch does not reach it.
+    "compiled" applies with unit vertical stride, no input dilation, float32 arithmetic, at most
+    COMPILED_MAX_TAPS taps, a kernel extent (KH - 1) * DH + 1 <= 33 rows and room in shared
+    memory for its tile and its values. It stages the input tile a chunk of input channels at a
+    time, and each pass reads again the 32-byte sectors of the NHWC pixels that the previous
+    pass read; its tile is taller than "direct"'s (128 rows at <= 4 output channels) and shares
+    shared memory with the values, so its chunks are smaller (1 channel of 16-64 at 11x11xCinx3,
+    "direct" 3). The sectors come back from L2 while the input under the CTAs resident at once
+    (_RESIDENT_WARPS warps: an H100's 132 SMs x 16) fits in it (_L2_BYTES, the H100's 50 MiB);
+    past that, from DRAM (the reading of the times below; not profiled). So: "direct" where
+    "compiled" takes several passes and that input exceeds L2.
+
+    Measured (bench/results/sparse_kernel_conv_NVIDIA_H100_80GB_HBM3.csv, 2026-11-23: both
+    timed in each of the 92 cases where "compiled" applies): "compiled" wherever it applies (the
+    rule before this one) picked the faster in 80; "direct" won the other 12 by 0.3-41%, 5 of
+    them by 10-41% at batch 8, 11x11xCinx3 with Cin 16 (TF32), 32 and 64: 67-268 MB of input,
+    all of it resident, one channel a pass; this rule runs those "direct" and changes no other
+    case. With at most 35 MB resident "compiled" stays faster over several passes, up to 2x
+    (Cin 8 TF32 and Cin 16 fp16 at batch 8: 34 MB; 11x11x32x64 at batch 8: 35 MB of 134 MB);
+    any L2 size from 35 to 67 MB draws the same line. Re-scored (python -m
+    bench.sparse_kernel_conv --rescore CSV): the faster picked in 85 of the 92 (before: 80), the
+    other 7 lost by 0.3-24%, 5 of them by < 5 us (11x11x1x3 at batch 1, 11x11x3x64 on 64x64 and
+    128x128 at batch 1: ~0.02 ms) and 3x3x3x64 at batch 8 by 6-10% (20-33 us); the 92 cases'
+    total time is 0.16% above the faster choices' (before: 3.2%). Before "compiled" existed,
+    a window kernel "taps" and a patch product "patches" were measured beside "direct" and won
+    20 of 112 cases, by <= 25%: both are gone.
     """
-    del cin, cout  # the measured rule does not depend on them
     extent = (kernel_hw[0] - 1) * dilations[0] + 1
-    if (dtype != "float64" and strides[0] == 1 and tuple(input_dilation) == (1, 1)
-            and nnz <= COMPILED_MAX_TAPS and extent <= _COMPILED_MAX_EXTENT):
-        return "compiled"
-    return "direct"
+    if (dtype == "float64" or strides[0] != 1 or tuple(input_dilation) != (1, 1)
+            or nnz > COMPILED_MAX_TAPS or extent > _COMPILED_MAX_EXTENT):
+        return "direct"
+    try:
+        plan = _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations,
+                              pads, input_dilation, nnz)
+    except ValueError:  # no room in shared memory
+        return "direct"
+    chunk, warps_y = plan.layout[4], plan.block[0] // 32
+    ctas_per_image = max(plan.grid[0] * plan.grid[1], 1)  # 0: an empty output
+    resident_images = min(n, _RESIDENT_WARPS / warps_y / ctas_per_image)
+    resident_bytes = resident_images * in_hw[0] * in_hw[1] * cin * (4 if dtype == "float32" else 2)
+    return "direct" if chunk < cin and resident_bytes > _L2_BYTES else "compiled"
 
 
 # --- the converted weight -----------------------------------------------------------------
@@ -753,17 +779,12 @@ def conv_plan(strategy, dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, 
     by pads (top, left); strategy None applies choose_strategy (and "direct" where the rule's
     "compiled" finds no room in shared memory). With a device, a "direct" plan carries the
     compiled kernel."""
-    rule = strategy is None
-    if rule:
-        strategy = choose_strategy(dtype, cin, cout, kernel_hw, strides, dilations,
-                                   input_dilation, nnz)
+    if strategy is None:
+        strategy = choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides,
+                                   dilations, pads, input_dilation, nnz)
     if strategy == "compiled":
-        try:
-            return _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides,
-                                  dilations, pads, input_dilation, nnz)
-        except ValueError:
-            if not rule:
-                raise
+        return _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations,
+                              pads, input_dilation, nnz)
     return _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
                         input_dilation, device)
 
