@@ -245,7 +245,7 @@ def choose_method(x, weight, dilation, *, graphed=None):
                  (False, False): None}[(x.requires_grad, weight.requires_grad)]
     n, c, h, w = x.shape
     pixels = n * h * w
-    wins = reshape_wins(str(x.dtype).removeprefix("torch."), c, weight.shape[0], min(dilation),
+    wins = reshape_wins(_checks.dtype_name(x), c, weight.shape[0], min(dilation),
                         pixels, grads, graphed)
     return "reshape" if wins else "native"
 
