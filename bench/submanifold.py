@@ -2,7 +2,7 @@
 spconv-triton, dense cuDNN and SBNet's block path, measured in the same run.
 
     python -m bench.submanifold [--quick] [--out bench/results] [--repeats N] [--workloads 1 2]
-        [--triton none|some|all]
+        [--triton none|some|all] [--stages conv-2 ...] [--precisions tf32 fp16]
 
 "ours" is torch_bridge.submanifold with algo "gemm" (gather + cuBLAS), "ours-fused" with algo
 "fused" (one gather + tensor-core kernel).
@@ -26,6 +26,8 @@ implicit-GEMM indice pairs through spconv.pytorch.ops, as its forward in eval mo
 spconv-triton compiles and autotunes its Triton kernels for every new shape (about two minutes
 a stage of workload 1), so by default ("--triton some") it runs on workload 1's conv-5 and
 workload 2's batch 1, in TF32 only; "all" runs it everywhere, "none" (and --quick) nowhere.
+--stages and --precisions narrow workload 1 (and --precisions workload 2), so that "all" can be
+run a few stages a call.
 
 Every anchor gets our weights (the same state_dict: all use spconv's KRSC layout) and its output
 is compared with ours (relative L2 error, sites matched by coordinates); ours is checked against
@@ -427,6 +429,10 @@ def main(argv=None):
     parser.add_argument("--workloads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--triton", choices=["none", "some", "all"], default="some",
                         help="where spconv-triton runs (it autotunes every shape)")
+    parser.add_argument("--stages", nargs="+", choices=list(res_blocks.STAGES),
+                        help="workload 1's stages (default: all; --quick: conv-4)")
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS),
+                        help="default: all (--quick: workload 1 in tf32)")
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 20)
     torch.backends.cudnn.benchmark = True
@@ -452,9 +458,10 @@ def main(argv=None):
         (args.out / f"{name}_{slug}.md").write_text(table(rows, device, checks))
 
     if 1 in args.workloads:
-        stages = ["conv-4"] if args.quick else list(res_blocks.STAGES)
-        for i, stage in enumerate(stages):
-            for precision in (["tf32"] if args.quick else list(PRECISIONS)):
+        stages = args.stages or (["conv-4"] if args.quick else list(res_blocks.STAGES))
+        for stage in stages:
+            i = list(res_blocks.STAGES).index(stage)  # the seed of the stage's mask and weights
+            for precision in args.precisions or (["tf32"] if args.quick else list(PRECISIONS)):
                 new, _ = workload1(stage, precision,
                                    chosen(stage == "conv-5" and precision == "tf32"), repeats, i)
                 rows += new
@@ -466,7 +473,7 @@ def main(argv=None):
     if 2 in args.workloads:
         for batch in ([1] if args.quick else [1, 4]):
             inputs = lidar.batch(100, batch)
-            for precision in PRECISIONS:
+            for precision in args.precisions or PRECISIONS:
                 new = workload2(batch, precision, chosen(batch == 1 and precision == "tf32"),
                                 repeats, batch, inputs)
                 rows += new

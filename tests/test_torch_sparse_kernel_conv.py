@@ -150,7 +150,7 @@ def test_cuda_equals_float64(rng, config, dtype, strategy):
     want = conv(x)
     tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
     scale = torch.nn.functional.conv2d(x.abs(), conv.weight.abs(), conv.bias.abs(), conv.stride,
-                                       conv.padding, conv.dilation).max()
+                                       conv.padding, conv.dilation).max().detach()
     torch.testing.assert_close(y.double().cpu(), want, rtol=0, atol=float(tol * scale))
     dy = torch.randn(want.shape, dtype=torch.float64)
     dx, dv = torch.autograd.grad(y, [xg, gpu.values], dy.to("cuda", dtype))
