@@ -66,7 +66,7 @@ def cases(quick, sweeps=tuple(SWEEPS), batches=(1, 8)):
                           not in QUICK[sweep]):
                 continue
             for batch in ((1,) if quick else batches):
-                for precision in ("tf32", "fp16"):
+                for precision in PRECISIONS:
                     yield dict(sweep=sweep, batch=batch, precision=precision,
                                size=point.get("size", SIZE), k=point["k"], cin=point["cin"],
                                cout=point["cout"], density=point.get("density", DENSITY))
@@ -120,7 +120,7 @@ def _launches(ms):
 def run_case(torch, cupy, case, repeats):
     height, width = case["size"]
     n, k, cin, cout = case["batch"], case["k"], case["cin"], case["cout"]
-    dtype = torch.float16 if case["precision"] == "fp16" else torch.float32
+    dtype = getattr(torch, PRECISIONS[case["precision"]])
     x = torch.randn(n, cin, height, width, device="cuda").to(dtype)
     x = x.contiguous(memory_format=torch.channels_last)
     x_nhwc = cupy.from_dlpack(x.permute(0, 2, 3, 1))  # the same memory, NHWC
