@@ -27,9 +27,9 @@ import numpy
 from . import _kernels
 
 try:
-    from cupy.cuda import driver, runtime
+    from cupy.cuda import Device, driver, runtime
 except ImportError:  # the NumPy backend launches nothing
-    driver = runtime = None
+    Device = driver = runtime = None
 
 # The largest argument struct any kernel takes (kernels/common.cuh static_asserts each size).
 _ARG_BYTES = 256
@@ -154,6 +154,6 @@ def _dependent_launch(device):
     try:
         return _dependent[device]
     except KeyError:
-        major = runtime.deviceGetAttribute(runtime.cudaDevAttrComputeCapabilityMajor, device)
+        major = int(Device(device).compute_capability) // 10
         launch_ex = _dependent[device] = _driver_launch_ex() if major >= 9 else None
         return launch_ex
