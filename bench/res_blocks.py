@@ -1,7 +1,8 @@
 """Sparse residual units and 3x3 convolutions against the same units run densely (SBNet's
 T1/T2 benchmark) on the paper's stage sizes, and against submanifold sparse convolution.
 
-    python -m bench.res_blocks [--suite topleft blocksize batch fp32 road spconv modes fused]
+    python -m bench.res_blocks [--suite topleft blocksize batch fp32 road spconv modes fused
+                                dependent]
                                [--out DIR]
 
 The `modes` suite runs one unit and a stage of 3 units sharing one reduce_mask
@@ -18,7 +19,10 @@ call, median of --repeats after warm-up. Writes <out>/res_blocks_<device>.csv an
 The modules run method="auto" (the fused block-convolution kernels in inference where they
 apply) except in the `fused` suite, which runs each row with method="gemm" (gather, cuDNN,
 scatter) and method="fused" side by side: T2 and T1 at 90% on the top-left mask, a capacity of
-exactly the count against twice it, the road-like mask, and every block active.
+exactly the count against twice it, the road-like mask, and every block active. The `dependent`
+suite runs T2 and T1 at 90% (top-left mask, each stage's best block size) with the block
+convolutions launched as programmatic dependents (suite "dependent") and plainly (suite
+"dependent-off", sbnet_cupy._launch.DEPENDENT_LAUNCH off), side by side.
 """
 
 import argparse
@@ -32,6 +36,7 @@ import torch
 
 import torch_bridge as tb
 from bench import masks
+from sbnet_cupy import _launch
 from bench._common import events_ms, graph, read_csv, write_csv
 
 # stage: (H, W, C, bottleneck K). T1 convolves K channels at H x W, T2 is the C/K unit.
@@ -57,6 +62,10 @@ def suites(names):
                  for s, p, m in itertools.product(STAGES, ("tf32", "fp16"), both)]
         rows += [("fused-dense", "T2", s, 1, p, "topleft", 0.0, 16, m, None)
                  for s, p, m in itertools.product(STAGES, ("tf32", "fp16"), both)]
+    if "dependent" in names:
+        rows += [(d, t, s, 1, p, "topleft", 0.9, BEST_BLOCK[p][s], "fused", None)
+                 for t, s, p, d in itertools.product(("T2", "T1"), STAGES, ("tf32", "fp16"),
+                                                     ("dependent", "dependent-off"))]
     return rows
 
 
@@ -383,9 +392,11 @@ def main(argv=None):
     todo = [r for r in suites(args.suite) if r[2] in args.stages]
     rows, started = [], time.time()
     name = "res_blocks_" + "_".join(args.suite) + f"_{slug}"
+    dependent = _launch.DEPENDENT_LAUNCH
     for i, (suite, test, stage, batch, precision, mask_kind, sparsity, bsize, method,
             capacity) in enumerate(todo):
         rng = numpy.random.default_rng(i)
+        _launch.DEPENDENT_LAUNCH = dependent and suite != "dependent-off"
         row = run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize,
                          args.repeats, rng, method, capacity)
         if suite == "spconv":

@@ -121,6 +121,10 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     const int per_block = (pixels + BM - 1) / BM * n_tiles;
     const int ktotal = a.kh * a.kw * a.cin;
     const int stages = (ktotal + BK - 1) / BK;
+    // Launched as a dependent (launch_block_conv): the block list, src and dst may all be the
+    // previous kernel's.
+    wait_for_previous_kernel();
+    allow_next_kernel();
     const int tiles = min(max(*a.count, 0), a.rows) * per_block;  // < 2**31: checked at launch
     const int group = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
     const int lane = tid & 31, warp = tid >> 5;

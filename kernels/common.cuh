@@ -37,6 +37,23 @@ template <> __device__ __forceinline__ bfloat16_t from_acc<bfloat16_t>(float v) 
     return h;
 }
 
+// Programmatic dependent launch (sm_90 and later): a kernel launched with it
+// (sbnet_cupy._launch.launch(..., dependent=True)) may be scheduled while the kernel before it
+// on the stream is still running, so its prologue and launch overlap that kernel's tail. It must
+// call wait_for_previous_kernel before it touches memory that kernel may read or write; it calls
+// allow_next_kernel to let the next such kernel be scheduled. Both do nothing on older GPUs and
+// in a kernel launched without the attribute.
+static __device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void allow_next_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 static __device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
 static __device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
 static __device__ __forceinline__ void atomic_add(half_t* p, half_t v) {

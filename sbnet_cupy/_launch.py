@@ -7,8 +7,18 @@ bridges used to wrap every tensor in a CuPy array and every stream in a CuPy Str
 is one ``Struct.pack_into`` and one driver call on raw pointers, whatever produced them (CuPy
 arrays, torch tensors, DLPack capsules). Launch geometry, compiled functions and the structs'
 layouts are computed once and cached by the ops.
+
+A launch with ``dependent=True`` is a programmatic dependent launch (cuLaunchKernelEx, called
+through ctypes: CuPy exposes no launch with attributes) on GPUs of compute capability 9.0 and
+later, on streams other than the legacy default stream: the kernel may be scheduled while the
+previous kernel on its stream still runs, and waits
+for it in the kernel (wait_for_previous_kernel, kernels/common.cuh), so that a chain of short
+kernels (a bottleneck unit's three block convolutions) does not pay a full launch gap between
+each two. SBNET_DEPENDENT_LAUNCH=0 (or DEPENDENT_LAUNCH = False) launches them as the others.
 """
 
+import ctypes
+import os
 import struct
 import threading
 
@@ -17,12 +27,45 @@ import numpy
 from . import _kernels
 
 try:
-    from cupy.cuda import driver, runtime
+    from cupy.cuda import Device, driver, runtime
 except ImportError:  # the NumPy backend launches nothing
-    driver = runtime = None
+    Device = driver = runtime = None
 
 # The largest argument struct any kernel takes (kernels/common.cuh static_asserts each size).
 _ARG_BYTES = 256
+
+DEPENDENT_LAUNCH = os.environ.get("SBNET_DEPENDENT_LAUNCH", "1") != "0"
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, then a 64-byte union at offset 8 (here its first int)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+if ctypes.sizeof(_LaunchAttribute) != 72 or ctypes.sizeof(_LaunchConfig) != 56:
+    raise AssertionError("CUlaunchConfig layout")  # a library bug
+
+
+def _driver_launch_ex():
+    """cuLaunchKernelEx from the driver library, or None where there is none (no GPU, a driver
+    older than CUDA 12, not Linux)."""
+    try:
+        launch_ex = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    launch_ex.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_void_p]
+    launch_ex.restype = ctypes.c_int
+    return launch_ex
 
 
 def layout(fmt, size):
@@ -43,10 +86,14 @@ class _ThreadState(threading.local):
         self.parameter_list = numpy.array([self.arguments.ctypes.data], dtype=numpy.uint64)
         self.kernel_params = self.parameter_list.ctypes.data
         self.devices = set()
+        self.attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self.config = _LaunchConfig(attrs=ctypes.pointer(self.attribute), num_attrs=1)
+        self.config_ref = ctypes.byref(self.config)
 
 
 _state = _ThreadState()
 _functions = {}  # (device, op, name expression) -> (CUfunction address, cupy Function)
+_dependent = {}  # device -> cuLaunchKernelEx where it takes dependent launches, else None
 
 
 def function(device, op, kernel, *template_args):
@@ -63,21 +110,50 @@ def function(device, op, kernel, *template_args):
     return entry[0]
 
 
-def launch(device, stream, kernel, grid, block, shared_mem, arguments, values):
+def launch(device, stream, kernel, grid, block, shared_mem, arguments, values, dependent=False):
     """Launch `kernel` (an address from function()) on `device` and `stream` (a cudaStream_t
-    address), grid and block as 3-tuples, with `values` packed by the Struct `arguments`."""
+    address), grid and block as 3-tuples, with `values` packed by the Struct `arguments`;
+    dependent: a programmatic dependent launch where the GPU takes it (the kernel must call
+    wait_for_previous_kernel before it touches memory the previous kernel may use)."""
     state = _state
     arguments.pack_into(state.arguments, 0, *values)
     current = runtime.getDevice()
     if current == device and device in state.devices:
-        driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                            shared_mem, stream, state.kernel_params, 0)
+        _start(state, device, stream, kernel, grid, block, shared_mem, dependent)
         return
     # Another device, or this thread's first launch on it: make its context current.
     runtime.setDevice(device)
     state.devices.add(device)
     try:
-        driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                            shared_mem, stream, state.kernel_params, 0)
+        _start(state, device, stream, kernel, grid, block, shared_mem, dependent)
     finally:
         runtime.setDevice(current)
+
+
+def _start(state, device, stream, kernel, grid, block, shared_mem, dependent):
+    # Not on the legacy default stream (0), which synchronises with every other stream: the
+    # chains this serves run on explicit streams (CUDA graph captures, torch's side streams).
+    launch_ex = (_dependent_launch(device) if dependent and DEPENDENT_LAUNCH and stream
+                 else None)
+    if launch_ex is None:
+        driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                            shared_mem, stream, state.kernel_params, 0)
+        return
+    config = state.config
+    config.grid[0], config.grid[1], config.grid[2] = grid
+    config.block[0], config.block[1], config.block[2] = block
+    config.shared_mem, config.stream = shared_mem, stream
+    status = launch_ex(state.config_ref, kernel, state.kernel_params, None)
+    if status:
+        raise driver.CUDADriverError(status)
+
+
+def _dependent_launch(device):
+    """cuLaunchKernelEx if `device` (compute capability 9.0 or later) takes dependent launches,
+    else None."""
+    try:
+        return _dependent[device]
+    except KeyError:
+        major = int(Device(device).compute_capability) // 10
+        launch_ex = _dependent[device] = _driver_launch_ex() if major >= 9 else None
+        return launch_ex

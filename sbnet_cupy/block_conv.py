@@ -131,7 +131,7 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
                    (THREADS * groups, 1, 1), groups * plan.group_bytes, BLOCK_CONV_ARGS,
                    (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
                     cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
-                    bool(zero_outside), paired, groups))
+                    bool(zero_outside), paired, groups), dependent=True)
 
 
 def launch_conv(device, stream, dtype_name, x, y, weight, bias, indices, counts, rows, x_shape,

@@ -149,6 +149,82 @@ def test_sparse_res_block_fused_every_block(rng, dtype):
     _assert_close(y.astype(numpy.float64), dense, 3e-3 if dtype == numpy.float32 else 1e-2)
 
 
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_dependent_launches_equal_plain_ones(rng, monkeypatch, dtype, graphed):
+    """A stage of in-place units (each unit's first convolution reads what the previous unit's
+    last one wrote; reduce_mask before them) with the block convolutions launched as programmatic
+    dependents (sm_90) gives what plain launches give, bit for bit, eagerly and in a CUDA graph."""
+    import sbnet_cupy._launch
+
+    shape, channels, bottleneck = (2, 45, 61), 32, 16
+    x = (random_array(rng, shape + (channels,), numpy.float32) / 8).astype(dtype)
+    mask = cupy.asarray(rng.random(shape) < 0.05, numpy.float32)
+    units = [_folded(cupy, rng, channels, bottleneck, dtype)[1] for _ in range(4)]
+    params = sbnet_cupy.calc_block_params_res_block(shape[1:], (10, 10),
+                                                    [(1, 1), (3, 3), (1, 1)])
+
+    def stage(y):
+        found = sbnet_cupy.reduce_mask(mask, params.bcount, bsize=params.bsize,
+                                       boffset=params.boffset, bstride=params.bstrides,
+                                       capacity=params.bcount[0] * params.bcount[1] * shape[0])
+        for ours in units:
+            sbnet_cupy.sparse_res_block_bottleneck(y, found.bin_counts, found.active_block_indices,
+                                                   params, ours, inplace=True, method="fused")
+        return found  # the graph's block list: kept until the graph has run
+
+    def run(dependent):  # on a stream of its own: the default stream takes no dependents
+        monkeypatch.setattr(sbnet_cupy._launch, "DEPENDENT_LAUNCH", dependent)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            y = cupy.asarray(x)
+            if graphed:
+                stage(cupy.asarray(x))  # compiles and caches outside the capture
+                stream.begin_capture()
+                found = stage(y)
+                graph = stream.end_capture()
+                graph.launch(stream)
+            else:
+                found = stage(y)
+            stream.synchronize()
+        del found
+        return to_numpy(y)
+
+    plain = run(False)
+    assert not numpy.array_equal(plain, x)
+    numpy.testing.assert_array_equal(run(True), plain)
+
+
+def test_dependent_launch_host_side(monkeypatch):
+    """Where a block convolution's launch goes (the GPU test above checks what it computes): a
+    dependent launch on a stream fills cuLaunchKernelEx's config; on the default stream, with
+    DEPENDENT_LAUNCH off, or where the device takes none, the plain cuLaunchKernel."""
+    import sbnet_cupy._launch as launch
+
+    if launch.driver is None:
+        pytest.skip("needs CuPy")
+    calls = []
+    monkeypatch.setattr(launch.driver, "launchKernel", lambda *a: calls.append(("plain", a)))
+    monkeypatch.setattr(launch, "_dependent", {0: lambda *a: calls.append(("ex", a)) or 0,
+                                               1: None})
+    state = launch._state
+    launch._start(state, 0, 0xabc, 0x10, (5, 6, 7), (128, 1, 2), 4096, True)
+    kind, (config, kernel, params, extra) = calls.pop()
+    assert (kind, kernel, params, extra) == ("ex", 0x10, state.kernel_params, None)
+    c = state.config
+    assert (tuple(c.grid), tuple(c.block), c.shared_mem, c.stream) == ((5, 6, 7), (128, 1, 2),
+                                                                         4096, 0xabc)
+    assert c.num_attrs == 1 and (c.attrs[0].id, c.attrs[0].value) == (6, 1)
+    for device, stream, dependent, enabled in [(0, 0, True, True), (0, 0xabc, False, True),
+                                               (0, 0xabc, True, False), (1, 0xabc, True, True)]:
+        monkeypatch.setattr(launch, "DEPENDENT_LAUNCH", enabled)
+        launch._start(state, device, stream, 0x10, (5, 6, 7), (128, 1, 2), 4096, dependent)
+        assert calls.pop() == ("plain", (0x10, 5, 6, 7, 128, 1, 2, 4096, stream,
+                                         state.kernel_params, 0))
+    assert not calls
+
+
 def test_k_groups_fill_the_gpu():
     ctas = (528, 264, 132, 132)
     assert sbnet_cupy.block_conv.k_groups(1000, 20, ctas) == 1
