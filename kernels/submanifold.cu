@@ -354,16 +354,21 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 //
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
 // weight[:, k, ci], for a tile of FUSED_BM output sites x FUSED_BN output channels a CTA (4
-// warps of 32 x 32). Per tap, the rows' neighbours are read once; a tap no row of the tile has
-// is skipped. Per chunk of 32 bytes of input channels, the rows (zeros for absent neighbours)
-// and the weight's slice [FUSED_BN, chunk] are staged in shared memory and multiplied with
-// mma.sync (tensor_core_mma, common.cuh): m16n8k16 for half and bfloat16, m16n8k8 TF32 for float;
-// float32 accumulation.
+// warps of 32 x 32). The reduction runs in stages of 32 bytes of input channels of one tap: the
+// tile's rows of that tap (zeros for absent neighbours) and the weight's slice [FUSED_BN, chunk]
+// staged in shared memory and multiplied with mma.sync (tensor_core_mma, common.cuh): m16n8k16
+// for half and bfloat16, m16n8k8 TF32 for float; float32 accumulation. A stage is little work,
+// so FUSED_SLOTS - 1 stages are in flight (cp.async where rows are whole 16-byte vectors): with
+// few sites the grid is small and each CTA's chain of loads is what takes the time. The
+// neighbour rows of up to FUSED_TAPS taps are read once, together; taps no row of the tile has
+// are skipped.
 
 #define FUSED_BM 64
 #define FUSED_BN 64
 #define FUSED_THREADS 128
 #define FUSED_PITCH 12  // 32-bit words a staged row: 8 of data, 4 of padding (no bank conflicts)
+#define FUSED_SLOTS 6   // stages in shared memory
+#define FUSED_TAPS 32   // taps whose neighbour rows a CTA holds at once (one warp's ballot)
 
 struct FusedArgs {
     const void* features;  // [N_in, cin]
@@ -386,7 +391,8 @@ template <> __device__ __forceinline__ unsigned fused_operand<float>(unsigned w)
 
 // Stage rows [FUSED_BM or FUSED_BN][32 bytes] of a matrix of `cols` columns: row r is row
 // src(r) of `base` (absent: -1, zeros), columns col0.. (zeros past cols). VEC: cols is a whole
-// number of 32-byte chunks and rows are 16-byte aligned, so a thread moves one 16-byte half-row.
+// number of 32-byte chunks and rows are 16-byte aligned, so a thread moves one 16-byte half-row
+// with cp.async (landed after the caller's wait); otherwise the stores are the thread's own.
 template <typename T, bool VEC, typename Src>
 static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base, i64 stride,
                                                    int cols, int col0, Src src) {
@@ -394,9 +400,8 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
     if (VEC) {
         const int r = threadIdx.x >> 1, part = threadIdx.x & 1;
         const i64 row = src(r);
-        uint4 v = {0, 0, 0, 0};
-        if (row >= 0) v = *(const uint4*)(base + row * stride + col0 + part * (BK / 2));
-        *(uint4*)(tile + r * FUSED_PITCH + part * 4) = v;
+        copy_async16(tile + r * FUSED_PITCH + part * 4,
+                     row >= 0 ? base + row * stride + col0 + part * (BK / 2) : base, row >= 0);
     } else {
         T* t = (T*)tile;
         for (int e = threadIdx.x; e < FUSED_BM * BK; e += FUSED_THREADS) {
@@ -412,31 +417,62 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedArgs a) {
     constexpr int BK = 32 / sizeof(T);
+    constexpr int AHEAD = FUSED_SLOTS - 1;
+    constexpr int SLOT_WORDS = (FUSED_BM + FUSED_BN) * FUSED_PITCH;  // A rows, then B rows
     static_assert(FUSED_BM == FUSED_BN && FUSED_THREADS == 2 * FUSED_BM, "one half-row a thread");
-    __shared__ __align__(16) unsigned as[FUSED_BM * FUSED_PITCH];
-    __shared__ __align__(16) unsigned bs[FUSED_BN * FUSED_PITCH];
-    __shared__ int rows[FUSED_BM];
+    static_assert(FUSED_TAPS <= 32, "the taps of a group are one warp's ballot");
+    __shared__ __align__(16) unsigned slots[FUSED_SLOTS * SLOT_WORDS];
+    __shared__ int rows[FUSED_TAPS][FUSED_BM];  // neighbour rows of the group's taps
+    __shared__ int active[FUSED_TAPS];          // the group's taps some row has, in order
+    __shared__ int n_active;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
     const i64 m0 = (i64)blockIdx.x * FUSED_BM;
     const int n0 = blockIdx.y * FUSED_BN;
+    const int chunks = (a.cin + BK - 1) / BK;
     const T* features = (const T*)a.features;
     const T* weight = (const T*)a.weight;
     float acc[2][4][4] = {};
-    for (int k = 0; k < a.taps; ++k) {
-        int src = -1;
-        if (threadIdx.x < FUSED_BM) {
-            if (m0 + threadIdx.x < a.n_out) src = a.map[(i64)k * a.n_out + m0 + threadIdx.x];
-            rows[threadIdx.x] = src;
+    for (int k0 = 0; k0 < a.taps; k0 += FUSED_TAPS) {
+        const int group = min(FUSED_TAPS, a.taps - k0);
+        // The previous group's last stage is read; its slots and rows may be overwritten.
+        __syncthreads();
+        for (int j = threadIdx.x; j < group * FUSED_BM; j += FUSED_THREADS) {
+            const int t = j / FUSED_BM, r = j - t * FUSED_BM;
+            rows[t][r] = m0 + r < a.n_out ? a.map[(i64)(k0 + t) * a.n_out + m0 + r] : -1;
         }
-        if (!__syncthreads_or(src >= 0)) continue;  // no row of the tile has this neighbour
-        for (int c0 = 0; c0 < a.cin; c0 += BK) {
-            fused_stage<T, VEC>(as, features, a.cin, a.cin, c0,
-                                [&](int r) { return (i64)rows[r]; });
-            fused_stage<T, VEC>(bs, weight + (i64)k * a.cin, (i64)a.taps * a.cin, a.cin, c0,
+        __syncthreads();
+        if (warp == 0) {  // in tap order, so the sum's order is fixed
+            bool has = false;
+            if (lane < group)
+                for (int r = 0; r < FUSED_BM && !has; ++r) has = rows[lane][r] >= 0;
+            const unsigned ballot = __ballot_sync(0xffffffffu, has);
+            if (has) active[__popc(ballot & ((1u << lane) - 1))] = lane;
+            if (lane == 0) n_active = __popc(ballot);
+        }
+        __syncthreads();
+        const int stages = n_active * chunks;
+        auto load = [&](int s) {
+            unsigned* slot = slots + s % FUSED_SLOTS * SLOT_WORDS;
+            const int t = active[s / chunks], c0 = s % chunks * BK;
+            fused_stage<T, VEC>(slot, features, a.cin, a.cin, c0,
+                                [&](int r) { return (i64)rows[t][r]; });
+            fused_stage<T, VEC>(slot + FUSED_BM * FUSED_PITCH, weight + (i64)(k0 + t) * a.cin,
+                                (i64)a.taps * a.cin, a.cin, c0,
                                 [&](int r) { return n0 + r < a.cout ? (i64)(n0 + r) : (i64)-1; });
-            __syncthreads();
+        };
+        for (int s = 0; s < AHEAD; ++s) {
+            if (s < stages) load(s);
+            copy_async_commit();  // empty groups too: the wait below counts groups
+        }
+        for (int s = 0; s < stages; ++s) {
+            copy_async_wait<AHEAD - 1>();  // this thread's copies of stage s have landed
+            __syncthreads();  // everyone's; and stage s - 1's slot is read, free for s + AHEAD
+            if (s + AHEAD < stages) load(s + AHEAD);
+            copy_async_commit();
+            const unsigned* as = slots + s % FUSED_SLOTS * SLOT_WORDS;
+            const unsigned* bs = as + FUSED_BM * FUSED_PITCH;
             unsigned b[4][2];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
@@ -453,8 +489,8 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) tensor_core_mma<T>::run(acc[mt][nt], frag, b[nt]);
             }
-            __syncthreads();
         }
+        copy_async_wait<0>();
     }
     T* out = (T*)a.out;
     const T* bias = (const T*)a.bias;

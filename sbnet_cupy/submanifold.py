@@ -824,9 +824,9 @@ def choose_algo(dtype, tf32):
     for float32 where the caller's framework lets products run as TF32 (`tf32`); "gemm"
     otherwise (exact float32, float64). Measured on an H100 (bench.submanifold, SECOND's encoder,
     batch 1 and 4): "fused" took 6.3-8.5 ms a forward against 8.5-10.1 ms for "gemm" and
-    1.4-2.2 ms against 1.9-3.5 ms with cached rulebooks, eagerly; graphed, gemm was ahead at
-    batch 1 (0.52-1.00 against 0.63-1.06 ms) and fused at batch 4 (1.10-1.82 against
-    1.64-3.00 ms)."""
+    1.4-2.2 ms against 1.9-3.5 ms with cached rulebooks, eagerly; graphed, 0.52-0.88 against
+    0.52-0.99 ms at batch 1 and 1.08-1.85 against 1.60-2.92 ms at batch 4. (On layers of a few
+    thousand sites, e.g. SBNet's road masks, graphed gemm is ahead: bench/README.md.)"""
     return "fused" if dtype in ("float16", "bfloat16") or (dtype == "float32" and tf32) else "gemm"
 
 

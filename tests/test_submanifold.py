@@ -170,6 +170,27 @@ def test_fused_matches_loops(rng, subm, cin, cout, dtype):
     close(sm.rulebook_conv(xb, big, wb, algo="gemm"), want.get(), dtype)
 
 
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
+@pytest.mark.parametrize("cin", [12, 16])
+@pytest.mark.parametrize("shape, kernel, n", [((30, 40), 7, 500), ((12, 14, 16), 5, 900)],
+                         ids=["2d-7x7", "3d-5x5x5"])
+def test_fused_over_tap_groups(rng, shape, kernel, n, cin, dtype):
+    """Kernels of more taps than the fused kernel holds neighbour rows of at once (49 taps, and
+    125: three whole groups and a partial one), vector and scalar loads."""
+    import cupy
+
+    from conftest import _poison_pool
+
+    _poison_pool()
+    rulebook = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, shape, n)), shape, 2,
+                                       kernel)
+    x = cupy.asarray(random_array(rng, (n, cin), dtype))
+    w = cupy.asarray(random_array(rng, (24, *(kernel,) * len(shape), cin), dtype))
+    want = sm.rulebook_conv(x.astype(cupy.float64), rulebook, w.astype(cupy.float64))
+    close(sm.rulebook_conv(x, rulebook, w, algo="fused"), want.get(), dtype)
+
+
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
 @pytest.mark.parametrize("case", ["2d-5x5-stride2", "3d-1x3x3", "2d-even-2x3-dilated"])
 def test_matches_dense_convolution(xp, rng, case, subm):
