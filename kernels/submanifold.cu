@@ -361,7 +361,9 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 // so FUSED_SLOTS - 1 stages are in flight (cp.async where rows are whole 16-byte vectors): with
 // few sites the grid is small and each CTA's chain of loads is what takes the time. The
 // neighbour rows of up to FUSED_TAPS taps are read once, together; taps no row of the tile has
-// are skipped.
+// are skipped. Where tiles are fewer than the GPU has SMs, the taps are split over blockIdx.z:
+// each split writes its float sums to partial[z], and submanifold_split_sum adds them up in
+// split order (deterministic, no atomics).
 
 #define FUSED_BM 64
 #define FUSED_BN 64
@@ -376,10 +378,12 @@ struct FusedArgs {
     const void* bias;      // [cout], or null
     const int* map;        // [taps, n_out]: the input row tap k of output o reads, or -1
     void* out;             // [n_out, cout]
+    float* partial;        // [splits, n_out, cout] for split taps (then out, bias unused), or null
     i64 n_out;
     int cin, cout, taps;
+    int split_taps;        // taps a split (blockIdx.z) sums
 };
-static_assert(sizeof(FusedArgs) == 64, "FusedArgs must match sbnet_cupy/submanifold.py");
+static_assert(sizeof(FusedArgs) == 72, "FusedArgs must match sbnet_cupy/submanifold.py");
 
 // A staged word as the MMA takes it: 16-bit pairs as they are, float rounded to TF32.
 template <typename T> static __device__ __forceinline__ unsigned fused_operand(unsigned w) {
@@ -433,9 +437,11 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     const int chunks = (a.cin + BK - 1) / BK;
     const T* features = (const T*)a.features;
     const T* weight = (const T*)a.weight;
+    const int tap_begin = (int)blockIdx.z * a.split_taps;
+    const int tap_end = min(a.taps, tap_begin + a.split_taps);
     float acc[2][4][4] = {};
-    for (int k0 = 0; k0 < a.taps; k0 += FUSED_TAPS) {
-        const int group = min(FUSED_TAPS, a.taps - k0);
+    for (int k0 = tap_begin; k0 < tap_end; k0 += FUSED_TAPS) {
+        const int group = min(FUSED_TAPS, tap_end - k0);
         // The previous group's last stage is read; its slots and rows may be overwritten.
         __syncthreads();
         for (int j = threadIdx.x; j < group * FUSED_BM; j += FUSED_THREADS) {
@@ -494,6 +500,7 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     }
     T* out = (T*)a.out;
     const T* bias = (const T*)a.bias;
+    float* partial = a.partial ? a.partial + (i64)blockIdx.z * a.n_out * a.cout : nullptr;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -503,10 +510,35 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
                 const i64 o = m0 + wm + mt * 16 + gid + (i >> 1) * 8;
                 const int co = n0 + wn + nt * 8 + tig * 2 + (i & 1);
                 if (o < a.n_out && co < a.cout) {
-                    const float b = bias ? to_acc(bias[co]) : 0.0f;
-                    out[o * a.cout + co] = from_acc<T>(acc[mt][nt][i] + b);
+                    if (partial) {
+                        partial[o * a.cout + co] = acc[mt][nt][i];
+                    } else {
+                        const float b = bias ? to_acc(bias[co]) : 0.0f;
+                        out[o * a.cout + co] = from_acc<T>(acc[mt][nt][i] + b);
+                    }
                 }
             }
         }
+    }
+}
+
+struct SplitSumArgs {
+    const float* partial;  // [splits, n_out * cout]
+    const void* bias;      // [cout], or null
+    void* out;             // [n_out, cout]
+    i64 n_out;
+    int cout, splits;
+};
+static_assert(sizeof(SplitSumArgs) == 40, "SplitSumArgs must match sbnet_cupy/submanifold.py");
+
+// out = bias + the splits' partial sums, added in split order.
+template <typename T> __global__ void submanifold_split_sum(const SplitSumArgs a) {
+    const i64 total = a.n_out * a.cout;
+    const T* bias = (const T*)a.bias;
+    T* out = (T*)a.out;
+    for (i64 t = subm_first(); t < total; t += subm_step()) {
+        float sum = bias ? to_acc(bias[t % a.cout]) : 0.0f;
+        for (int z = 0; z < a.splits; ++z) sum += a.partial[z * total + t];
+        out[t] = from_acc<T>(sum);
     }
 }

@@ -70,8 +70,10 @@ _RANK_THREADS, _RANK_WORDS = 256, 1024  # rank_words' CTA and the bitmap words i
 # (16 MiB of bits and 16 MiB of ranks); larger grids hash and sort the candidates instead.
 _BITMAP_MAX_BITS = 1 << 27
 _GATHER_ARGS = _launch.layout("3Pq2i", 40)
-_FUSED_ARGS = _launch.layout("5Pq3i", 64)
+_FUSED_ARGS = _launch.layout("6Pq4i", 72)
+_SPLIT_SUM_ARGS = _launch.layout("3Pq2i", 40)
 _FUSED_TILE, _FUSED_THREADS = 64, 128  # output sites and channels a CTA; its threads
+_FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
 ALGOS = ("gemm", "fused")
 
 
@@ -839,7 +841,7 @@ def conv_arrays(xp, features, neighbors, weight, bias, algo="gemm"):
                      features.data.ptr, weight.data.ptr, 0 if bias is None else
                      xp.ascontiguousarray(bias).data.ptr, neighbors.data.ptr, out.data.ptr,
                      neighbors.shape[1], features.shape[1], weight.shape[0], neighbors.shape[0],
-                     features.dtype.name)
+                     features.dtype.name, _cupy_float_scratch)
         return out
     g = gather(features, neighbors)
     cout = weight.shape[0]
@@ -929,26 +931,64 @@ def launch_gather(device, stream, features, out, neighbors, n_out, taps, row_byt
 
 
 def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, cin, cout,
-                 taps, dtype):
+                 taps, dtype, float_scratch):
     """The fused convolution on raw addresses: C-contiguous features [N_in, cin], weight
     [cout, taps, cin], bias [cout] (0: none), int32 neighbors [taps, n_out], into out
-    [n_out, cout]; dtype "float16", "bfloat16" or "float32" (TF32)."""
+    [n_out, cout]; dtype "float16", "bfloat16" or "float32" (TF32). float_scratch(n): the
+    address and owner of n float32 on this device, usable on this stream (CuPy or torch), for
+    the partial sums of split taps."""
     if n_out == 0 or cout == 0:
         return
     itemsize = 4 if dtype == "float32" else 2
     vector = (cin * itemsize) % 32 == 0 and _checks.alignment(features, weight) == 16
-    function, grid = _fused_plan(device, dtype, vector, n_out, cout)
+    function, grid, split_taps = _fused_plan(device, dtype, vector, n_out, cout, taps)
+    splits = grid[2]
+    if splits == 1:
+        _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
+                       (features, weight, bias, neighbors, out, 0, n_out, cin, cout, taps,
+                        split_taps))
+        return
+    address, _owner = float_scratch(splits * n_out * cout)  # freed after the launches
     _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
-                   (features, weight, bias, neighbors, out, n_out, cin, cout, taps))
+                   (features, weight, 0, neighbors, 0, address, n_out, cin, cout, taps,
+                    split_taps))
+    _launch.launch(device, stream, _split_sum(device, dtype), _grid(n_out * cout),
+                   (_THREADS, 1, 1), 0, _SPLIT_SUM_ARGS,
+                   (address, bias, out, n_out, cout, splits))
 
 
 @functools.lru_cache(maxsize=1024)
-def _fused_plan(device, dtype, vector, n_out, cout):
+def _fused_plan(device, dtype, vector, n_out, cout, taps):
+    """The kernel, its grid (sites, channels, tap splits) and the taps a split sums."""
     function = _launch.function(device, "submanifold", "submanifold_fused",
                                 _kernels.ARITHMETIC_CTYPES[dtype], vector)
-    grid = (_checks.grid_dim("output sites", -(-n_out // _FUSED_TILE), 2**31 - 1),
-            _checks.grid_dim("output channels", -(-cout // _FUSED_TILE)), 1)
-    return function, grid
+    tiles = (_checks.grid_dim("output sites", -(-n_out // _FUSED_TILE), 2**31 - 1),
+             _checks.grid_dim("output channels", -(-cout // _FUSED_TILE)))
+    split_taps = -(-taps // fused_splits(device, tiles[0] * tiles[1], taps))
+    return function, (*tiles, -(-taps // split_taps)), split_taps
+
+
+def fused_splits(device, tiles, taps):
+    """How many splits of the taps the fused kernel runs with `tiles` CTAs of sites x channels:
+    enough for _FUSED_CTAS_PER_SM CTAs an SM, at most one a tap. Few sites make few tiles, and
+    then one CTA's long chain of stages would be the kernel's time."""
+    from cupy.cuda import runtime
+
+    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
+    return max(1, min(taps, _FUSED_CTAS_PER_SM * sms // tiles))
+
+
+def _cupy_float_scratch(n):
+    import cupy
+
+    scratch = cupy.empty(n, dtype=cupy.float32)
+    return scratch.data.ptr, scratch
+
+
+@functools.lru_cache(maxsize=None)
+def _split_sum(device, dtype):
+    return _launch.function(device, "submanifold", "submanifold_split_sum",
+                            _kernels.ARITHMETIC_CTYPES[dtype])
 
 
 def instantiations():
@@ -959,7 +999,10 @@ def instantiations():
     return [_kernels.name_expression(rule, dims) for rule in rules
             for dims in range(1, _MAX_DIMS + 1)] + [
         _kernels.name_expression("submanifold_fused", _kernels.ARITHMETIC_CTYPES[dtype], vector)
-        for dtype in ("float16", "bfloat16", "float32") for vector in (False, True)] + [_kernels.name_expression("submanifold_gather", word)
+        for dtype in ("float16", "bfloat16", "float32") for vector in (False, True)] + [
+        _kernels.name_expression("submanifold_split_sum", _kernels.ARITHMETIC_CTYPES[dtype])
+        for dtype in ("float16", "bfloat16", "float32")] + [
+        _kernels.name_expression("submanifold_gather", word)
                     for word in _kernels.STORAGE_CTYPES.values()]
 
 

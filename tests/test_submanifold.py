@@ -191,6 +191,58 @@ def test_fused_over_tap_groups(rng, shape, kernel, n, cin, dtype):
     close(sm.rulebook_conv(x, rulebook, w, algo="fused"), want.get(), dtype)
 
 
+@pytest.fixture
+def fused_splits(monkeypatch):
+    """Sets how many splits of the taps the fused kernel runs (plans made meanwhile are
+    dropped afterwards, so no other test sees them)."""
+    def force(splits):
+        monkeypatch.setattr(sm, "fused_splits", lambda device, tiles, taps: min(splits, taps))
+        sm._fused_plan.cache_clear()
+
+    yield force
+    sm._fused_plan.cache_clear()
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
+@pytest.mark.parametrize("splits", [1, 2, 5, 125])
+@pytest.mark.parametrize("shape, kernel, n, cin, cout", [
+    ((12, 14, 16), 3, 900, 16, 72), ((12, 14, 16), 5, 700, 12, 24), ((300, 400), 3, 9000, 8, 130)],
+    ids=["3d-3x3x3", "3d-5x5x5", "2d-3x3-many-sites"])
+def test_fused_split_taps(rng, fused_splits, shape, kernel, n, cin, cout, splits, dtype):
+    """Taps split over CTAs (partial sums, then their sum with the bias) equal one CTA over all
+    taps: splits of one tap and of several, splits crossing tap groups (125 taps in 5), more
+    splits asked than taps, partial tiles of sites and channels."""
+    import cupy
+
+    from conftest import _poison_pool
+
+    _poison_pool()
+    fused_splits(splits)
+    rulebook = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, shape, n)), shape, 2,
+                                       kernel)
+    x = cupy.asarray(random_array(rng, (n, cin), dtype))
+    w = cupy.asarray(random_array(rng, (cout, *(kernel,) * len(shape), cin), dtype))
+    b = cupy.asarray(random_array(rng, (cout,), dtype))
+    want = sm.rulebook_conv(x.astype(cupy.float64), rulebook, w.astype(cupy.float64),
+                            b.astype(cupy.float64))
+    close(sm.rulebook_conv(x, rulebook, w, b, algo="fused"), want.get(), dtype)
+    close(sm.rulebook_conv(x, rulebook, w, algo="fused"), (want - b).get(), dtype)
+
+
+def test_fused_splits_fill_the_gpu(monkeypatch):
+    """Few tiles split their taps until the grid has _FUSED_CTAS_PER_SM CTAs an SM (at most one
+    split a tap); enough tiles run unsplit."""
+    runtime = pytest.importorskip("cupy.cuda.runtime")
+    monkeypatch.setattr(runtime, "deviceGetAttribute", lambda attribute, device: 132)
+    per_sm = sm._FUSED_CTAS_PER_SM
+    assert sm.fused_splits(0, 22, 9) == 9
+    assert sm.fused_splits(0, 22, 125) == per_sm * 132 // 22
+    assert sm.fused_splits(0, 132 * per_sm, 27) == 1
+    assert sm.fused_splits(0, 10_000, 27) == 1
+    assert sm.fused_splits(0, 1, 1) == 1
+
+
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
 @pytest.mark.parametrize("case", ["2d-5x5-stride2", "3d-1x3x3", "2d-even-2x3-dilated"])
 def test_matches_dense_convolution(xp, rng, case, subm):

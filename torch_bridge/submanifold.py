@@ -17,6 +17,7 @@ one cuBLAS matrix product (torch.addmm); the gradient of the features is the sam
 transposed map, that of the weight one more product, so the backward is deterministic.
 """
 
+import functools
 import math
 
 import numpy
@@ -64,6 +65,11 @@ def _gathered(features, neighbors):
     return out
 
 
+def _float_scratch(device, n):
+    scratch = torch.empty(n, dtype=torch.float32, device=device)
+    return scratch.data_ptr(), scratch
+
+
 def _conv_impl(features, weight, bias, neighbors, neighbors_t, algo):
     features, weight = _contiguous(features), _contiguous(weight)
     if not features.is_cuda:
@@ -77,7 +83,8 @@ def _conv_impl(features, weight, bias, neighbors, neighbors_t, algo):
         _core.launch_fused(device, _raw_stream(device), features.data_ptr(), weight.data_ptr(),
                            0 if bias is None else _contiguous(bias).data_ptr(),
                            neighbors.data_ptr(), out.data_ptr(), n_out, features.shape[1],
-                           weight.shape[0], taps, _checks.dtype_name(features))
+                           weight.shape[0], taps, _checks.dtype_name(features),
+                           functools.partial(_float_scratch, features.device))
         return out
     taps = weight.reshape(weight.shape[0], -1)
     g = _gathered(features, neighbors)
