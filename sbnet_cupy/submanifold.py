@@ -803,7 +803,8 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
         algo: the CUDA path's algorithm (None: choose_algo's): "gemm", the gather into
             [N_out, K * Cin] and one cuBLAS product; "fused", one kernel that gathers rows into
             shared memory and multiplies on tensor cores (float16, bfloat16, and float32 as
-            TF32), skipping the taps that no site of a 64-site tile has. NumPy ignores it.
+            TF32), skipping the taps that no site of a 64-site tile has (with few tiles, the
+            taps split over CTAs and a second kernel adds their sums). NumPy ignores it.
 
     Returns:
         [N_out, Cout] features of rulebook.out_coords, features' dtype (float32 arithmetic for
