@@ -395,8 +395,9 @@ template <> __device__ __forceinline__ unsigned fused_operand<float>(unsigned w)
 
 // Stage rows [FUSED_BM or FUSED_BN][32 bytes] of a matrix of `cols` columns: row r is row
 // src(r) of `base` (absent: -1, zeros), columns col0.. (zeros past cols). VEC: cols is a whole
-// number of 32-byte chunks and rows are 16-byte aligned, so a thread moves one 16-byte half-row
-// with cp.async (landed after the caller's wait); otherwise the stores are the thread's own.
+// number of 16-byte vectors and rows are 16-byte aligned, so a thread moves one 16-byte half-row
+// with cp.async (zeros past cols; landed after the caller's wait); otherwise the stores are the
+// thread's own.
 template <typename T, bool VEC, typename Src>
 static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base, i64 stride,
                                                    int cols, int col0, Src src) {
@@ -404,8 +405,10 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
     if (VEC) {
         const int r = threadIdx.x >> 1, part = threadIdx.x & 1;
         const i64 row = src(r);
-        copy_async16(tile + r * FUSED_PITCH + part * 4,
-                     row >= 0 ? base + row * stride + col0 + part * (BK / 2) : base, row >= 0);
+        const int col = col0 + part * (BK / 2);
+        const bool valid = row >= 0 && col < cols;
+        copy_async16(tile + r * FUSED_PITCH + part * 4, valid ? base + row * stride + col : base,
+                     valid);
     } else {
         T* t = (T*)tile;
         for (int e = threadIdx.x; e < FUSED_BM * BK; e += FUSED_THREADS) {

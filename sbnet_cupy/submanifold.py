@@ -941,7 +941,7 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
     if n_out == 0 or cout == 0:
         return
     itemsize = 4 if dtype == "float32" else 2
-    vector = (cin * itemsize) % 32 == 0 and _checks.alignment(features, weight) == 16
+    vector = (cin * itemsize) % 16 == 0 and _checks.alignment(features, weight) == 16
     function, grid, split_taps = _fused_plan(device, dtype, vector, n_out, cout, taps)
     splits = grid[2]
     if splits == 1:

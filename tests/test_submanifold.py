@@ -146,11 +146,12 @@ def test_dtypes(xp, rng, case, dtype):
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
-@pytest.mark.parametrize("cin, cout", [(4, 8), (16, 64), (24, 72), (40, 130), (64, 16)])
+@pytest.mark.parametrize("cin, cout", [(4, 8), (6, 10), (16, 64), (24, 72), (40, 130), (64, 16)])
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
 def test_fused_matches_loops(rng, subm, cin, cout, dtype):
-    """The fused tensor-core kernel: vector and scalar loads (cin x itemsize a multiple of 32
-    bytes or not), partial tiles of sites and channels, taps no site of a tile has."""
+    """The fused tensor-core kernel: vector loads (cin x itemsize a multiple of 16 bytes: whole
+    32-byte stages, or a last one half filled) and scalar loads (not), partial tiles of sites and
+    channels, taps no site of a tile has."""
     import cupy
 
     from conftest import _poison_pool
