@@ -363,7 +363,7 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 // neighbour rows of up to FUSED_TAPS taps are read once, together; taps no row of the tile has
 // are skipped. Where tiles are fewer than the GPU has SMs, the taps are split over blockIdx.z:
 // each split writes its float sums to partial[z], and submanifold_split_sum adds them up in
-// split order (deterministic, no atomics).
+// split order (deterministic, no atomics). Both are programmatic dependent launches (common.cuh).
 
 #define FUSED_BM 64
 #define FUSED_BN 64
@@ -442,6 +442,9 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     const T* weight = (const T*)a.weight;
     const int tap_begin = (int)blockIdx.z * a.split_taps;
     const int tap_end = min(a.taps, tap_begin + a.split_taps);
+    // Launched as a dependent (launch_fused): features may be the previous kernel's output.
+    wait_for_previous_kernel();
+    allow_next_kernel();
     float acc[2][4][4] = {};
     for (int k0 = tap_begin; k0 < tap_end; k0 += FUSED_TAPS) {
         const int group = min(FUSED_TAPS, tap_end - k0);
@@ -539,6 +542,8 @@ template <typename T> __global__ void submanifold_split_sum(const SplitSumArgs a
     const i64 total = a.n_out * a.cout;
     const T* bias = (const T*)a.bias;
     T* out = (T*)a.out;
+    wait_for_previous_kernel();  // launched as a dependent of submanifold_fused
+    allow_next_kernel();
     for (i64 t = subm_first(); t < total; t += subm_step()) {
         float sum = bias ? to_acc(bias[t % a.cout]) : 0.0f;
         for (int z = 0; z < a.splits; ++z) sum += a.partial[z * total + t];

@@ -947,15 +947,15 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
     if splits == 1:
         _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
                        (features, weight, bias, neighbors, out, 0, n_out, cin, cout, taps,
-                        split_taps))
+                        split_taps), dependent=True)
         return
     address, _owner = float_scratch(splits * n_out * cout)  # freed after the launches
     _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
                    (features, weight, 0, neighbors, 0, address, n_out, cin, cout, taps,
-                    split_taps))
+                    split_taps), dependent=True)
     _launch.launch(device, stream, _split_sum(device, dtype), _grid(n_out * cout),
                    (_THREADS, 1, 1), 0, _SPLIT_SUM_ARGS,
-                   (address, bias, out, n_out, cout, splits))
+                   (address, bias, out, n_out, cout, splits), dependent=True)
 
 
 @functools.lru_cache(maxsize=1024)

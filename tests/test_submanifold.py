@@ -205,15 +205,19 @@ def fused_splits(monkeypatch):
 
 
 @requires_gpu
+@pytest.mark.parametrize("stream", ["default", "side"])
 @pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
 @pytest.mark.parametrize("splits", [1, 2, 5, 125])
 @pytest.mark.parametrize("shape, kernel, n, cin, cout", [
     ((12, 14, 16), 3, 900, 16, 72), ((12, 14, 16), 5, 700, 12, 24), ((300, 400), 3, 9000, 8, 130)],
     ids=["3d-3x3x3", "3d-5x5x5", "2d-3x3-many-sites"])
-def test_fused_split_taps(rng, fused_splits, shape, kernel, n, cin, cout, splits, dtype):
+def test_fused_split_taps(rng, fused_splits, shape, kernel, n, cin, cout, splits, dtype, stream):
     """Taps split over CTAs (partial sums, then their sum with the bias) equal one CTA over all
     taps: splits of one tap and of several, splits crossing tap groups (125 taps in 5), more
-    splits asked than taps, partial tiles of sites and channels."""
+    splits asked than taps, partial tiles of sites and channels. On a side stream the launches
+    are programmatic dependents (sm_90+): a second layer reads the first's output."""
+    import contextlib
+
     import cupy
 
     from conftest import _poison_pool
@@ -224,11 +228,20 @@ def test_fused_split_taps(rng, fused_splits, shape, kernel, n, cin, cout, splits
                                        kernel)
     x = cupy.asarray(random_array(rng, (n, cin), dtype))
     w = cupy.asarray(random_array(rng, (cout, *(kernel,) * len(shape), cin), dtype))
+    w2 = cupy.asarray(random_array(rng, (cin, *(kernel,) * len(shape), cout), dtype))
     b = cupy.asarray(random_array(rng, (cout,), dtype))
-    want = sm.rulebook_conv(x.astype(cupy.float64), rulebook, w.astype(cupy.float64),
-                            b.astype(cupy.float64))
-    close(sm.rulebook_conv(x, rulebook, w, b, algo="fused"), want.get(), dtype)
-    close(sm.rulebook_conv(x, rulebook, w, algo="fused"), (want - b).get(), dtype)
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side if stream == "side" else contextlib.nullcontext():
+        y = sm.rulebook_conv(x, rulebook, w, b, algo="fused")
+        y2 = sm.rulebook_conv(y, rulebook, w2, algo="fused")
+        y_no_bias = sm.rulebook_conv(x, rulebook, w, algo="fused")
+    side.synchronize()
+    f64 = cupy.float64
+    want = sm.rulebook_conv(x.astype(f64), rulebook, w.astype(f64), b.astype(f64))
+    close(y, want.get(), dtype)
+    close(y_no_bias, (want - b).get(), dtype)
+    # The kernels are deterministic: the second layer equals itself run on the settled y.
+    numpy.testing.assert_array_equal(y2.get(), sm.rulebook_conv(y, rulebook, w2, algo="fused").get())
 
 
 def test_fused_splits_fill_the_gpu(monkeypatch):
