@@ -14,7 +14,8 @@ later, on streams other than the legacy default stream: the kernel may be schedu
 previous kernel on its stream still runs, and waits for it in the kernel
 (wait_for_previous_kernel, kernels/common.cuh), so that a chain of short kernels (a bottleneck
 unit's three block convolutions, the fused submanifold convolution and its split sum) does not
-pay a full launch gap between each two. SBNET_DEPENDENT_LAUNCH=0 (or DEPENDENT_LAUNCH = False) launches them as the others.
+pay a full launch gap between each two. SBNET_DEPENDENT_LAUNCH=0 (or DEPENDENT_LAUNCH = False)
+launches them as the others.
 """
 
 import ctypes
