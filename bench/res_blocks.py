@@ -36,8 +36,8 @@ import torch
 
 import torch_bridge as tb
 from bench import masks
-from sbnet_cupy import _launch
 from bench._common import events_ms, graph, read_csv, write_csv
+from sbnet_cupy import _launch
 
 # stage: (H, W, C, bottleneck K). T1 convolves K channels at H x W, T2 is the C/K unit.
 STAGES = {"conv-2": (400, 704, 96, 24), "conv-3": (200, 352, 192, 48),
