@@ -111,6 +111,11 @@ def function(device, op, kernel, *template_args):
     return entry[0]
 
 
+def multiprocessors(device):
+    """The number of SMs of `device`: how many CTAs fill it, as the ops size their grids."""
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
+
+
 def launch(device, stream, kernel, grid, block, shared_mem, arguments, values, dependent=False):
     """Launch `kernel` (an address from function()) on `device` and `stream` (a cudaStream_t
     address), grid and block as 3-tuples, with `values` packed by the Struct `arguments`;

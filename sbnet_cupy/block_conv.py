@@ -89,7 +89,7 @@ def _plan(device, dtype_name, cin, cout, alignment, op):
     driver.funcSetAttribute(function,
                             driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             max_groups * group_bytes)
-    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
+    sms = _launch.multiprocessors(device)
     ctas = tuple(sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
         function, THREADS * groups, groups * group_bytes))
         for groups in range(1, max_groups + 1))

@@ -944,18 +944,15 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
     vector = (cin * itemsize) % 16 == 0 and _checks.alignment(features, weight) == 16
     function, grid, split_taps = _fused_plan(device, dtype, vector, n_out, cout, taps)
     splits = grid[2]
-    if splits == 1:
-        _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
-                       (features, weight, bias, neighbors, out, 0, n_out, cin, cout, taps,
-                        split_taps), dependent=True)
-        return
-    address, _owner = float_scratch(splits * n_out * cout)  # freed after the launches
+    # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest.
+    partial, _owner = (0, None) if splits == 1 else float_scratch(splits * n_out * cout)
     _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
-                   (features, weight, 0, neighbors, 0, address, n_out, cin, cout, taps,
-                    split_taps), dependent=True)
-    _launch.launch(device, stream, _split_sum(device, dtype), _grid(n_out * cout),
-                   (_THREADS, 1, 1), 0, _SPLIT_SUM_ARGS,
-                   (address, bias, out, n_out, cout, splits), dependent=True)
+                   (features, weight, 0 if partial else bias, neighbors, 0 if partial else out,
+                    partial, n_out, cin, cout, taps, split_taps), dependent=True)
+    if partial:  # _owner keeps the scratch until both launches are queued
+        _launch.launch(device, stream, _split_sum(device, dtype), _grid(n_out * cout),
+                       (_THREADS, 1, 1), 0, _SPLIT_SUM_ARGS,
+                       (partial, bias, out, n_out, cout, splits), dependent=True)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -973,10 +970,7 @@ def fused_splits(device, tiles, taps):
     """How many splits of the taps the fused kernel runs with `tiles` CTAs of sites x channels:
     enough for _FUSED_CTAS_PER_SM CTAs an SM, at most one a tap. Few sites make few tiles, and
     then one CTA's long chain of stages would be the kernel's time."""
-    from cupy.cuda import runtime
-
-    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
-    return max(1, min(taps, _FUSED_CTAS_PER_SM * sms // tiles))
+    return max(1, min(taps, _FUSED_CTAS_PER_SM * _launch.multiprocessors(device) // tiles))
 
 
 def _cupy_float_scratch(n):

@@ -248,8 +248,7 @@ def test_fused_split_taps(rng, fused_splits, shape, kernel, n, cin, cout, splits
 def test_fused_splits_fill_the_gpu(monkeypatch):
     """Few tiles split their taps until the grid has _FUSED_CTAS_PER_SM CTAs an SM (at most one
     split a tap); enough tiles run unsplit."""
-    runtime = pytest.importorskip("cupy.cuda.runtime")
-    monkeypatch.setattr(runtime, "deviceGetAttribute", lambda attribute, device: 132)
+    monkeypatch.setattr(sm._launch, "multiprocessors", lambda device: 132)
     per_sm = sm._FUSED_CTAS_PER_SM
     assert sm.fused_splits(0, 22, 9) == 9
     assert sm.fused_splits(0, 22, 125) == per_sm * 132 // 22
