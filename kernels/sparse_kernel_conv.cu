@@ -22,9 +22,9 @@ struct ConvArgs {
     int n, in_h, in_w, cin, out_h, out_w, cout;
     int str_h, str_w, dil_h, dil_w, pad_h, pad_w, idil_h, idil_w;
     int tile_rows, tile_cols, pitch, chunk;  // the staged tile; channels staged at a time
-    int warps_y, warps_q, groups, store_rows;  // groups: of Q output channels; rows a store pass
+    int warps_y, warps_q, groups;  // groups: of Q output channels
 };
-static_assert(sizeof(ConvArgs) == 144, "ConvArgs layout changed: update sparse_kernel_conv.py");
+static_assert(sizeof(ConvArgs) == 136, "ConvArgs layout changed: update sparse_kernel_conv.py");
 
 // The arguments of the gradient with respect to the non-zero weights.
 struct GradValuesArgs {
@@ -43,7 +43,9 @@ static __device__ __forceinline__ float fma_acc(float a, float b, float c) { ret
 static __device__ __forceinline__ double fma_acc(double a, double b, double c) { return __fma_rn(a, b, c); }
 
 // Stages channels [ci0, ci0 + nci) of X~ from the virtual pixel (y0, x0) on (see the top).
-// Consecutive threads read consecutive channels, then pixels: coalesced when nci == cin.
+// Consecutive threads read consecutive channels, then pixels: coalesced when nci == cin. A
+// thread steps through its words (row, col, c) by adding blockDim.x with carries: a division
+// per word cost more than the products of a small kernel.
 template <typename T>
 static __device__ __forceinline__ void stage_tile(
     typename acc_type<T>::type* tile, const T* __restrict__ x, int n, int in_h, int in_w, int cin,
@@ -51,51 +53,65 @@ static __device__ __forceinline__ void stage_tile(
     int pitch) {
     typedef typename acc_type<T>::type Acc;
     const int row_elems = tile_cols * nci;
-    for (int e = threadIdx.x; e < tile_rows * row_elems; e += blockDim.x) {
-        const int row = e / row_elems, j = e - row * row_elems;
-        const int col = j / nci, c = j - col * nci;
-        const int yv = y0 + row, xv = x0 + col;
-        Acc v = Acc(0);
-        if (yv >= 0 && xv >= 0 && yv % idil_h == 0 && xv % idil_w == 0) {
-            const int yy = yv / idil_h, xx = xv / idil_w;
-            if (yy < in_h && xx < in_w) v = to_acc(x[(((i64)n * in_h + yy) * in_w + xx) * cin + ci0 + c]);
+    const int step_rows = blockDim.x / row_elems, step_j = blockDim.x - step_rows * row_elems;
+    const int step_cols = step_j / nci, step_c = step_j - step_cols * nci;
+    int row = threadIdx.x / row_elems, col = threadIdx.x - row * row_elems;
+    int c = col % nci;
+    col /= nci;
+    const bool dilated = idil_h != 1 || idil_w != 1;
+    const T* __restrict__ image = x + (i64)n * in_h * in_w * cin + ci0;
+#pragma unroll 4
+    for (; row < tile_rows; row += step_rows) {
+        int yy = y0 + row, xx = x0 + col;
+        bool inside = yy >= 0 && xx >= 0;
+        if (dilated) {
+            inside = inside && yy % idil_h == 0 && xx % idil_w == 0;
+            yy /= idil_h;
+            xx /= idil_w;
         }
-        tile[(c * tile_cols + col) * pitch + row] = v;
+        tile[(c * tile_cols + col) * pitch + row] =
+            inside && yy < in_h && xx < in_w ? to_acc(image[((i64)yy * in_w + xx) * cin + c]) : Acc(0);
+        c += step_c;
+        col += step_cols;
+        if (c >= nci) c -= nci, ++col;
+        if (col >= tile_cols) col -= tile_cols, ++row;
     }
 }
 
-// Writes the CTA's [warps_y * P rows, 32 columns, warps_q * Q channels] outputs (plus the bias)
-// through shared memory, store_rows rows a pass, so that each pixel's run of channels is written
-// by consecutive threads.
+// Writes the thread's outputs (plus the bias): P rows from (oy, ox) down, Q channels from co0
+// on, each pixel's channels in 16-byte stores where cout allows. (A coalesced pass through
+// shared memory cost more in index arithmetic a word than the products of a small kernel.)
 template <typename T, int P, int Q>
 static __device__ __forceinline__ void store_output(
-    typename acc_type<T>::type (&acc)[Q][P], const ConvArgs& a, typename acc_type<T>::type* stage,
-    int n, int oy0, int ox0, int co0, int wy, int wq, int lane) {
+    const typename acc_type<T>::type (&acc)[Q][P], const ConvArgs& a, int n, int oy, int ox,
+    int co0) {
     typedef typename acc_type<T>::type Acc;
+    constexpr int V = 16 / sizeof(T) < Q ? 16 / sizeof(T) : Q;
+    static_assert(Q % V == 0, "Q: a power of two");
+    if (ox >= a.out_w || co0 >= a.cout) return;
     T* __restrict__ out = static_cast<T*>(a.out);
     const T* __restrict__ bias = static_cast<const T*>(a.bias);
-    const int cta_co = a.warps_q * Q, co_pitch = cta_co | 1;  // odd: no bank conflicts
-    const int rows = a.warps_y * P;
-    for (int r0 = 0; r0 < rows; r0 += a.store_rows) {
-        __syncthreads();  // the tile (or the previous pass) is no longer read
+    Acc b[Q];
 #pragma unroll
-        for (int p = 0; p < P; ++p) {
-            const int r = wy * P + p - r0;
-            if (r >= 0 && r < a.store_rows) {
+    for (int q = 0; q < Q; ++q) b[q] = bias != nullptr && co0 + q < a.cout ? to_acc(bias[co0 + q]) : Acc(0);
+    const bool vectors = a.cout % V == 0 && co0 + Q <= a.cout &&
+                         reinterpret_cast<unsigned long long>(out) % (V * sizeof(T)) == 0;
 #pragma unroll
-                for (int q = 0; q < Q; ++q) stage[(r * 32 + lane) * co_pitch + wq * Q + q] = acc[q][p];
+    for (int p = 0; p < P; ++p) {
+        if (oy + p >= a.out_h) break;
+        T* dst = out + (((i64)n * a.out_h + oy + p) * a.out_w + ox) * a.cout + co0;
+        if (vectors) {
+#pragma unroll
+            for (int q0 = 0; q0 < Q; q0 += V) {
+                vec_t<T, V> v;
+#pragma unroll
+                for (int i = 0; i < V; ++i) v.v[i] = from_acc<T>(acc[q0 + i][p] + b[q0 + i]);
+                *reinterpret_cast<vec_t<T, V>*>(dst + q0) = v;
             }
-        }
-        __syncthreads();
-        const int count = min(a.store_rows, rows - r0) * 32 * cta_co;
-        for (int e = threadIdx.x; e < count; e += blockDim.x) {
-            const int pixel = e / cta_co, c = e - pixel * cta_co;
-            const int oy = oy0 + r0 + pixel / 32, ox = ox0 + pixel % 32, co = co0 + c;
-            if (oy < a.out_h && ox < a.out_w && co < a.cout) {
-                Acc v = stage[pixel * co_pitch + c];
-                if (bias != nullptr) v += to_acc(bias[co]);
-                out[(((i64)n * a.out_h + oy) * a.out_w + ox) * a.cout + co] = from_acc<T>(v);
-            }
+        } else {
+#pragma unroll
+            for (int q = 0; q < Q; ++q)
+                if (co0 + q < a.cout) dst[q] = from_acc<T>(acc[q][p] + b[q]);
         }
     }
 }
@@ -152,7 +168,7 @@ __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
             }
         }
     }
-    store_output<T, P, Q>(acc, a, tile, n, oy0, ox0, g0 * Q, wy, wq, lane);
+    store_output<T, P, Q>(acc, a, n, oy0 + wy * P, ox0 + lane, g * Q);
 }
 
 // The compiled kernel (strategy "compiled"), for str_h == 1 and idil == 1: one weight's mask
@@ -220,7 +236,7 @@ __global__ void __launch_bounds__(256, 2) sparse_kernel_conv_compiled(const Conv
 
     Acc acc[Q][P];  // Program::run sets them all
     Program::run(frame, g, acc, tile + lane * a.str_w * a.pitch + wy * P);
-    store_output<T, P, Q>(acc, a, tile, n, oy0, ox0, g * Q, wy, 0, lane);
+    store_output<T, P, Q>(acc, a, n, oy0 + wy * P, ox0 + lane, g * Q);
 }
 
 template <typename Acc> static __device__ __forceinline__ Acc warp_sum(Acc s) {

@@ -49,7 +49,7 @@ _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
 _SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
-_CONV_ARGS = _launch.layout("6P23i", 144)
+_CONV_ARGS = _launch.layout("6P22i", 136)
 _GRAD_VALUES_ARGS = _launch.layout("5P18i", 112)
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _MAX_KERNEL_SIDE = 255  # the kernels pack kh and kw in 8 bits and the input channel in 15
@@ -821,13 +821,11 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
                          f"GPU kernels' shared memory ({channel_bytes} bytes a channel, "
                          f"{value_bytes} of values) with a {k_h}x{k_w} kernel, dilations "
                          f"{dilations}")
-    row_bytes = 32 * (q | 1) * 4
-    store_rows = min(warps_y * p, _SMEM_LIMIT // row_bytes)
     grid = (-(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // (warps_y * p))),
             _checks.grid_dim("x (batch x channel groups)", groups * n))
     ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, 1, 1, rows, cols, pitch,
-            chunk, warps_y, 1, groups, store_rows)
-    smem = max(chunk * channel_bytes + value_bytes, store_rows * row_bytes)
+            chunk, warps_y, 1, groups)
+    smem = chunk * channel_bytes + value_bytes
     return ConvPlan("compiled", None, "sparse_kernel_conv_compiled",
                     (_kernels.ARITHMETIC_CTYPES[dtype],), grid, (32 * warps_y, 1, 1), smem, ints,
                     (p, q, cols, pitch, chunk, dh, dw))
@@ -854,19 +852,17 @@ def _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilatio
         raise ValueError(f"dilations {dilations} with a {k_h}x{k_w} kernel need an input tile "
                          f"larger than the GPU kernels' shared memory ({channel_bytes} bytes "
                          f"a channel)")
-    row_bytes = 32 * ((warps_q * q) | 1) * acc_size
-    store_rows = min(warps_y * p, _SMEM_LIMIT // row_bytes)
     grid = (-(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // (warps_y * p))),
             _checks.grid_dim("x (batch x channel groups)", n * -(-groups // warps_q)))
     ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, *input_dilation, rows, cols,
-            pitch, chunk, warps_y, warps_q, groups, store_rows)
+            pitch, chunk, warps_y, warps_q, groups)
     template = (_kernels.ARITHMETIC_CTYPES[dtype], p, q)
     function = (None if device is None else
                 _launch.function(device, "sparse_kernel_conv", "sparse_kernel_conv_direct",
                                  *template))
     return ConvPlan("direct", function, "sparse_kernel_conv_direct", template, grid,
                     (32 * warps_y * warps_q, 1, 1),
-                    max(chunk * channel_bytes, store_rows * row_bytes), ints, None)
+                    chunk * channel_bytes, ints, None)
 
 
 def instantiations():

@@ -483,7 +483,7 @@ def test_rule_falls_back_where_compiled_finds_no_room():
 
 CONV_FIELDS = ("n", "in_h", "in_w", "cin", "out_h", "out_w", "cout", "str_h", "str_w", "dil_h",
                "dil_w", "pad_h", "pad_w", "idil_h", "idil_w", "tile_rows", "tile_cols", "pitch",
-               "chunk", "warps_y", "warps_q", "groups", "store_rows")
+               "chunk", "warps_y", "warps_q", "groups")
 GRAD_FIELDS = ("n", "in_h", "in_w", "cin", "out_h", "out_w", "cout", "str_h", "str_w", "dil_h",
                "dil_w", "pad_h", "pad_w", "tile_rows", "tile_cols", "pitch", "chunk", "co_chunk")
 
@@ -507,26 +507,15 @@ def _stage(smem, x, n, a, y0, x0, ci0, nci, idil=(1, 1)):
     smem[index] = values
 
 
-def _store(smem, out, acc, a, n, oy0, ox0, co0, q_per_warp, bias):
-    """store_output: acc [warps_q, warps_y, Q, P, 32] through shared memory, store_rows a pass."""
+def _store(out, acc, a, n, oy0, ox0, co0, q_per_warp, bias):
+    """store_output: acc [warps_q, warps_y, Q, P, 32], each thread its own P rows x Q channels."""
     warps_q, warps_y, _, p_rows, _ = acc.shape
-    cta_co, co_pitch = warps_q * q_per_warp, (warps_q * q_per_warp) | 1
-    rows = warps_y * p_rows
-    for r0 in range(0, rows, a["store_rows"]):
-        smem[:] = numpy.nan
-        for wq, wy, q, p in itertools.product(range(warps_q), range(warps_y),
-                                              range(q_per_warp), range(p_rows)):
-            r = wy * p_rows + p - r0
-            if 0 <= r < a["store_rows"]:
-                index = (r * 32 + numpy.arange(32)) * co_pitch + wq * q_per_warp + q
-                assert index.max() < smem.size, "store pass larger than shared memory"
-                smem[index] = acc[wq, wy, q, p]
-        e = numpy.arange(min(a["store_rows"], rows - r0) * 32 * cta_co)
-        pixel, c = e // cta_co, e % cta_co
-        oy, ox, co = oy0 + r0 + pixel // 32, ox0 + pixel % 32, co0 + c
-        ok = (oy < a["out_h"]) & (ox < a["out_w"]) & (co < a["cout"])
-        v = _read(smem, pixel[ok] * co_pitch + c[ok])
-        out[n, oy[ok], ox[ok], co[ok]] = v + (0 if bias is None else bias[co[ok]])
+    for wq, wy, q, p in itertools.product(range(warps_q), range(warps_y), range(q_per_warp),
+                                          range(p_rows)):
+        oy, ox, co = oy0 + wy * p_rows + p, ox0 + numpy.arange(32), co0 + wq * q_per_warp + q
+        if oy < a["out_h"] and co < a["cout"]:
+            ok = ox < a["out_w"]
+            out[n, oy, ox[ok], co] = acc[wq, wy, q, p, ok] + (0 if bias is None else bias[co])
 
 
 def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
@@ -569,7 +558,7 @@ def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
                              + numpy.arange(p_rows) * a["str_h"])  # [T, 32, P]
                     acc[wq, wy, q] += numpy.einsum("t,tlp->pl", values[first:last],
                                                    _read(smem, index))
-        _store(smem, out, acc, a, n, oy0, ox0, g0 * q_per_warp, q_per_warp,
+        _store(out, acc, a, n, oy0, ox0, g0 * q_per_warp, q_per_warp,
                None if bias is None else bias.astype(numpy.float64))
     assert not numpy.isnan(out).any(), "outputs left unwritten"
     return out
@@ -617,7 +606,7 @@ def emulate_compiled(plan, program, x, out_shape, values, bias=None):
                         v = _read(smem, numpy.array([vals_at + t]))[0]
                         for p in range(p_rows):
                             acc[0, wy, q, p] += v * window[row + p]  # KeyError: not loaded
-        _store(smem, out, acc, a, n, oy0, ox0, g * q_per_warp, q_per_warp,
+        _store(out, acc, a, n, oy0, ox0, g * q_per_warp, q_per_warp,
                None if bias is None else bias.astype(numpy.float64))
     assert not numpy.isnan(out).any(), "outputs left unwritten"
     return out
