@@ -86,7 +86,10 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
     128x128 at batch 1: ~0.02 ms) and 3x3x3x64 at batch 8 by 6-10% (20-33 us); the 92 cases'
     total time is 0.16% above the faster choices' (before: 3.2%). Before "compiled" existed,
     a window kernel "taps" and a patch product "patches" were measured beside "direct" and won
-    20 of 112 cases, by <= 25%: both are gone.
+    20 of 112 cases, by <= 25%: both are gone. The kernels' staging and stores changed after
+    that run; in a run of 61 of the cases since (sparse_kernel_conv_register_stores_*.csv)
+    "direct" became the faster at batch 1 with 16-64 input channels and 3 outputs (by up to
+    1.39x): the rule waits for a whole new run.
     """
     extent = (kernel_hw[0] - 1) * dilations[0] + 1
     if (dtype == "float64" or strides[0] != 1 or tuple(input_dilation) != (1, 1)
