@@ -334,6 +334,27 @@ def test_out_argument(xp, rng):
         sbnet_cupy.sparse_kernel_conv2d(xp.asarray(x), kernel, out=out[..., :3])
 
 
+@requires_gpu
+@pytest.mark.parametrize("strategy", skc.STRATEGIES)
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
+def test_out_one_element_into_its_allocation(rng, dtype, strategy):
+    """The kernels store a pixel's channels 16 bytes at a time where `out` allows: an `out`
+    that starts one element into its buffer gets scalar stores, and nothing outside it."""
+    x = random_array(rng, (2, 9, 40, 3), numpy.float32)
+    w = pruned_weight(rng, (3, 3, 3, 16), 0.3)
+    bias = random_array(rng, (16,), numpy.float32)
+    buffer = cupy.full(2 + x[..., :1].size * 16, numpy.nan, dtype)
+    out = buffer[1:-1].reshape(2, 9, 40, 16)
+    kernel = SparseKernel.from_dense(cupy.asarray(w.astype(dtype)))
+    assert sbnet_cupy.sparse_kernel_conv2d(cupy.asarray(x.astype(dtype)), kernel, out=out,
+                                           bias=cupy.asarray(bias.astype(dtype)),
+                                           strategy=strategy) is out
+    kw = dict(strides=(1, 1), padding="SAME", dilations=(1, 1))
+    assert_close(out, reference(x, w, bias=bias, **kw), dtype,
+                 reference(numpy.abs(x), numpy.abs(w), bias=numpy.abs(bias), **kw))
+    assert numpy.isnan(to_numpy(buffer[[0, -1]])).all()
+
+
 def test_bad_input(xp, rng):
     w = pruned_weight(rng, (3, 3, 2, 4), 0.5)
     kernel = SparseKernel.from_dense(xp.asarray(w))
