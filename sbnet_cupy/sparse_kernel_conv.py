@@ -70,26 +70,12 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
     shared memory with the values, so its chunks are smaller (1 channel of 16-64 at 11x11xCinx3,
     "direct" 3). The sectors come back from L2 while the input under the CTAs resident at once
     (_RESIDENT_WARPS warps: an H100's 132 SMs x 16) fits in it (_L2_BYTES, the H100's 50 MiB);
-    past that, from DRAM (the reading of the times below; not profiled). So: "direct" where
+    past that, from DRAM (the reading of the benchmark's times; not profiled). So: "direct" where
     "compiled" takes several passes and that input exceeds L2.
 
-    Measured (bench/results/sparse_kernel_conv_NVIDIA_H100_80GB_HBM3.csv, 2026-11-23: both
-    timed in each of the 92 cases where "compiled" applies): "compiled" wherever it applies (the
-    rule before this one) picked the faster in 80; "direct" won the other 12 by 0.3-41%, 5 of
-    them by 10-41% at batch 8, 11x11xCinx3 with Cin 16 (TF32), 32 and 64: 67-268 MB of input,
-    all of it resident, one channel a pass; this rule runs those "direct" and changes no other
-    case. With at most 35 MB resident "compiled" stays faster over several passes, up to 2x
-    (Cin 8 TF32 and Cin 16 fp16 at batch 8: 34 MB; 11x11x32x64 at batch 8: 35 MB of 134 MB);
-    any L2 size from 35 to 67 MB draws the same line. Re-scored (python -m
-    bench.sparse_kernel_conv --rescore CSV): the faster picked in 85 of the 92 (before: 80), the
-    other 7 lost by 0.3-24%, 5 of them by < 5 us (11x11x1x3 at batch 1, 11x11x3x64 on 64x64 and
-    128x128 at batch 1: ~0.02 ms) and 3x3x3x64 at batch 8 by 6-10% (20-33 us); the 92 cases'
-    total time is 0.16% above the faster choices' (before: 3.2%). Before "compiled" existed,
-    a window kernel "taps" and a patch product "patches" were measured beside "direct" and won
-    20 of 112 cases, by <= 25%: both are gone. The kernels' staging and stores changed after
-    that run; in a run of 61 of the cases since (sparse_kernel_conv_register_stores_*.csv)
-    "direct" became the faster at batch 1 with 16-64 input channels and 3 outputs (by up to
-    1.39x): the rule waits for a whole new run.
+    The measurements behind the line: bench/README.md, "The strategies and the rule" (and, under
+    the headline, how the kernels changed since: the rule waits for a whole new run);
+    test_rule_matches_the_benchmark checks it against the committed run.
     """
     extent = (kernel_hw[0] - 1) * dilations[0] + 1
     if (dtype == "float64" or strides[0] != 1 or tuple(input_dilation) != (1, 1)
