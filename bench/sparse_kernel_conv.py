@@ -18,7 +18,8 @@ channels_last, cudnn.benchmark) measured in the same run; the estimated crossove
 non-zeros where cuDNN becomes faster (the rule's strategy at the case's ratio and at half of it,
 extrapolated linearly in the non-zeros). Each side runs as a CUDA graph of back-to-back
 launches, timed with CUDA events after a warm-up (and after "compiled" has compiled its kernel:
-NVRTC, once per mask and dtype, then CuPy's disk cache): the median of --repeats replays.
+NVRTC, once per mask and dtype, then CuPy's disk cache): the median of --repeats replays. The
+masks' kernels are compiled first, in up to 16 processes.
 Every result is checked against cuDNN's strict float32 convolution first. The weights of a
 sweep point are the same at both batches and sizes. Writes <out>/sparse_kernel_conv_<device>.csv,
 .md and .png (--sweeps / --batches: a subset, named by it). --rescore scores a committed run
@@ -26,8 +27,11 @@ again with the current rule, without a GPU.
 """
 
 import argparse
+import concurrent.futures
 import datetime
 import math
+import multiprocessing
+import os
 import pathlib
 import statistics
 import sys
@@ -88,6 +92,40 @@ def _weight_rng(case):
                                      round(case["density"] * 1000)])
 
 
+def _case_weights(case):
+    """The case's pruned float32 weight and its crossover probe's (half the non-zeros)."""
+    weights = _weight_rng(case)
+    shape = case["k"], case["cin"], case["cout"]
+    return (_pruned_weight(weights, *shape, case["density"]),
+            _pruned_weight(weights, *shape, case["density"] / 2))
+
+
+def _compile_case(case):
+    """Runs the "compiled" kernels of a case's weight and probe once on a zero image of the
+    case's size (batch 1: the kernels' code does not depend on the batch)."""
+    import cupy
+
+    dtype = PRECISIONS[case["precision"]]
+    x = cupy.zeros((1, *case["size"], case["cin"]), dtype)
+    for w in _case_weights(case):
+        kernel = sbnet_cupy.SparseKernel.from_dense(cupy.asarray(w).astype(dtype))
+        try:
+            sbnet_cupy.sparse_kernel_conv2d(x, kernel, strategy="compiled")
+        except (TypeError, ValueError):  # "compiled" does not apply
+            pass
+    cupy.cuda.Device().synchronize()
+
+
+def precompile(cases, workers):
+    """Compiles the "compiled" kernels of `cases` in `workers` processes: NVRTC takes seconds a
+    mask, most of a cold run's time one after another; CuPy's disk cache then serves the run."""
+    points = {(c["sweep"], c["k"], c["cin"], c["cout"], c["density"], c["size"], c["precision"]):
+              c for c in cases}
+    context = multiprocessing.get_context("spawn")  # a forked child cannot use CUDA
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        list(pool.map(_compile_case, points.values()))
+
+
 def _torch_graph_ms(torch, fn, launches, repeats):
     """Median time of one call of fn, from a CUDA graph of `launches` calls back to back."""
     stream = torch.cuda.Stream()
@@ -124,9 +162,8 @@ def run_case(torch, cupy, case, repeats):
     x = torch.randn(n, cin, height, width, device="cuda").to(dtype)
     x = x.contiguous(memory_format=torch.channels_last)
     x_nhwc = cupy.from_dlpack(x.permute(0, 2, 3, 1))  # the same memory, NHWC
-    weights = _weight_rng(case)
-    w = torch.tensor(_pruned_weight(weights, k, cin, cout, case["density"]),
-                     device="cuda").to(dtype)
+    w_host, probe_host = _case_weights(case)
+    w = torch.tensor(w_host, device="cuda").to(dtype)
     w_dense = w.permute(3, 2, 0, 1).contiguous(memory_format=torch.channels_last)
     kernel = sbnet_cupy.SparseKernel.from_dense(cupy.from_dlpack(w))
     out = cupy.empty((n, height, width, cout), x_nhwc.dtype)
@@ -176,8 +213,7 @@ def run_case(torch, cupy, case, repeats):
 
     # Crossover: our time is about linear in the non-zero taps; probe half of them with the
     # same strategy (a "compiled" probe costs a compilation, a denser one more).
-    probe = sbnet_cupy.SparseKernel.from_dense(cupy.asarray(
-        _pruned_weight(weights, k, cin, cout, case["density"] / 2)).astype(x_nhwc.dtype))
+    probe = sbnet_cupy.SparseKernel.from_dense(cupy.asarray(probe_host).astype(x_nhwc.dtype))
     call = lambda: sbnet_cupy.sparse_kernel_conv2d(x_nhwc, probe, out=out,
                                                    strategy=row["strategy"])
     call()
@@ -321,6 +357,9 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.sparse_kernel_conv " + " ".join(
         argv if argv is not None else sys.argv[1:])
+    started = time.time()
+    precompile(list(cases(args.quick, args.sweeps, args.batches)), min(16, os.cpu_count()))
+    print(f"compiled the masks' kernels in {time.time() - started:.0f} s", flush=True)
     rows, started = [], time.time()
     for case in cases(args.quick, args.sweeps, args.batches):
         rows.append(run_case(torch, cupy, case, args.repeats))
