@@ -991,14 +991,14 @@ def instantiations():
     rules = ["clear_table", "insert_coords", "insert_keys", "insert_targets", "compact_table",
              "decode_keys", "query_map", "query_subm", "mark_targets", "rank_words",
              "emit_sites", "scatter_strided"]
-    return [_kernels.name_expression(rule, dims) for rule in rules
-            for dims in range(1, _MAX_DIMS + 1)] + [
-        _kernels.name_expression("submanifold_fused", _kernels.ARITHMETIC_CTYPES[dtype], vector)
-        for dtype in ("float16", "bfloat16", "float32") for vector in (False, True)] + [
-        _kernels.name_expression("submanifold_split_sum", _kernels.ARITHMETIC_CTYPES[dtype])
-        for dtype in ("float16", "bfloat16", "float32")] + [
-        _kernels.name_expression("submanifold_gather", word)
-                    for word in _kernels.STORAGE_CTYPES.values()]
+    fused = [_kernels.ARITHMETIC_CTYPES[dtype] for dtype in ("float16", "bfloat16", "float32")]
+    return ([_kernels.name_expression(rule, dims) for rule in rules
+             for dims in range(1, _MAX_DIMS + 1)]
+            + [_kernels.name_expression("submanifold_fused", ctype, vector)
+               for ctype in fused for vector in (False, True)]
+            + [_kernels.name_expression("submanifold_split_sum", ctype) for ctype in fused]
+            + [_kernels.name_expression("submanifold_gather", word)
+               for word in _kernels.STORAGE_CTYPES.values()])
 
 
 # --- on sparse tensors --------------------------------------------------------------------
