@@ -116,6 +116,55 @@ static __device__ __forceinline__ void store_output(
     }
 }
 
+// store_output for the compiled kernel, whose groups hold C = 2 or 4 16-byte chunks of a pixel:
+// a thread's own stores hit 32 lines an instruction, a half-written sector each, and backed up
+// in the store path at the end of every CTA. Here a warp puts a row of its 32 pixels in shared
+// memory (`smem`, 32 * Q words of T a warp, free: the caller synchronised after the last read of
+// its tile), and each store instruction then writes 32 / C pixels whole (C lanes a pixel). A
+// pixel's chunks are rotated by its place in the 128-byte line (slot) so that the 8 lanes of a
+// 16-byte store phase hit distinct banks. Falls back to store_output where 16-byte stores do
+// not fit (Cout, the last group, `out`'s alignment).
+template <typename T, int P, int Q>
+static __device__ __forceinline__ void store_output_staged(
+    const float (&acc)[Q][P], const ConvArgs& a, int n, int oy, int ox0, int co0, void* smem) {
+    constexpr int V = 16 / sizeof(T), C = Q / V;
+    static_assert(C == 2 || C == 4, "store_output_staged: 2 or 4 chunks a pixel");
+    const int lane = threadIdx.x & 31;
+    T* __restrict__ out = static_cast<T*>(a.out);
+    if (co0 >= a.cout) return;
+    if (a.cout % V != 0 || co0 + Q > a.cout ||
+        reinterpret_cast<unsigned long long>(out) % 16 != 0) {
+        store_output<T, P, Q>(acc, a, n, oy, ox0 + lane, co0);
+        return;
+    }
+    const T* __restrict__ bias = static_cast<const T*>(a.bias);
+    float b[Q];
+#pragma unroll
+    for (int q = 0; q < Q; ++q) b[q] = bias != nullptr ? to_acc(bias[co0 + q]) : 0.0f;
+    vec_t<T, V>* chunks = static_cast<vec_t<T, V>*>(smem) + (threadIdx.x >> 5) * 32 * C;
+    const auto slot = [](int pixel, int c) { return pixel * C + (c ^ (pixel / (8 / C) % C)); };
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        if (oy + p >= a.out_h) break;  // the same for the whole warp
+        __syncwarp();
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            vec_t<T, V> v;
+#pragma unroll
+            for (int i = 0; i < V; ++i) v.v[i] = from_acc<T>(acc[c * V + i][p] + b[c * V + i]);
+            chunks[slot(lane, c)] = v;
+        }
+        __syncwarp();
+        T* dst = out + (((i64)n * a.out_h + oy + p) * a.out_w + ox0) * a.cout + co0;
+#pragma unroll
+        for (int i = 0; i < C; ++i) {
+            const int pixel = i * (32 / C) + lane / C, c = lane % C;
+            if (ox0 + pixel < a.out_w)
+                *reinterpret_cast<vec_t<T, V>*>(dst + (i64)pixel * a.cout + c * V) = chunks[slot(pixel, c)];
+        }
+    }
+}
+
 // The direct kernel (strategy "direct"): any stride, dilation and input dilation. A thread
 // computes P output rows for each of the Q output channels of its group, one tap at a time: P
 // shared-memory loads and P FMAs a tap. Taps of (co, ci) are in canonical order, so a chunk of
@@ -236,7 +285,12 @@ __global__ void __launch_bounds__(256, 2) sparse_kernel_conv_compiled(const Conv
 
     Acc acc[Q][P];  // Program::run sets them all
     Program::run(frame, g, acc, tile + lane * a.str_w * a.pitch + wy * P);
-    store_output<T, P, Q>(acc, a, n, oy0 + wy * P, ox0 + lane, g * Q);
+    if constexpr (Q * sizeof(T) >= 32) {
+        __syncthreads();  // the tile's last reader is done: store_output_staged takes its room
+        store_output_staged<T, P, Q>(acc, a, n, oy0 + wy * P, ox0, g * Q, smem);
+    } else {
+        store_output<T, P, Q>(acc, a, n, oy0 + wy * P, ox0 + lane, g * Q);
+    }
 }
 
 template <typename Acc> static __device__ __forceinline__ Acc warp_sum(Acc s) {

@@ -814,7 +814,9 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
             _checks.grid_dim("x (batch x channel groups)", groups * n))
     ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, 1, 1, rows, cols, pitch,
             chunk, warps_y, 1, groups)
-    smem = chunk * channel_bytes + value_bytes
+    # The outputs pass through the same room on their way out (store_output_staged).
+    output_bytes = warps_y * 32 * q * (4 if dtype == "float32" else 2)
+    smem = max(chunk * channel_bytes + value_bytes, output_bytes)
     return ConvPlan("compiled", None, "sparse_kernel_conv_compiled",
                     (_kernels.ARITHMETIC_CTYPES[dtype],), grid, (32 * warps_y, 1, 1), smem, ints,
                     (p, q, cols, pitch, chunk, dh, dw))

@@ -256,6 +256,7 @@ COMPILED_CASES = [
     ((2, 16, 35, 6), (3, 5, 6, 9), "zero", (1, 1), "SAME", (1, 1), numpy.float32),
     ((1, 30, 40, 40), (5, 3, 40, 19), 0.05, (1, 1), "SAME", (3, 2), numpy.float16),
     ((2, 19, 45, 4), (4, 3, 4, 10), 0.3, (1, 2), ((2, 1), (0, 3)), (1, 1), numpy.float32),
+    ((1, 35, 70, 1), (1, 1, 1, 32), 0.6, (1, 1), "SAME", (1, 1), numpy.float32),
 ]
 
 
@@ -280,8 +281,9 @@ def test_compiled_matches_reference(rng, case):
     kw = dict(strides=strides, padding=padding, dilations=dilations)
     expected = reference(x, w, bias=bias, **kw)
     scale = reference(numpy.abs(x), numpy.abs(w), bias=numpy.abs(bias), **kw)
-    out = sbnet_cupy.sparse_kernel_conv2d(device(x), kernel, bias=device(bias),
-                                          strategy="compiled", **kw)
+    out = device(numpy.full(expected.shape, numpy.nan, numpy.float32))  # poisoned
+    sbnet_cupy.sparse_kernel_conv2d(device(x), kernel, bias=device(bias), out=out,
+                                    strategy="compiled", **kw)
     assert_close(host(out), expected, dtype if dtype == "bfloat16" else numpy.dtype(dtype).type,
                  scale)
     if strides == (1, 1):
@@ -539,6 +541,38 @@ def _store(out, acc, a, n, oy0, ox0, co0, q_per_warp, bias):
             out[n, oy, ox[ok], co] = acc[wq, wy, q, p, ok] + (0 if bias is None else bias[co])
 
 
+def _store_staged(out, acc, a, n, oy0, ox0, co0, q_per_warp, bias, smem_bytes, itemsize):
+    """store_output_staged: each warp's rows through its 32 x Q words of shared memory, rotated
+    chunks (slot), read back by C lanes a pixel; store_output where 16-byte stores do not fit."""
+    chunk_words = 16 // itemsize
+    c_count = q_per_warp // chunk_words
+    if co0 >= a["cout"]:
+        return
+    if a["cout"] % chunk_words or co0 + q_per_warp > a["cout"]:
+        return _store(out, acc, a, n, oy0, ox0, co0, q_per_warp, bias)
+    lanes = numpy.arange(32)
+
+    def slot(pixel, c):
+        return pixel * c_count + (c ^ (pixel // (8 // c_count) % c_count))
+
+    _, warps_y, _, p_rows, _ = acc.shape
+    assert warps_y * 32 * q_per_warp * itemsize <= smem_bytes, "output rows beyond shared memory"
+    for wy, p in itertools.product(range(warps_y), range(p_rows)):
+        oy = oy0 + wy * p_rows + p
+        if oy >= a["out_h"]:
+            continue
+        staged = numpy.full((32 * c_count, chunk_words), numpy.nan)  # the warp's room, in chunks
+        for c in range(c_count):
+            channels = slice(c * chunk_words, (c + 1) * chunk_words)
+            staged[slot(lanes, c)] = (acc[0, wy, channels, p].T
+                                      + (0 if bias is None else bias[co0:][channels]))
+        for i in range(c_count):
+            pixel, c = i * (32 // c_count) + lanes // c_count, lanes % c_count
+            ok = ox0 + pixel < a["out_w"]
+            co = co0 + c[ok, None] * chunk_words + numpy.arange(chunk_words)
+            out[n, oy, (ox0 + pixel[ok])[:, None], co] = _read(staged, slot(pixel[ok], c[ok]))
+
+
 def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
     """sparse_kernel_conv_direct, or _compiled running `program`, as
     kernels/sparse_kernel_conv.cu runs `plan`."""
@@ -593,6 +627,7 @@ def emulate_compiled(plan, program, x, out_shape, values, bias=None):
     assert (a["warps_q"], plan.block[0]) == (1, 32 * a["warps_y"])
     assert a["tile_rows"] <= a["pitch"] and a["pitch"] % 8 == 4, "pitch: 16-byte loads, banks"
     values = to_numpy(values).astype(numpy.float64)
+    itemsize = 4 if plan.template[0] == "float" else 2
     out = numpy.full(out_shape, numpy.nan)
     smem = numpy.empty(plan.smem // 4)
     vals_at = a["chunk"] * a["tile_cols"] * a["pitch"]
@@ -627,8 +662,12 @@ def emulate_compiled(plan, program, x, out_shape, values, bias=None):
                         v = _read(smem, numpy.array([vals_at + t]))[0]
                         for p in range(p_rows):
                             acc[0, wy, q, p] += v * window[row + p]  # KeyError: not loaded
-        _store(out, acc, a, n, oy0, ox0, g * q_per_warp, q_per_warp,
-               None if bias is None else bias.astype(numpy.float64))
+        bias64 = None if bias is None else bias.astype(numpy.float64)
+        if q_per_warp * itemsize >= 32:
+            _store_staged(out, acc, a, n, oy0, ox0, g * q_per_warp, q_per_warp, bias64,
+                          plan.smem, itemsize)
+        else:
+            _store(out, acc, a, n, oy0, ox0, g * q_per_warp, q_per_warp, bias64)
     assert not numpy.isnan(out).any(), "outputs left unwritten"
     return out
 
@@ -692,16 +731,17 @@ def _emulate(kernel, strategy, transposed, x, out_shape, dtype, n, in_hw, cin, o
                         program)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])  # the plans' layouts (and stores) differ
 @pytest.mark.parametrize("name, x_shape, w_shape", EMULATED)
-def test_kernels_transliterated_on_sweep_shapes(rng, name, x_shape, w_shape):
+def test_kernels_transliterated_on_sweep_shapes(rng, name, x_shape, w_shape, dtype):
     x = random_array(rng, x_shape, numpy.float32)
     w = pruned_weight(rng, w_shape, 0.1)
     bias = random_array(rng, (w_shape[3],), numpy.float32)
     kernel = SparseKernel.from_dense(w)
     expected = reference(x, w, (1, 1), "SAME", (1, 1), bias)
     out_hw, pads = _geometry(x_shape[1:3], w_shape[:2], (1, 1), "SAME", (1, 1))
-    for strategy in _emulated_strategies(True, "float32"):
-        out = _emulate(kernel, strategy, False, x, expected.shape, "float32", x_shape[0],
+    for strategy in _emulated_strategies(True, dtype):
+        out = _emulate(kernel, strategy, False, x, expected.shape, dtype, x_shape[0],
                        x_shape[1:3], w_shape[2], out_hw, w_shape[3], (1, 1), (1, 1), pads,
                        bias=bias)
         numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
@@ -756,6 +796,24 @@ def test_kernels_transliterated_on_large_dilation(rng):
         numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_kernels_transliterated_where_the_outputs_need_more_room_than_the_tile(rng, dtype):
+    """A 1x1 kernel on 1 channel: the tile is smaller than the rows that the compiled kernel's
+    warps pass through shared memory on their way out."""
+    x = random_array(rng, (1, 35, 70, 1), numpy.float32)
+    w = pruned_weight(rng, (1, 1, 1, 32), 0.6)
+    bias = random_array(rng, (32,), numpy.float32)
+    kernel = SparseKernel.from_dense(w)
+    expected = reference(x, w, (1, 1), "SAME", (1, 1), bias)
+    plan = skc.conv_plan("compiled", dtype, 1, (35, 70), 1, (35, 70), 32, (1, 1), (1, 1), (1, 1),
+                         (0, 0), (1, 1), kernel.nnz)
+    a = dict(zip(CONV_FIELDS, plan.ints))
+    assert a["tile_cols"] * a["pitch"] * 4 < a["warps_y"] * 32 * 16 * numpy.dtype(dtype).itemsize
+    out = _emulate(kernel, "compiled", False, x, expected.shape, dtype, 1, (35, 70), 1, (35, 70),
+                   32, (1, 1), (1, 1), (0, 0), bias=bias)
+    numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("density", ["zero", "one", 1.0])
 def test_kernels_transliterated_on_edge_densities(rng, density):
     """No taps (the layouts hold only the end marker), one tap, every tap: forward and input
@@ -786,7 +844,7 @@ def test_compiled_programs_compile(rng, arch):
     program_class = _nvrtc_program_class()
     sources, names = [], []
     for shape, density, strides, dilations, dtype, transposed in [
-            ((3, 4, 5, 6), 0.3, (1, 3), (2, 1), "float32", False),
+            ((3, 4, 5, 17), 0.3, (1, 3), (2, 1), "float32", False),
             ((3, 4, 5, 6), 0.3, (1, 1), (2, 1), "float32", True),
             ((5, 3, 70, 19), 0.02, (1, 1), (5, 2), "float16", False),
             ((11, 11, 3, 20), 0.1, (1, 1), (1, 1), "bfloat16", False),
