@@ -810,8 +810,8 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
                          f"GPU kernels' shared memory ({channel_bytes} bytes a channel, "
                          f"{value_bytes} of values) with a {k_h}x{k_w} kernel, dilations "
                          f"{dilations}")
-    grid = (-(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // (warps_y * p))),
-            _checks.grid_dim("x (batch x channel groups)", groups * n))
+    grid = (groups * -(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // (warps_y * p))),
+            _checks.grid_dim("x (batch)", n))
     ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, 1, 1, rows, cols, pitch,
             chunk, warps_y, 1, groups)
     # The outputs pass through the same room on their way out (store_output_staged).

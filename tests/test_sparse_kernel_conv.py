@@ -632,10 +632,10 @@ def emulate_compiled(plan, program, x, out_shape, values, bias=None):
     smem = numpy.empty(plan.smem // 4)
     vals_at = a["chunk"] * a["tile_cols"] * a["pitch"]
     lanes = numpy.arange(32)
-    assert plan.grid[2] == a["groups"] * a["n"]
+    assert plan.grid[2] == a["n"] and plan.grid[0] % a["groups"] == 0
     for bz, by, bx in itertools.product(*(range(g) for g in plan.grid[::-1])):
-        g, n = bz // a["n"], bz % a["n"]
-        oy0, ox0 = by * a["warps_y"] * p_rows, bx * 32
+        g, n = bx % a["groups"], bz
+        oy0, ox0 = by * a["warps_y"] * p_rows, bx // a["groups"] * 32
         y0, x0 = oy0 - a["pad_h"], ox0 * a["str_w"] - a["pad_w"]
         acc = numpy.zeros((1, a["warps_y"], q_per_warp, p_rows, 32))
         first, count, chunks = program.groups[g] if g < len(program.groups) else (0, 0, [])
