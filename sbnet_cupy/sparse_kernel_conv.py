@@ -41,10 +41,12 @@ _COMPILED_WARPS = 8  # warps a CTA, stacked vertically (__launch_bounds__(256, 2
 # runs "direct" and "compiled" refuses.
 COMPILED_MAX_TAPS = 8192
 _COMPILED_MAX_EXTENT = 33  # kernel rows (with dilation) a window may span: registers
-# The rule's H100: warps of "compiled" resident at once (132 SMs x 2 CTAs of 8 warps, by the
-# kernel's __launch_bounds__(256, 2)) and the L2 cache that holds the input between passes.
-_RESIDENT_WARPS = 132 * 16
+# The rule's H100: its SMs, the warps of "compiled" resident at once (2 CTAs of 8 warps an SM, by
+# the kernel's __launch_bounds__(256, 2)) and the L2 cache that holds the input between passes.
+_SMS = 132
+_RESIDENT_WARPS = _SMS * 16
 _L2_BYTES = 50 * 2**20
+_DIRECT_PASSES = 8  # passes of "compiled" over the input channels where the rule weighs "direct"
 _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
@@ -59,8 +61,8 @@ _MAX_CIN = 32767
 def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
                     input_dilation, nnz):
     """The strategy sparse_kernel_conv2d uses when none is given, for conv_plan's arguments:
-    "compiled" where it applies, unless its input falls out of L2 between passes; "direct"
-    elsewhere.
+    "compiled" where it applies, unless it takes many passes over the input channels with too
+    few CTAs or an input that falls out of L2 between passes; "direct" elsewhere.
 
     "compiled" applies with unit vertical stride, no input dilation, float32 arithmetic, at most
     COMPILED_MAX_TAPS taps, a kernel extent (KH - 1) * DH + 1 <= 33 rows and room in shared
@@ -68,13 +70,14 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
     time, and each pass reads again the 32-byte sectors of the NHWC pixels that the previous
     pass read; its tile is taller than "direct"'s (128 rows at <= 4 output channels) and shares
     shared memory with the values, so its chunks are smaller (1 channel of 16-64 at 11x11xCinx3,
-    "direct" 3). The sectors come back from L2 while the input under the CTAs resident at once
-    (_RESIDENT_WARPS warps: an H100's 132 SMs x 16) fits in it (_L2_BYTES, the H100's 50 MiB);
-    past that, from DRAM (the reading of the benchmark's times; not profiled). So: "direct" where
-    "compiled" takes several passes and that input exceeds L2.
+    "direct" 3) and, on one image with few output channels, its CTAs fewer than the SMs (32 on
+    1x256x512 with 3 outputs, "direct" 64): each pass's staging then stalls most of the GPU. The
+    sectors come back from L2 while the input under the CTAs resident at once (_RESIDENT_WARPS
+    warps: an H100's 132 SMs x 16) fits in it (_L2_BYTES, the H100's 50 MiB); past that, from
+    DRAM (the reading of the benchmark's times; not profiled). So: "direct" where "compiled"
+    takes _DIRECT_PASSES passes or more and has fewer CTAs than _SMS or that input exceeds L2.
 
-    The measurements behind the line: bench/README.md, "The strategies and the rule" (and, under
-    the headline, how the kernels changed since: the rule waits for a whole new run);
+    The measurements behind the line: bench/README.md, "The strategies and the rule";
     test_rule_matches_the_benchmark checks it against the committed run.
     """
     extent = (kernel_hw[0] - 1) * dilations[0] + 1
@@ -90,7 +93,9 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
     ctas_per_image = max(plan.grid[0] * plan.grid[1], 1)  # 0: an empty output
     resident_images = min(n, _RESIDENT_WARPS / warps_y / ctas_per_image)
     resident_bytes = resident_images * in_hw[0] * in_hw[1] * cin * (4 if dtype == "float32" else 2)
-    return "direct" if chunk < cin and resident_bytes > _L2_BYTES else "compiled"
+    many_passes = -(-cin // chunk) >= _DIRECT_PASSES
+    few_ctas = 0 < math.prod(plan.grid) < _SMS  # 0: an empty output
+    return "direct" if many_passes and (few_ctas or resident_bytes > _L2_BYTES) else "compiled"
 
 
 # --- the converted weight -----------------------------------------------------------------
