@@ -71,7 +71,7 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
     pass read; its tile is taller than "direct"'s (128 rows at <= 4 output channels) and shares
     shared memory with the values, so its chunks are smaller (1 channel of 16-64 at 11x11xCinx3,
     "direct" 3) and, on one image with few output channels, its CTAs fewer than the SMs (32 on
-    1x256x512 with 3 outputs, "direct" 64): each pass's staging then stalls most of the GPU. The
+    1x256x512 with 3 outputs, "direct" 64; CTAs of fewer warps measured slower still). The
     sectors come back from L2 while the input under the CTAs resident at once (_RESIDENT_WARPS
     warps: an H100's 132 SMs x 16) fits in it (_L2_BYTES, the H100's 50 MiB); past that, from
     DRAM (the reading of the benchmark's times; not profiled). So: "direct" where "compiled"
