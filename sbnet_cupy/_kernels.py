@@ -28,6 +28,8 @@ ARITHMETIC_CTYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "
 # Mask types reduce_mask reads, by dtype name.
 MASK_CTYPES = {"bool": "bool", "uint8": "unsigned char", "int32": "int", "float16": "half_t",
                "float32": "float", "float64": "double"}
+# Bytes an element, by dtype name (bfloat16 included, which numpy does not name).
+ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def specialised_size(size):
@@ -92,7 +94,7 @@ def all_instantiations():
     adds = ("Add", "AtomicAdd")
     reshapes = ("space_to_batch", "batch_to_space")
     storage = [(STORAGE_CTYPES[b], b) for b in (1, 2, 4, 8)]
-    arithmetic = [(ctype, _ITEMSIZE[name]) for name, ctype in ARITHMETIC_CTYPES.items()]
+    arithmetic = [(ctype, ITEMSIZES[name]) for name, ctype in ARITHMETIC_CTYPES.items()]
 
     def vectors(itemsize, widest):  # element counts of the accesses the kernels may use
         return [v for v in (1, 2, 4, 8, 16) if v * itemsize <= 16 and v <= widest]
@@ -147,5 +149,3 @@ def _submanifold_instantiations():
 
     return submanifold.instantiations()
 
-
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}

@@ -25,7 +25,6 @@ THREADS, TILE_PIXELS, TILE_WORDS, PITCH, SLOTS = 128, 64, 32, 36, 3
 TILE_CHANNELS = (32, 64)  # output channels a tile: the kernel's BN choices
 MAX_K_GROUPS = 4  # warp groups that may split a tile's reduction (the kernel's launch bounds)
 DTYPES = ("float32", "float16", "bfloat16")  # float32 runs as TF32
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 # The output side of a launch: "Assign" writes, "Add" adds without atomics (the output blocks
 # of a list must not overlap, which reduce_mask's lists of stride-1 geometry never do).
@@ -64,7 +63,7 @@ def instantiations():
     """Every block_conv<T, BN, V, Op> the plans can ask for."""
     names = []
     for name in DTYPES:
-        itemsize = _ITEMSIZE[name]
+        itemsize = _kernels.ITEMSIZES[name]
         for bn in TILE_CHANNELS:
             for vector in (v for v in (1, 2, 4, 8) if v * itemsize <= 16):
                 names += [_kernels.name_expression(
@@ -74,7 +73,7 @@ def instantiations():
 
 @functools.lru_cache(maxsize=1024)
 def _plan(device, dtype_name, cin, cout, alignment, op):
-    itemsize = _ITEMSIZE[dtype_name]
+    itemsize = _kernels.ITEMSIZES[dtype_name]
     vector = next(v for v in (8, 4, 2, 1)
                   if v * itemsize <= 16 and cin % v == 0 and alignment % (v * itemsize) == 0)
     # The tile width that pads the output channels least (the wider one on a tie).
@@ -123,7 +122,7 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
     per_block = math.ceil(oh * ow / TILE_PIXELS) * math.ceil(cout / plan.tile_channels)
     if rows * per_block >= 2**31:  # the kernels count tiles in int
         raise ValueError(f"active_block_indices has too many rows: {rows}")
-    itemsize = _ITEMSIZE[dtype_name]
+    itemsize = _kernels.ITEMSIZES[dtype_name]
     paired = cout % 2 == 0 and _checks.alignment(dst) % (2 * itemsize) == 0
     tiles = rows * per_block
     groups = k_groups(tiles, math.ceil(kh * kw * cin / (TILE_WORDS * 4 // itemsize)), plan.ctas)

@@ -92,7 +92,7 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
     chunk, warps_y = plan.layout[4], plan.block[0] // 32
     ctas_per_image = max(plan.grid[0] * plan.grid[1], 1)  # 0: an empty output
     resident_images = min(n, _RESIDENT_WARPS / warps_y / ctas_per_image)
-    resident_bytes = resident_images * in_hw[0] * in_hw[1] * cin * (4 if dtype == "float32" else 2)
+    resident_bytes = resident_images * in_hw[0] * in_hw[1] * cin * _kernels.ITEMSIZES[dtype]
     many_passes = -(-cin // chunk) >= _DIRECT_PASSES
     few_ctas = 0 < math.prod(plan.grid) < _SMS  # 0: an empty output
     return "direct" if many_passes and (few_ctas or resident_bytes > _L2_BYTES) else "compiled"
@@ -820,7 +820,7 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
     ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, 1, 1, rows, cols, pitch,
             chunk, warps_y, 1, groups)
     # The outputs pass through the same room on their way out (store_output_staged).
-    output_bytes = warps_y * 32 * q * (4 if dtype == "float32" else 2)
+    output_bytes = warps_y * 32 * q * _kernels.ITEMSIZES[dtype]
     smem = max(chunk * channel_bytes + value_bytes, output_bytes)
     return ConvPlan("compiled", None, "sparse_kernel_conv_compiled",
                     (_kernels.ARITHMETIC_CTYPES[dtype],), grid, (32 * warps_y, 1, 1), smem, ints,
