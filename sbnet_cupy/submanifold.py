@@ -940,9 +940,9 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
     the partial sums of split taps."""
     if n_out == 0 or cout == 0:
         return
-    itemsize = 4 if dtype == "float32" else 2
-    vector = (cin * itemsize) % 16 == 0 and _checks.alignment(features, weight) == 16
-    function, grid, split_taps = _fused_plan(device, dtype, vector, n_out, cout, taps)
+    vector = ((cin * _kernels.ITEMSIZES[dtype]) % 16 == 0
+              and _checks.alignment(features, weight) == 16)
+    function, grid, split_taps, split_sum = _fused_plan(device, dtype, vector, n_out, cout, taps)
     splits = grid[2]
     # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest.
     partial, _owner = (0, None) if splits == 1 else float_scratch(splits * n_out * cout)
@@ -950,20 +950,24 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
                    (features, weight, 0 if partial else bias, neighbors, 0 if partial else out,
                     partial, n_out, cin, cout, taps, split_taps), dependent=True)
     if partial:  # _owner keeps the scratch until both launches are queued
-        _launch.launch(device, stream, _split_sum(device, dtype), _grid(n_out * cout),
+        _launch.launch(device, stream, split_sum, _grid(n_out * cout),
                        (_THREADS, 1, 1), 0, _SPLIT_SUM_ARGS,
                        (partial, bias, out, n_out, cout, splits), dependent=True)
 
 
 @functools.lru_cache(maxsize=1024)
 def _fused_plan(device, dtype, vector, n_out, cout, taps):
-    """The kernel, its grid (sites, channels, tap splits) and the taps a split sums."""
-    function = _launch.function(device, "submanifold", "submanifold_fused",
-                                _kernels.ARITHMETIC_CTYPES[dtype], vector)
+    """The kernel, its grid (sites, channels, tap splits), the taps a split sums and, for split
+    taps, the kernel that adds the splits (else None)."""
+    ctype = _kernels.ARITHMETIC_CTYPES[dtype]
+    function = _launch.function(device, "submanifold", "submanifold_fused", ctype, vector)
     tiles = (_checks.grid_dim("output sites", -(-n_out // _FUSED_TILE), 2**31 - 1),
              _checks.grid_dim("output channels", -(-cout // _FUSED_TILE)))
     split_taps = -(-taps // fused_splits(device, tiles[0] * tiles[1], taps))
-    return function, (*tiles, -(-taps // split_taps)), split_taps
+    splits = -(-taps // split_taps)
+    split_sum = (_launch.function(device, "submanifold", "submanifold_split_sum", ctype)
+                 if splits > 1 else None)
+    return function, (*tiles, splits), split_taps, split_sum
 
 
 def fused_splits(device, tiles, taps):
@@ -979,11 +983,6 @@ def _cupy_float_scratch(n):
     scratch = cupy.empty(n, dtype=cupy.float32)
     return scratch.data.ptr, scratch
 
-
-@functools.lru_cache(maxsize=None)
-def _split_sum(device, dtype):
-    return _launch.function(device, "submanifold", "submanifold_split_sum",
-                            _kernels.ARITHMETIC_CTYPES[dtype])
 
 
 def instantiations():
