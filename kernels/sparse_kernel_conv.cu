@@ -79,8 +79,10 @@ static __device__ __forceinline__ void stage_tile(
 }
 
 // Writes the thread's outputs (plus the bias): P rows from (oy, ox) down, Q channels from co0
-// on, each pixel's channels in 16-byte stores where cout allows. (A coalesced pass through
-// shared memory cost more in index arithmetic a word than the products of a small kernel.)
+// on, each pixel's channels in 16-byte stores where cout allows. (A CTA-wide pass through shared
+// memory with run-time divisions cost more a word than the products of a small kernel; the
+// compiled kernel's wider groups go out through store_output_staged, its indices fixed at
+// compile time.)
 template <typename T, int P, int Q>
 static __device__ __forceinline__ void store_output(
     const typename acc_type<T>::type (&acc)[Q][P], const ConvArgs& a, int n, int oy, int ox,
