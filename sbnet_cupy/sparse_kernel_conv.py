@@ -51,6 +51,9 @@ _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
 _SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
+# "compiled" opts in to more (the kernel attribute), as much as keeps its 2 CTAs an SM on the
+# H100 (228 KB an SM): larger chunks of input channels, fewer passes over them.
+_COMPILED_SMEM_LIMIT = 100 * 1024
 _CONV_ARGS = _launch.layout("6P22i", 136)
 _GRAD_VALUES_ARGS = _launch.layout("5P18i", 112)
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -282,6 +285,10 @@ class _Program:
                 module = cupy.RawModule(code=self.module_source(), options=_kernels.COMPILE_OPTIONS,
                                         name_expressions=(name,))
                 compiled = module.get_function(name).kernel  # the driver-level function
+            driver = _launch.driver
+            driver.funcSetAttribute(compiled.ptr,
+                                    driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    _compiled_smem_limit(device))
             entry = self._functions[key] = (compiled.ptr, module, compiled)  # keeps it loaded
         return entry[0]
 
@@ -778,13 +785,22 @@ def conv_plan(strategy, dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, 
                                    dilations, pads, input_dilation, nnz)
     if strategy == "compiled":
         return _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations,
-                              pads, input_dilation, nnz)
+                              pads, input_dilation, nnz, device)
     return _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
                         input_dilation, device)
 
 
+def _compiled_smem_limit(device):
+    """Dynamic shared memory a "compiled" CTA may take on `device` (None: the rule's H100)."""
+    if device is None:
+        return _COMPILED_SMEM_LIMIT
+    runtime = _launch.runtime
+    return min(_COMPILED_SMEM_LIMIT, runtime.deviceGetAttribute(
+        runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device))
+
+
 def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
-                   input_dilation, nnz):
+                   input_dilation, nnz, device=None):
     (k_h, k_w), (sh, sw), (dh, dw) = kernel_hw, strides, dilations
     if sh != 1 or tuple(input_dilation) != (1, 1):
         raise ValueError(f"strategy 'compiled' needs unit vertical strides (and, for the input "
@@ -794,6 +810,7 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
     if nnz > COMPILED_MAX_TAPS:
         raise ValueError(f"strategy 'compiled' takes kernels of at most {COMPILED_MAX_TAPS} "
                          f"non-zero taps, got {nnz}")
+    limit = _compiled_smem_limit(device)
     q, p = next((t for t in _COMPILED_TILES if t[0] >= min(cout, 16)), _COMPILED_TILES[-1])
     groups = -(-cout // q)
     warps_y = max(1, min(_COMPILED_WARPS, -(-out_hw[0] // p)))
@@ -806,10 +823,10 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
         pitch = _round_up(rows, 4)
         pitch += 4 if pitch % 8 == 0 else 0  # 4 (mod 8) words: 8 lanes' loads cover the banks
         channel_bytes = cols * pitch * 4
-        if channel_bytes + value_bytes <= _SMEM_LIMIT or warps_y == 1:
+        if channel_bytes + value_bytes <= limit or warps_y == 1:
             break
         warps_y = 1
-    chunk = min(cin, max(_SMEM_LIMIT - value_bytes, 0) // channel_bytes) if cin else 1
+    chunk = min(cin, max(limit - value_bytes, 0) // channel_bytes) if cin else 1
     if chunk == 0:
         raise ValueError(f"strategy 'compiled' needs an input tile and values larger than the "
                          f"GPU kernels' shared memory ({channel_bytes} bytes a channel, "
