@@ -496,11 +496,12 @@ def test_rule_matches_the_benchmark():
 
 def test_rule_falls_back_where_compiled_finds_no_room():
     """Chosen by the rule, "compiled" gives way to "direct" when its tile and values overflow
-    shared memory (8192 taps: 32 KB of values; a tile 232 columns wide); asked for, it
-    refuses."""
-    args = ("float32", 1, (300, 300), 64, (300, 300), 64, (11, 11), (1, 1), (1, 20), (5, 100),
+    shared memory (8192 taps: 32 KB of values; a tile 1032 columns wide, which "direct" has no
+    room for either: its error is the one raised); asked for, it refuses."""
+    args = ("float32", 1, (300, 300), 64, (300, 300), 64, (11, 11), (1, 1), (1, 100), (5, 500),
             (1, 1), 8192)
-    assert skc.conv_plan(None, *args).strategy == "direct"
+    with pytest.raises(ValueError, match=r"dilations \(1, 100\) with a 11x11 kernel need"):
+        skc.conv_plan(None, *args)
     with pytest.raises(ValueError, match="strategy 'compiled' needs an input tile"):
         skc.conv_plan("compiled", *args)
     with pytest.raises(ValueError, match="at most 8192 non-zero taps"):
