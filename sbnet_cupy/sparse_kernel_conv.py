@@ -46,7 +46,9 @@ _COMPILED_MAX_EXTENT = 33  # kernel rows (with dilation) a window may span: regi
 _SMS = 132
 _RESIDENT_WARPS = _SMS * 16
 _L2_BYTES = 50 * 2**20
-_DIRECT_PASSES = 8  # passes of "compiled" over the input channels where the rule weighs "direct"
+_SPILL_PASSES = 8  # passes of "compiled" over the input channels from which L2 misses weigh
+# Taps a staged input channel feeds in one "compiled" CTA below which the staging outweighs them.
+_MIN_TAPS_PER_STAGED_CHANNEL = 25
 _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
@@ -64,23 +66,29 @@ _MAX_CIN = 32767
 def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
                     input_dilation, nnz):
     """The strategy sparse_kernel_conv2d uses when none is given, for conv_plan's arguments:
-    "compiled" where it applies, unless it takes many passes over the input channels with too
-    few CTAs or an input that falls out of L2 between passes; "direct" elsewhere.
+    "compiled" where it applies and stages its input channels in one pass; with more passes,
+    "compiled" unless its CTAs are too few, its staging outweighs its taps, or its input falls
+    out of L2 between passes; "direct" elsewhere.
 
     "compiled" applies with unit vertical stride, no input dilation, float32 arithmetic, at most
     COMPILED_MAX_TAPS taps, a kernel extent (KH - 1) * DH + 1 <= 33 rows and room in shared
     memory for its tile and its values. It stages the input tile a chunk of input channels at a
-    time, and each pass reads again the 32-byte sectors of the NHWC pixels that the previous
-    pass read; its tile is taller than "direct"'s (128 rows at <= 4 output channels) and shares
-    shared memory with the values, so its chunks are smaller (1 channel of 16-64 at 11x11xCinx3,
-    "direct" 3) and, on one image with few output channels, its CTAs fewer than the SMs (32 on
-    1x256x512 with 3 outputs, "direct" 64; CTAs of fewer warps measured slower still). The
-    sectors come back from L2 while the input under the CTAs resident at once (_RESIDENT_WARPS
-    warps: an H100's 132 SMs x 16) fits in it (_L2_BYTES, the H100's 50 MiB); past that, from
-    DRAM (the reading of the benchmark's times; not profiled). So: "direct" where "compiled"
-    takes _DIRECT_PASSES passes or more and has fewer CTAs than _SMS or that input exceeds L2.
+    time (3-4 channels of 16-64 at 11x11xCinx3; "direct" 3), and each pass reads again
+    the 32-byte sectors of the NHWC pixels that the previous pass read. Against "direct" it has
+    three handicaps once it takes two passes or more (the benchmark's one-pass cases all favour
+    it, 1.0-2.5x):
+    - on one image with few output channels its CTAs are fewer than the SMs (32 on 1x256x512
+      with 3 outputs, "direct" 64);
+    - each CTA computes one group of output channels and stages the whole input tile for it,
+      where a "direct" CTA stages it once for all of them: below _MIN_TAPS_PER_STAGED_CHANNEL
+      taps a channel a group (nnz / (groups * Cin); 19 at 11x11x32x64 at 1%, 36-39 in the
+      cases "compiled" wins) the staging outweighs the taps;
+    - the sectors come back from L2 while the input under the CTAs resident at once
+      (_RESIDENT_WARPS warps: an H100's 132 SMs x 16) fits in it (_L2_BYTES, the H100's 50 MiB);
+      past that, from DRAM, which tells from _SPILL_PASSES passes on (the reading of the
+      benchmark's times; not profiled).
 
-    The measurements behind the line: bench/README.md, "The strategies and the rule";
+    The measurements behind the lines: bench/README.md, "The strategies and the rule";
     test_rule_matches_the_benchmark checks it against the committed run.
     """
     extent = (kernel_hw[0] - 1) * dilations[0] + 1
@@ -92,13 +100,17 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
                               pads, input_dilation, nnz)
     except ValueError:  # no room in shared memory
         return "direct"
-    chunk, warps_y = plan.layout[4], plan.block[0] // 32
-    ctas_per_image = max(plan.grid[0] * plan.grid[1], 1)  # 0: an empty output
+    q, chunk, warps_y = plan.layout[1], plan.layout[4], plan.block[0] // 32
+    passes = -(-cin // chunk)
+    if passes < 2 or math.prod(plan.grid) == 0:  # 0: an empty output
+        return "compiled"
+    few_ctas = math.prod(plan.grid) < _SMS
+    few_taps = nnz < _MIN_TAPS_PER_STAGED_CHANNEL * -(-cout // q) * cin
+    ctas_per_image = plan.grid[0] * plan.grid[1]
     resident_images = min(n, _RESIDENT_WARPS / warps_y / ctas_per_image)
     resident_bytes = resident_images * in_hw[0] * in_hw[1] * cin * _kernels.ITEMSIZES[dtype]
-    many_passes = -(-cin // chunk) >= _DIRECT_PASSES
-    few_ctas = 0 < math.prod(plan.grid) < _SMS  # 0: an empty output
-    return "direct" if many_passes and (few_ctas or resident_bytes > _L2_BYTES) else "compiled"
+    spills = passes >= _SPILL_PASSES and resident_bytes > _L2_BYTES
+    return "direct" if few_ctas or few_taps or spills else "compiled"
 
 
 # --- the converted weight -----------------------------------------------------------------

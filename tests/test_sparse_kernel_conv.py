@@ -433,9 +433,10 @@ def _rule(dtype, n, hw, k, cin, cout, nnz, strides=(1, 1), dilations=(1, 1),
 
 
 def test_rule():
-    """Where "compiled" applies; where it does, "direct" where it takes 8 passes or more over
-    the input channels with fewer CTAs than SMs or an input larger than L2 (cases of the
-    committed H100 run, the faster one of each in a comment, ms)."""
+    """Where "compiled" applies; where it does, "compiled" in one pass over the input channels,
+    and with more "direct" where it has fewer CTAs than SMs, fewer than 25 taps a staged channel
+    a group, or 8 passes or more over an input larger than L2 (cases of the committed H100 run,
+    the faster one of each in a comment, ms)."""
     most = skc.COMPILED_MAX_TAPS
     assert _rule("bfloat16", 1, (256, 512), 11, 32, 64, most) == "compiled"
     assert _rule("float32", 1, (256, 512), 11, 32, 64, most + 1) == "direct"
@@ -444,24 +445,32 @@ def test_rule():
     assert _rule("float64", 1, (56, 56), 3, 3, 64, 100) == "direct"
     assert _rule("float32", 1, (56, 56), 3, 3, 64, 100, input_dilation=(2, 2)) == "direct"
     assert _rule("float32", 1, (56, 56), 3, 3, 64, 100, dilations=(17, 1)) == "direct"  # 35 rows
-    # 11x11x3x64, one pass: compiled 0.044 (direct 0.082); on 8x1024x1024, 2.73 (5.65).
+    # One pass: 11x11x3x64 compiled 0.046 (direct 0.082), on 8x1024x1024 2.72 (5.62); 3x3x3x64
+    # at batch 8, 14 taps a channel a group, 0.184 (0.460); 11x11x3x3 on one image, 32 CTAs,
+    # 0.022 (0.022).
     assert _rule("float32", 1, (256, 512), 11, 3, 64, 2323) == "compiled"
     assert _rule("float32", 8, (1024, 1024), 11, 3, 64, 2323) == "compiled"
-    # 11x11xCinx3 at batch 8, one channel a pass, the whole input resident: direct 1.01
-    # (compiled 2.20) at Cin 64, 0.622 (0.852) at Cin 32 fp16, 0.243 (0.424) at Cin 16; at
-    # 34 MB, compiled: 0.164 (0.265) at Cin 16 fp16, 0.077 (0.113) at Cin 8 (4 passes).
-    assert _rule("float32", 8, (256, 512), 11, 64, 3, 2323) == "direct"
-    assert _rule("float16", 8, (256, 512), 11, 32, 3, 1162) == "direct"
-    assert _rule("float32", 8, (256, 512), 11, 16, 3, 581) == "direct"
-    assert _rule("float16", 8, (256, 512), 11, 16, 3, 581) == "compiled"
-    assert _rule("float32", 8, (256, 512), 11, 8, 3, 290) == "compiled"
-    # Batch 1 of the same, 32 CTAs: direct 0.092 (compiled 0.128) at Cin 16 fp16, 0.439 (0.546)
-    # at Cin 64; compiled 0.040 (0.049) at Cin 8 fp16 (4 passes).
+    assert _rule("float32", 8, (256, 512), 3, 3, 64, 173) == "compiled"
+    assert _rule("float32", 1, (256, 512), 11, 3, 3, 109) == "compiled"
+    # 11x11xCinx3 on one image, 32 CTAs: direct 0.045 (compiled 0.055) at Cin 8 fp16 (2
+    # passes), 0.106 (0.119) at Cin 16 fp16, 0.434 (0.505) at Cin 64.
+    assert _rule("float16", 1, (256, 512), 11, 8, 3, 290) == "direct"
     assert _rule("float16", 1, (256, 512), 11, 16, 3, 581) == "direct"
     assert _rule("float32", 1, (256, 512), 11, 64, 3, 2323) == "direct"
-    assert _rule("float16", 1, (256, 512), 11, 8, 3, 290) == "compiled"
-    # 11x11x32x64 at 2%, batch 1, 11 passes of 512 CTAs: compiled 0.207 (0.235) in fp16; at
-    # batch 8, 134 MB of input but 35 MB under the resident CTAs: compiled 1.62 (1.75).
+    # The same at batch 8, 36 taps a channel: direct where 8 passes or more read an input larger
+    # than L2 under the resident CTAs: 1.02 (compiled 1.17) at Cin 64, 0.458 (0.476) at Cin 32
+    # fp16 (64 MiB); compiled in 4 passes at Cin 16, 0.230 (0.242) with 64 MiB, 0.133 (0.210)
+    # in fp16; 0.080 (0.113) at Cin 8 (2 passes).
+    assert _rule("float32", 8, (256, 512), 11, 64, 3, 2323) == "direct"
+    assert _rule("float16", 8, (256, 512), 11, 32, 3, 1162) == "direct"
+    assert _rule("float32", 8, (256, 512), 11, 16, 3, 581) == "compiled"
+    assert _rule("float16", 8, (256, 512), 11, 16, 3, 581) == "compiled"
+    assert _rule("float32", 8, (256, 512), 11, 8, 3, 290) == "compiled"
+    # 11x11x32x64 in 3 passes of 512 CTAs (4 groups): at 1%, 19 taps a channel a group, direct
+    # 0.171 (compiled 0.208), at batch 8 1.22 (1.57); at 2%, 39 taps, compiled 0.195 (0.224)
+    # in fp16, at batch 8 1.58 (1.72).
+    assert _rule("float32", 1, (256, 512), 11, 32, 64, 2478) == "direct"
+    assert _rule("float32", 8, (256, 512), 11, 32, 64, 2478) == "direct"
     assert _rule("float16", 1, (256, 512), 11, 32, 64, 4956) == "compiled"
     assert _rule("float16", 8, (256, 512), 11, 32, 64, 4956) == "compiled"
     assert _rule("float32", 8, (0, 512), 11, 64, 3, 2323) == "compiled"  # nothing to compute
@@ -469,29 +478,24 @@ def test_rule():
 
 def test_rule_matches_the_benchmark():
     """The rule on every case of the committed H100 run where both strategies were timed:
-    within 10% or 5 us of the faster but for 3 cases (11x11x32x64 at 1%, where "direct" runs
-    1.1-1.2x faster and no line that keeps the rest finds them), within 1.25x everywhere, 2.5%
-    over all of them; and the run scored with it."""
+    within 10% or 5 us of the faster everywhere, 1% over all of them; and the run scored with
+    it."""
     with open(BENCH_CSV) as f:
         rows = [row for row in csv.DictReader(f) if row["compiled_ms"]]
     assert len(rows) >= 92
     total = best_total = 0.0
-    missed = []
     for row in rows:
         n, k, cin, cout, nnz = (int(row[key]) for key in ("batch", "k", "cin", "cout", "nnz"))
         hw = tuple(int(side) for side in row["size"].split("x"))
         strategy = _rule(PRECISION_DTYPES[row["precision"]], n, hw, k, cin, cout, nnz)
         times = {s: float(row[f"{s}_ms"]) for s in skc.STRATEGIES}
         best = min(times.values())
-        assert times[strategy] <= 1.25 * best, (row, strategy)
-        if times[strategy] > max(1.1 * best, best + 0.005):
-            missed.append(row)
+        assert times[strategy] <= max(1.1 * best, best + 0.005), (row, strategy)
         assert row["strategy"] == strategy, (
             "the committed run was scored with another rule: python -m bench.sparse_kernel_conv "
             "--rescore", row)
         total, best_total = total + times[strategy], best_total + best
-    assert len(missed) <= 3, missed
-    assert total <= 1.025 * best_total
+    assert total <= 1.01 * best_total
 
 
 def test_rule_falls_back_where_compiled_finds_no_room():
