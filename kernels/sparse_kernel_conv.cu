@@ -19,12 +19,14 @@ struct ConvArgs {
     const int* ranges;    // direct: taps of (co, ci), [cout * cin + 1]; compiled: null
     const int* taps;      // direct: ci << 16 | kh << 8 | kw; compiled: null
     const void* values;   // [taps] of T, in the kernel's order
+    float* partial;       // direct, channels split: [splits, n, out_h, out_w, groups * Q]; else null
     int n, in_h, in_w, cin, out_h, out_w, cout;
     int str_h, str_w, dil_h, dil_w, pad_h, pad_w, idil_h, idil_w;
     int tile_rows, tile_cols, pitch, chunk;  // the staged tile; channels staged at a time
     int warps_y, warps_q, groups;  // groups: of Q output channels
+    int split_cin;  // direct: input channels a split (blockIdx.z) sums (cin: one split)
 };
-static_assert(sizeof(ConvArgs) == 136, "ConvArgs layout changed: update sparse_kernel_conv.py");
+static_assert(sizeof(ConvArgs) == 152, "ConvArgs layout changed: update sparse_kernel_conv.py");
 
 // The arguments of the gradient with respect to the non-zero weights.
 struct GradValuesArgs {
@@ -118,6 +120,23 @@ static __device__ __forceinline__ void store_output(
     }
 }
 
+// A split's float sums (no bias): P rows from (oy, ox) down, group g's Q channels in one run of
+// the partial sums' padded pixel (16-byte stores).
+template <int P, int Q, typename Acc>
+static __device__ __forceinline__ void store_partial(const Acc (&acc)[Q][P], const ConvArgs& a,
+                                                     int split, int n, int oy, int ox, int g) {
+    if (ox >= a.out_w || g >= a.groups) return;
+    const i64 image = (i64)split * a.n + n;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        if (oy + p >= a.out_h) break;
+        vec_t<float, Q> v;
+#pragma unroll
+        for (int q = 0; q < Q; ++q) v.v[q] = (float)acc[q][p];
+        reinterpret_cast<vec_t<float, Q>*>(a.partial)[((image * a.out_h + oy + p) * a.out_w + ox) * a.groups + g] = v;
+    }
+}
+
 // store_output for the compiled kernel, whose groups hold C = 2 or 4 16-byte chunks of a pixel:
 // a thread's own stores hit 32 lines an instruction, a half-written sector each, and backed up
 // in the store path at the end of every CTA. Here a warp puts a row of its 32 pixels in shared
@@ -171,7 +190,10 @@ static __device__ __forceinline__ void store_output_staged(
 // computes P output rows for each of the Q output channels of its group, one tap at a time: P
 // shared-memory loads and P FMAs a tap. Taps of (co, ci) are in canonical order, so a chunk of
 // channels is one run of each output channel's taps. Grid (ceil(out_w / 32), ceil(out_h /
-// (warps_y * P)), n * ceil(groups / warps_q)); block 32 * warps_y * warps_q threads.
+// (warps_y * P)), splits * n * ceil(groups / warps_q)); block 32 * warps_y * warps_q threads.
+// Where the tiles are fewer than the GPU's SMs, the input channels are split over blockIdx.z
+// (split_cin each): every split writes its float sums to partial, and
+// sparse_kernel_conv_split_sum adds them up in split order (deterministic, no atomics).
 template <typename T, int P, int Q>
 __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
     typedef typename acc_type<T>::type Acc;
@@ -184,7 +206,10 @@ __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wy = warp % a.warps_y, wq = warp / a.warps_y;
     const int group_blocks = (a.groups + a.warps_q - 1) / a.warps_q;
-    const int n = blockIdx.z / group_blocks, g0 = (blockIdx.z - n * group_blocks) * a.warps_q;
+    const int images = a.n * group_blocks, split = blockIdx.z / images;
+    const int z = blockIdx.z - split * images;
+    const int n = z / group_blocks, g0 = (z - n * group_blocks) * a.warps_q;
+    const int ci_begin = split * a.split_cin, ci_end = min(a.cin, ci_begin + a.split_cin);
     const int g = g0 + wq;
     const int oy0 = blockIdx.y * a.warps_y * P, ox0 = blockIdx.x * 32;
     const int lane_base = lane * a.str_w * a.pitch + wy * P * a.str_h;
@@ -195,9 +220,9 @@ __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
 #pragma unroll
         for (int p = 0; p < P; ++p) acc[q][p] = Acc(0);
 
-    for (int ci0 = 0; ci0 < a.cin; ci0 += a.chunk) {
-        const int nci = min(a.chunk, a.cin - ci0);
-        if (ci0 > 0) __syncthreads();
+    for (int ci0 = ci_begin; ci0 < ci_end; ci0 += a.chunk) {
+        const int nci = min(a.chunk, ci_end - ci0);
+        if (ci0 > ci_begin) __syncthreads();
         stage_tile<T>(tile, x, n, a.in_h, a.in_w, a.cin, a.idil_h, a.idil_w,
                       oy0 * a.str_h - a.pad_h, ox0 * a.str_w - a.pad_w, ci0, nci, a.tile_rows,
                       a.tile_cols, a.pitch);
@@ -219,7 +244,26 @@ __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
             }
         }
     }
-    store_output<T, P, Q>(acc, a, n, oy0 + wy * P, ox0 + lane, g * Q);
+    if (a.partial != nullptr)
+        store_partial<P, Q>(acc, a, split, n, oy0 + wy * P, ox0 + lane, g);
+    else
+        store_output<T, P, Q>(acc, a, n, oy0 + wy * P, ox0 + lane, g * Q);
+}
+
+// out = bias + the splits' partial sums (sparse_kernel_conv_direct's), added in split order.
+template <typename T, int Q>
+__global__ void sparse_kernel_conv_split_sum(const ConvArgs a) {
+    const i64 pixels = (i64)a.n * a.out_h * a.out_w, total = pixels * a.cout;
+    const int splits = (a.cin + a.split_cin - 1) / a.split_cin, padded = a.groups * Q;
+    const T* __restrict__ bias = static_cast<const T*>(a.bias);
+    T* __restrict__ out = static_cast<T*>(a.out);
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < total; t += (i64)gridDim.x * blockDim.x) {
+        const i64 pixel = t / a.cout;
+        const int co = (int)(t - pixel * a.cout);
+        float sum = bias != nullptr ? to_acc(bias[co]) : 0.0f;
+        for (int s = 0; s < splits; ++s) sum += a.partial[(s * pixels + pixel) * padded + co];
+        out[t] = from_acc<T>(sum);
+    }
 }
 
 // The compiled kernel (strategy "compiled"), for str_h == 1 and idil == 1: one weight's mask

@@ -116,6 +116,15 @@ def multiprocessors(device):
     return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
 
 
+def cupy_float_scratch(n):
+    """The address and owner of n float32 on CuPy's current device and stream: the scratch of
+    ops whose kernels leave partial sums for a second kernel (the `float_scratch` they take)."""
+    import cupy
+
+    scratch = cupy.empty(n, dtype=cupy.float32)
+    return scratch.data.ptr, scratch
+
+
 def launch(device, stream, kernel, grid, block, shared_mem, arguments, values, dependent=False):
     """Launch `kernel` (an address from function()) on `device` and `stream` (a cudaStream_t
     address), grid and block as 3-tuples, with `values` packed by the Struct `arguments`;

@@ -52,11 +52,13 @@ _MIN_TAPS_PER_STAGED_CHANNEL = 25
 _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
+_SPLIT_CTAS_PER_SM = 2  # "direct" splits its input channels until the grid has this many an SM
+_SPLIT_SUM_THREADS = 256
 _SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
 # "compiled" opts in to more (the kernel attribute), as much as keeps its 2 CTAs an SM on the
 # H100 (228 KB an SM): larger chunks of input channels, fewer passes over them.
 _COMPILED_SMEM_LIMIT = 100 * 1024
-_CONV_ARGS = _launch.layout("6P22i", 136)
+_CONV_ARGS = _launch.layout("7P23i", 152)
 _GRAD_VALUES_ARGS = _launch.layout("5P18i", 112)
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _MAX_KERNEL_SIDE = 255  # the kernels pack kh and kw in 8 bits and the input channel in 15
@@ -772,12 +774,14 @@ def _grad_values_numpy(x, dy, kernel, strides, dilations, pads):
 # --- CuPy backend --------------------------------------------------------------------------
 
 ConvPlan = namedtuple("ConvPlan", ["strategy", "function", "kernel", "template", "grid", "block",
-                                   "smem", "ints", "layout"])
+                                   "smem", "ints", "layout", "partial", "split_sum"])
 ConvPlan.__doc__ = """Launch of a forward kernel: the strategy, the compiled function ("direct" in
 a plan made with a device; else None: a "compiled" kernel belongs to a weight's mask, see
 _Taps.function), the kernel's name and template arguments ("compiled": the dtype's), grid,
-block, shared-memory bytes, the int fields of ConvArgs, and the layout: None for "direct", the
-program's (P, Q, tile columns, pitch, chunk, DH, DW) for "compiled"."""
+block, shared-memory bytes, the int fields of ConvArgs, the layout (None for "direct", the
+program's (P, Q, tile columns, pitch, chunk, DH, DW) for "compiled"), and for "direct" with its
+input channels split, the float32 partial sums it writes (their count; else 0) and the kernel
+that adds them into the output (with a device; else None)."""
 
 
 def _round_up(value, multiple):
@@ -847,13 +851,13 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
     grid = (groups * -(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // (warps_y * p))),
             _checks.grid_dim("x (batch)", n))
     ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, 1, 1, rows, cols, pitch,
-            chunk, warps_y, 1, groups)
+            chunk, warps_y, 1, groups, max(cin, 1))
     # The outputs pass through the same room on their way out (store_output_staged).
     output_bytes = warps_y * 32 * q * _kernels.ITEMSIZES[dtype]
     smem = max(chunk * channel_bytes + value_bytes, output_bytes)
     return ConvPlan("compiled", None, "sparse_kernel_conv_compiled",
                     (_kernels.ARITHMETIC_CTYPES[dtype],), grid, (32 * warps_y, 1, 1), smem, ints,
-                    (p, q, cols, pitch, chunk, dh, dw))
+                    (p, q, cols, pitch, chunk, dh, dw), 0, None)
 
 
 def _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
@@ -877,17 +881,38 @@ def _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilatio
         raise ValueError(f"dilations {dilations} with a {k_h}x{k_w} kernel need an input tile "
                          f"larger than the GPU kernels' shared memory ({channel_bytes} bytes "
                          f"a channel)")
-    grid = (-(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // (warps_y * p))),
-            _checks.grid_dim("x (batch x channel groups)", n * -(-groups // warps_q)))
+    tiles = (-(-out_hw[1] // 32), -(-out_hw[0] // (warps_y * p)), n * -(-groups // warps_q))
+    split_cin = _split_cin(dtype, math.prod(tiles), cin, chunk, device)
+    splits = -(-cin // split_cin)
+    grid = (tiles[0], _checks.grid_dim("out_h", tiles[1]),
+            _checks.grid_dim("x (batch x channel groups)", tiles[2] * splits))
     ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, *input_dilation, rows, cols,
-            pitch, chunk, warps_y, warps_q, groups)
+            pitch, chunk, warps_y, warps_q, groups, split_cin)
     template = (_kernels.ARITHMETIC_CTYPES[dtype], p, q)
-    function = (None if device is None else
-                _launch.function(device, "sparse_kernel_conv", "sparse_kernel_conv_direct",
-                                 *template))
+    function = split_sum = None
+    if device is not None:
+        function = _launch.function(device, "sparse_kernel_conv", "sparse_kernel_conv_direct",
+                                    *template)
+        if splits > 1:
+            split_sum = _launch.function(device, "sparse_kernel_conv",
+                                         "sparse_kernel_conv_split_sum", template[0], q)
+    partial = splits * n * out_hw[0] * out_hw[1] * groups * q if splits > 1 else 0
     return ConvPlan("direct", function, "sparse_kernel_conv_direct", template, grid,
-                    (32 * warps_y * warps_q, 1, 1),
-                    chunk * channel_bytes, ints, None)
+                    (32 * warps_y * warps_q, 1, 1), chunk * channel_bytes, ints, None, partial,
+                    split_sum)
+
+
+def _split_cin(dtype, tiles, cin, chunk, device):
+    """The input channels a split of "direct" sums: all of them (one split) where its tiles
+    fill the GPU (or there is one chunk of them, or float64); else whole chunks, as few as make
+    _SPLIT_CTAS_PER_SM CTAs an SM. One image with few output channels has fewer tiles than
+    SMs (64 at 11x11xCinx3 on 1x256x512) and a long chain of chunks in each."""
+    sms = _SMS if device is None else _launch.multiprocessors(device)
+    passes = -(-cin // chunk)
+    if dtype == "float64" or passes < 2 or not 0 < tiles < sms:
+        return max(cin, 1)
+    splits = min(passes, -(-_SPLIT_CTAS_PER_SM * sms // tiles))
+    return chunk * -(-passes // splits)
 
 
 def instantiations():
@@ -897,18 +922,33 @@ def instantiations():
     for ctype in _kernels.ARITHMETIC_CTYPES.values():
         names.append(_kernels.name_expression("sparse_kernel_conv_direct", ctype, _DIRECT_P,
                                               _DIRECT_Q))
+        if ctype != "double":
+            names.append(_kernels.name_expression("sparse_kernel_conv_split_sum", ctype,
+                                                  _DIRECT_Q))
         names.append(_kernels.name_expression("sparse_kernel_conv_grad_values", ctype, _GRAD_P))
     return names
 
 
-def launch_conv(device, stream, plan, function, x, out, bias, ranges, taps, values):
+def launch_conv(device, stream, plan, function, x, out, bias, ranges, taps, values,
+                float_scratch):
     """Launch a ConvPlan (made with this device) by `function` (_Taps.function) on raw
     addresses: x and out C-contiguous NHWC, bias 0 for none, the index arrays (0 for None) and
-    values of _Taps.arrays for plan.layout. Nothing to do for an empty output."""
+    values of _Taps.arrays for plan.layout. float_scratch(n): the address and owner of n
+    float32 on this device, usable on this stream (CuPy or torch), for the partial sums of
+    split input channels. Nothing to do for an empty output."""
     if plan.grid[0] * plan.grid[1] * plan.grid[2] == 0:
         return
+    # Split input channels: the kernel writes partial sums, the split sum adds them and the bias.
+    partial, _owner = float_scratch(plan.partial) if plan.partial else (0, None)
     _launch.launch(device, stream, function, plan.grid, plan.block, plan.smem, _CONV_ARGS,
-                   (x, out, bias, ranges, taps, values, *plan.ints))
+                   (x, out, bias, ranges, taps, values, partial, *plan.ints))
+    if partial:  # _owner keeps the scratch until both launches are queued
+        n, out_h, out_w, cout = plan.ints[0], plan.ints[4], plan.ints[5], plan.ints[6]
+        blocks = min(-(-n * out_h * out_w * cout // _SPLIT_SUM_THREADS),
+                     16 * _launch.multiprocessors(device))
+        _launch.launch(device, stream, plan.split_sum, (blocks, 1, 1),
+                       (_SPLIT_SUM_THREADS, 1, 1), 0, _CONV_ARGS,
+                       (x, out, bias, ranges, taps, values, partial, *plan.ints))
 
 
 def address(a):
@@ -932,7 +972,8 @@ def _conv_cupy(x, kernel, transposed, out, strides, dilations, pads, input_dilat
     if bias is not None and not bias.flags.c_contiguous:
         bias = cupy.ascontiguousarray(bias)
     launch_conv(device, cupy.cuda.get_current_stream().ptr, plan, function, x.data.ptr,
-                out.data.ptr, address(bias), address(ranges), address(taps), address(values))
+                out.data.ptr, address(bias), address(ranges), address(taps), address(values),
+                _launch.cupy_float_scratch)
 
 
 GradValuesPlan = namedtuple("GradValuesPlan", ["function", "template", "grid", "block", "smem",

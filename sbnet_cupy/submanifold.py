@@ -842,7 +842,7 @@ def conv_arrays(xp, features, neighbors, weight, bias, algo="gemm"):
                      features.data.ptr, weight.data.ptr, 0 if bias is None else
                      xp.ascontiguousarray(bias).data.ptr, neighbors.data.ptr, out.data.ptr,
                      neighbors.shape[1], features.shape[1], weight.shape[0], neighbors.shape[0],
-                     features.dtype.name, _cupy_float_scratch)
+                     features.dtype.name, _launch.cupy_float_scratch)
         return out
     g = gather(features, neighbors)
     cout = weight.shape[0]
@@ -975,13 +975,6 @@ def fused_splits(device, tiles, taps):
     enough for _FUSED_CTAS_PER_SM CTAs an SM, at most one a tap. Few sites make few tiles, and
     then one CTA's long chain of stages would be the kernel's time."""
     return max(1, min(taps, _FUSED_CTAS_PER_SM * _launch.multiprocessors(device) // tiles))
-
-
-def _cupy_float_scratch(n):
-    import cupy
-
-    scratch = cupy.empty(n, dtype=cupy.float32)
-    return scratch.data.ptr, scratch
 
 
 

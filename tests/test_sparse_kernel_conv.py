@@ -266,6 +266,34 @@ def test_compiled_matches_reference(rng, case):
     """Forward (with bias) and, at unit strides, input gradient of the compiled kernel against
     the definition; float32 exactly (the test values make every sum exact), float16 and
     bfloat16 within one rounding."""
+    _check_strategy(rng, case, "compiled")
+
+
+# "direct" with its input channels split over CTAs (few tiles, several chunks of channels): a
+# last split shorter than the others (27 = 8 + 8 + 8 + 3 channels), two groups of which the
+# second is partial (Cout = 6), strides and VALID padding.
+SPLIT_CASES = [
+    ((1, 21, 45, 27), (11, 11, 27, 3), 0.1, (1, 1), "SAME", (1, 1), numpy.float32),
+    ((2, 17, 33, 20), (5, 5, 20, 6), 0.3, (1, 1), "SAME", (1, 1), numpy.float16),
+    ((1, 19, 40, 40), (3, 3, 40, 5), 0.5, (2, 1), "VALID", (1, 1), "bfloat16"),
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_direct_split_matches_reference(rng, case):
+    """"direct" with split input channels (partial sums, then the split sum with the bias)
+    against the definition, as test_compiled_matches_reference."""
+    x_shape, w_shape, _, strides, padding, dilations, dtype = case
+    out_hw, pads = _geometry(x_shape[1:3], w_shape[:2], strides, skc._padding(padding),
+                             dilations)
+    plan = skc.conv_plan("direct", "float32", x_shape[0], x_shape[1:3], w_shape[2], out_hw,
+                         w_shape[3], w_shape[:2], strides, dilations, pads, (1, 1), 1)
+    assert plan.partial > 0
+    _check_strategy(rng, case, "direct")
+
+
+def _check_strategy(rng, case, strategy):
     x_shape, w_shape, density, strides, padding, dilations, dtype = case
     x = random_array(rng, x_shape, numpy.float32)
     w = pruned_weight(rng, w_shape, density)
@@ -283,7 +311,7 @@ def test_compiled_matches_reference(rng, case):
     scale = reference(numpy.abs(x), numpy.abs(w), bias=numpy.abs(bias), **kw)
     out = device(numpy.full(expected.shape, numpy.nan, numpy.float32))  # poisoned
     sbnet_cupy.sparse_kernel_conv2d(device(x), kernel, bias=device(bias), out=out,
-                                    strategy="compiled", **kw)
+                                    strategy=strategy, **kw)
     assert_close(host(out), expected, dtype if dtype == "bfloat16" else numpy.dtype(dtype).type,
                  scale)
     if strides == (1, 1):
@@ -291,7 +319,7 @@ def test_compiled_matches_reference(rng, case):
         expected_dx, _ = reference_gradients(x, w, dy, **kw)
         scale_dx, _ = reference_gradients(numpy.abs(x), numpy.abs(w), numpy.abs(dy), **kw)
         dx = sbnet_cupy.sparse_kernel_conv2d_grad_input(device(dy), kernel, x_shape,
-                                                        strategy="compiled", **kw)
+                                                        strategy=strategy, **kw)
         assert_close(host(dx), expected_dx, dtype if dtype == "bfloat16"
                      else numpy.dtype(dtype).type, scale_dx)
 
@@ -521,7 +549,7 @@ def test_rule_falls_back_where_compiled_finds_no_room():
 
 CONV_FIELDS = ("n", "in_h", "in_w", "cin", "out_h", "out_w", "cout", "str_h", "str_w", "dil_h",
                "dil_w", "pad_h", "pad_w", "idil_h", "idil_w", "tile_rows", "tile_cols", "pitch",
-               "chunk", "warps_y", "warps_q", "groups")
+               "chunk", "warps_y", "warps_q", "groups", "split_cin")
 GRAD_FIELDS = ("n", "in_h", "in_w", "cin", "out_h", "out_w", "cout", "str_h", "str_w", "dil_h",
                "dil_w", "pad_h", "pad_w", "tile_rows", "tile_cols", "pitch", "chunk", "co_chunk")
 
@@ -601,12 +629,22 @@ def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
     smem = numpy.empty(plan.smem // (8 if plan.template[0] == "double" else 4))
     lanes = numpy.arange(32)
     group_blocks = -(-a["groups"] // a["warps_q"])
+    images = a["n"] * group_blocks
+    splits = plan.grid[2] // images if images else 1
+    assert splits == -(-a["cin"] // a["split_cin"]) or a["cin"] == 0
+    assert plan.partial == (splits * out.size // a["cout"] * a["groups"] * q_per_warp
+                            if splits > 1 else 0)
+    # Split channels: [split, n, out_h, out_w, padded channels] (float64 here: the emulation
+    # checks indices and coverage, not float32 rounding).
+    partial = numpy.full((splits, *out_shape[:3], a["groups"] * q_per_warp), numpy.nan)
     for bz, by, bx in itertools.product(*(range(g) for g in plan.grid[::-1])):
-        n, g0 = bz // group_blocks, (bz % group_blocks) * a["warps_q"]
+        split, z = divmod(bz, images)
+        n, g0 = z // group_blocks, (z % group_blocks) * a["warps_q"]
         oy0, ox0 = by * a["warps_y"] * p_rows, bx * 32
         acc = numpy.zeros((a["warps_q"], a["warps_y"], q_per_warp, p_rows, 32))
-        for ci0 in range(0, a["cin"], a["chunk"]):
-            nci = min(a["chunk"], a["cin"] - ci0)
+        ci_end = min(a["cin"], (split + 1) * a["split_cin"])
+        for ci0 in range(split * a["split_cin"], ci_end, a["chunk"]):
+            nci = min(a["chunk"], ci_end - ci0)
             smem[:] = numpy.nan
             _stage(smem, x, n, a, oy0 * a["str_h"] - a["pad_h"], ox0 * a["str_w"] - a["pad_w"],
                    ci0, nci, (a["idil_h"], a["idil_w"]))
@@ -628,10 +666,28 @@ def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
                              + numpy.arange(p_rows) * a["str_h"])  # [T, 32, P]
                     acc[wq, wy, q] += numpy.einsum("t,tlp->pl", values[first:last],
                                                    _read(smem, index))
-        _store(out, acc, a, n, oy0, ox0, g0 * q_per_warp, q_per_warp,
-               None if bias is None else bias.astype(numpy.float64))
+        if splits > 1:
+            _store_partial(partial[split], acc, a, n, oy0, ox0, g0)
+        else:
+            _store(out, acc, a, n, oy0, ox0, g0 * q_per_warp, q_per_warp,
+                   None if bias is None else bias.astype(numpy.float64))
+    if splits > 1:  # sparse_kernel_conv_split_sum
+        out[...] = 0 if bias is None else bias.astype(numpy.float64)
+        for split in range(splits):
+            out += partial[split, ..., :a["cout"]]
     assert not numpy.isnan(out).any(), "outputs left unwritten"
     return out
+
+
+def _store_partial(partial, acc, a, n, oy0, ox0, g0):
+    """store_partial: each thread's P rows x its group's Q channels of the padded pixel, no bias."""
+    warps_q, warps_y, q_per_warp, p_rows, _ = acc.shape
+    for wq, wy, p in itertools.product(range(warps_q), range(warps_y), range(p_rows)):
+        oy, ox, g = oy0 + wy * p_rows + p, ox0 + numpy.arange(32), g0 + wq
+        if oy < a["out_h"] and g < a["groups"]:
+            ok = ox < a["out_w"]
+            group = slice(g * q_per_warp, (g + 1) * q_per_warp)
+            partial[n, oy, ox[ok], group] = acc[wq, wy, :, p, ok]
 
 
 def emulate_compiled(plan, program, x, out_shape, values, bias=None):

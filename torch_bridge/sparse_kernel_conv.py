@@ -9,6 +9,8 @@ nn.Conv2d's weight [Cout, Cin, KH, KW]). The index arrays the kernels read are b
 `positions` once per device and kept with that tensor.
 """
 
+import functools
+
 import numpy
 import torch
 
@@ -16,7 +18,8 @@ import sbnet_cupy
 from sbnet_cupy import _checks
 from sbnet_cupy import sparse_kernel_conv as _core
 
-from ._ops import _call, _checked, _contiguous, _numpy, _raw_stream, _register, _same_device
+from ._ops import (_call, _checked, _contiguous, _float_scratch, _numpy, _raw_stream, _register,
+                   _same_device)
 
 
 def _taps(positions, kernel_shape):
@@ -91,7 +94,8 @@ def _conv_impl(x, values, positions, bias, kernel_shape, strides, pads, dilation
     _core.launch_conv(device, _raw_stream(device), plan, index.function(False, plan, dtype, device),
                       x.data_ptr(), out.data_ptr(),
                       0 if bias is None else _contiguous(bias).data_ptr(), _core.address(ranges),
-                      _core.address(taps), ordered.data_ptr())
+                      _core.address(taps), ordered.data_ptr(),
+                      functools.partial(_float_scratch, x.device))
     return out
 
 
@@ -154,7 +158,8 @@ def _grad_input_impl(dy, values, positions, kernel_shape, input_shape, strides, 
     ordered = _in_order(values, index, order)
     _core.launch_conv(device, _raw_stream(device), plan, index.function(True, plan, dtype, device),
                       dy.data_ptr(), dx.data_ptr(), 0, _core.address(ranges),
-                      _core.address(taps), ordered.data_ptr())
+                      _core.address(taps), ordered.data_ptr(),
+                      functools.partial(_float_scratch, dy.device))
     return dx
 
 

@@ -26,7 +26,8 @@ import torch
 from sbnet_cupy import _checks
 from sbnet_cupy import submanifold as _core
 
-from ._ops import _call, _checked, _contiguous, _numpy, _raw_stream, _register, _same_device
+from ._ops import (_call, _checked, _contiguous, _float_scratch, _numpy, _raw_stream, _register,
+                   _same_device)
 
 __all__ = [
     "Rulebook",
@@ -63,11 +64,6 @@ def _gathered(features, neighbors):
                         neighbors.data_ptr(), n_out, taps,
                         features.shape[1] * features.element_size())
     return out
-
-
-def _float_scratch(device, n):
-    scratch = torch.empty(n, dtype=torch.float32, device=device)
-    return scratch.data_ptr(), scratch
 
 
 def _conv_impl(features, weight, bias, neighbors, neighbors_t, algo):
