@@ -80,7 +80,7 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
     three handicaps once it takes two passes or more (the benchmark's one-pass cases all favour
     it, 1.0-2.5x):
     - on one image with few output channels its CTAs are fewer than the SMs (32 on 1x256x512
-      with 3 outputs, "direct" 64);
+      with 3 outputs; "direct" has 64 tiles and splits their input channels over more CTAs);
     - each CTA computes one group of output channels and stages the whole input tile for it,
       where a "direct" CTA stages it once for all of them: below _MIN_TAPS_PER_STAGED_CHANNEL
       taps a channel a group (nnz / (groups * Cin); 19 at 11x11x32x64 at 1%, 36-39 in the
