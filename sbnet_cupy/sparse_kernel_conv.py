@@ -53,7 +53,7 @@ _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
 _SPLIT_CTAS_PER_SM = 2  # "direct" splits its input channels until the grid has this many an SM
-_SPLIT_SUM_THREADS = 256
+_SPLIT_SUM_THREADS, _SPLIT_SUM_BLOCKS = 256, 2048  # a grid-stride loop: enough to fill a GPU
 _SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
 # "compiled" opts in to more (the kernel attribute), as much as keeps its 2 CTAs an SM on the
 # H100 (228 KB an SM): larger chunks of input channels, fewer passes over them.
@@ -944,8 +944,7 @@ def launch_conv(device, stream, plan, function, x, out, bias, ranges, taps, valu
                    (x, out, bias, ranges, taps, values, partial, *plan.ints))
     if partial:  # _owner keeps the scratch until both launches are queued
         n, out_h, out_w, cout = plan.ints[0], plan.ints[4], plan.ints[5], plan.ints[6]
-        blocks = min(-(-n * out_h * out_w * cout // _SPLIT_SUM_THREADS),
-                     16 * _launch.multiprocessors(device))
+        blocks = min(-(-n * out_h * out_w * cout // _SPLIT_SUM_THREADS), _SPLIT_SUM_BLOCKS)
         _launch.launch(device, stream, plan.split_sum, (blocks, 1, 1),
                        (_SPLIT_SUM_THREADS, 1, 1), 0, _CONV_ARGS,
                        (x, out, bias, ranges, taps, values, partial, *plan.ints))
