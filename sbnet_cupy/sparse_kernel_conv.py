@@ -103,10 +103,10 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
     except ValueError:  # no room in shared memory
         return "direct"
     q, chunk, warps_y = plan.layout[1], plan.layout[4], plan.block[0] // 32
-    passes = -(-cin // chunk)
-    if passes < 2 or math.prod(plan.grid) == 0:  # 0: an empty output
+    passes, ctas = -(-cin // chunk), math.prod(plan.grid)
+    if passes < 2 or ctas == 0:  # 0: an empty output
         return "compiled"
-    few_ctas = math.prod(plan.grid) < _SMS
+    few_ctas = ctas < _SMS
     few_taps = nnz < _MIN_TAPS_PER_STAGED_CHANNEL * -(-cout // q) * cin
     ctas_per_image = plan.grid[0] * plan.grid[1]
     resident_images = min(n, _RESIDENT_WARPS / warps_y / ctas_per_image)

@@ -977,7 +977,6 @@ def fused_splits(device, tiles, taps):
     return max(1, min(taps, _FUSED_CTAS_PER_SM * _launch.multiprocessors(device) // tiles))
 
 
-
 def instantiations():
     """Name expressions of every kernel this op can ask for (the compile check builds them)."""
     rules = ["clear_table", "insert_coords", "insert_keys", "insert_targets", "compact_table",
