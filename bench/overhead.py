@@ -127,6 +127,13 @@ def later_torch_calls(requires_grad=False, device="cuda"):
     with torch.no_grad():
         conv.weight.mul_(torch.rand(conv.weight.shape, generator=gen) < 0.1)  # 10% left
     pruned = tb.SparseKernelConv2d.from_conv(conv.to(device))
+    # 11x11, 64 -> 16 at 10% on 32x32: "direct" with its input channels split over CTAs (a
+    # second launch and a scratch buffer a call).
+    wide = torch.nn.Conv2d(64, 16, 11, padding=5)
+    with torch.no_grad():
+        wide.weight.mul_(torch.rand(wide.weight.shape, generator=gen) < 0.1)
+    split = tb.SparseKernelConv2d.from_conv(wide.to(device))
+    x64 = torch.randn(1, 64, 32, 32, generator=gen).to(device).requires_grad_(requires_grad)
     sites = (torch.rand(1, 32, 32, generator=gen) < 0.2).nonzero().int().to(device)
     features = torch.randn(len(sites), 16, generator=gen).to(device)
     subm = spconv.SubMConv2d(16, 16, 3, indice_key="subm").to(device)
@@ -139,6 +146,7 @@ def later_torch_calls(requires_grad=False, device="cuda"):
         "dilated_conv2d (reshape route, r=2)": lambda: tb.dilated_conv2d(
             x, weight, dilation=2, padding=2, method="reshape"),
         "SparseKernelConv2d (module, 3x3 at 10%)": lambda: pruned(x),
+        "SparseKernelConv2d (module, 11x11 64->16 at 10%, split channels)": lambda: split(x64),
         "SubMConv2d (module, rulebook built)": lambda: subm(sparse),
     }
 
@@ -167,6 +175,10 @@ def later_cupy_calls():
     w = rng.standard_normal((3, 3, 16, 16)).astype(numpy.float32)
     w[rng.random(w.shape) > 0.1] = 0
     kernel = sbnet_cupy.SparseKernel.from_dense(cupy.asarray(w))
+    x64 = cupy.asarray(rng.standard_normal((1, 32, 32, 64)), dtype=cupy.float32)
+    w = rng.standard_normal((11, 11, 64, 16)).astype(numpy.float32)
+    w[rng.random(w.shape) > 0.1] = 0
+    split = sbnet_cupy.SparseKernel.from_dense(cupy.asarray(w))
     sites = numpy.argwhere(rng.random((1, 32, 32)) < 0.2).astype(numpy.int32)
     coords = cupy.asarray(sites)
     features = cupy.asarray(rng.standard_normal((len(sites), 16)), dtype=cupy.float32)
@@ -176,6 +188,8 @@ def later_cupy_calls():
         "space_to_batch (r=2)": lambda: sbnet_cupy.space_to_batch(x, 2),
         "batch_to_space (r=2)": lambda: sbnet_cupy.batch_to_space(y, 2),
         "sparse_kernel_conv2d (3x3 at 10%)": lambda: sbnet_cupy.sparse_kernel_conv2d(x, kernel),
+        "sparse_kernel_conv2d (11x11 64->16 at 10%, split channels)": (
+            lambda: sbnet_cupy.sparse_kernel_conv2d(x64, split, padding="SAME")),
         "rulebook_conv (submanifold 3x3, rulebook built)": lambda: sbnet_cupy.rulebook_conv(
             features, rulebook, taps),
     }

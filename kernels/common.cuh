@@ -212,6 +212,35 @@ static __device__ __forceinline__ block_row locate_row(const BlockList& list, in
 }
 
 // Index of element (c, p) in the shared-memory tile [tile_c][pitch] of the transposing kernels.
+// The second kernel of a reduction split over CTAs (the fused submanifold convolution's taps,
+// the pruned-kernel convolution's input channels): out [rows, cols] = bias [cols] (or none) +
+// each split's float sums, partial [splits, rows, pitch], added in split order (deterministic,
+// no atomics). sbnet_cupy._launch.launch_split_sum launches it.
+struct SplitSumArgs {
+    const float* partial;
+    const void* bias;
+    void* out;
+    i64 rows;
+    int cols, pitch, splits;
+};
+static_assert(sizeof(SplitSumArgs) == 48, "SplitSumArgs: sbnet_cupy/_launch.py, SPLIT_SUM_ARGS");
+
+template <typename T> __global__ void split_sum(const SplitSumArgs a) {
+    const i64 total = a.rows * a.cols;
+    const T* __restrict__ bias = static_cast<const T*>(a.bias);
+    T* __restrict__ out = static_cast<T*>(a.out);
+    wait_for_previous_kernel();  // where launched as a dependent of the splits' kernel
+    allow_next_kernel();
+    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < total;
+         t += (i64)gridDim.x * blockDim.x) {
+        const i64 row = t / a.cols;
+        const int col = (int)(t - row * a.cols);
+        float sum = bias != nullptr ? to_acc(bias[col]) : 0.0f;
+        for (int s = 0; s < a.splits; ++s) sum += a.partial[(s * a.rows + row) * a.pitch + col];
+        out[t] = from_acc<T>(sum);
+    }
+}
+
 // Vectors of V pixels are XOR-swizzled by the channel's vector index, so that a warp's accesses
 // spread over the banks both when it walks the channels of a few pixels and when it walks the
 // pixels of one channel; pitch is a multiple of 8 * V, so the swizzle stays inside the row.

@@ -80,6 +80,14 @@ static __device__ __forceinline__ void stage_tile(
     }
 }
 
+// Whether Q output channels from co0 go out in stores of V channels: Cout a multiple of V, the
+// group whole, `out` aligned to the vector.
+template <typename T, int V, int Q>
+static __device__ __forceinline__ bool vector_stores_fit(const ConvArgs& a, int co0) {
+    return a.cout % V == 0 && co0 + Q <= a.cout &&
+           reinterpret_cast<unsigned long long>(a.out) % (V * sizeof(T)) == 0;
+}
+
 // Writes the thread's outputs (plus the bias): P rows from (oy, ox) down, Q channels from co0
 // on, each pixel's channels in 16-byte stores where cout allows. (A CTA-wide pass through shared
 // memory with run-time divisions cost more a word than the products of a small kernel; the
@@ -98,8 +106,7 @@ static __device__ __forceinline__ void store_output(
     Acc b[Q];
 #pragma unroll
     for (int q = 0; q < Q; ++q) b[q] = bias != nullptr && co0 + q < a.cout ? to_acc(bias[co0 + q]) : Acc(0);
-    const bool vectors = a.cout % V == 0 && co0 + Q <= a.cout &&
-                         reinterpret_cast<unsigned long long>(out) % (V * sizeof(T)) == 0;
+    const bool vectors = vector_stores_fit<T, V, Q>(a, co0);
 #pragma unroll
     for (int p = 0; p < P; ++p) {
         if (oy + p >= a.out_h) break;
@@ -153,8 +160,7 @@ static __device__ __forceinline__ void store_output_staged(
     const int lane = threadIdx.x & 31;
     T* __restrict__ out = static_cast<T*>(a.out);
     if (co0 >= a.cout) return;
-    if (a.cout % V != 0 || co0 + Q > a.cout ||
-        reinterpret_cast<unsigned long long>(out) % 16 != 0) {
+    if (!vector_stores_fit<T, V, Q>(a, co0)) {
         store_output<T, P, Q>(acc, a, n, oy, ox0 + lane, co0);
         return;
     }
@@ -193,7 +199,7 @@ static __device__ __forceinline__ void store_output_staged(
 // (warps_y * P)), splits * n * ceil(groups / warps_q)); block 32 * warps_y * warps_q threads.
 // Where the tiles are fewer than the GPU's SMs, the input channels are split over blockIdx.z
 // (split_cin each): every split writes its float sums to partial, and
-// sparse_kernel_conv_split_sum adds them up in split order (deterministic, no atomics).
+// split_sum (common.cuh) adds them up in split order (deterministic, no atomics).
 template <typename T, int P, int Q>
 __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
     typedef typename acc_type<T>::type Acc;
@@ -248,22 +254,6 @@ __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
         store_partial<P, Q>(acc, a, split, n, oy0 + wy * P, ox0 + lane, g);
     else
         store_output<T, P, Q>(acc, a, n, oy0 + wy * P, ox0 + lane, g * Q);
-}
-
-// out = bias + the splits' partial sums (sparse_kernel_conv_direct's), added in split order.
-template <typename T, int Q>
-__global__ void sparse_kernel_conv_split_sum(const ConvArgs a) {
-    const i64 pixels = (i64)a.n * a.out_h * a.out_w, total = pixels * a.cout;
-    const int splits = (a.cin + a.split_cin - 1) / a.split_cin, padded = a.groups * Q;
-    const T* __restrict__ bias = static_cast<const T*>(a.bias);
-    T* __restrict__ out = static_cast<T*>(a.out);
-    for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < total; t += (i64)gridDim.x * blockDim.x) {
-        const i64 pixel = t / a.cout;
-        const int co = (int)(t - pixel * a.cout);
-        float sum = bias != nullptr ? to_acc(bias[co]) : 0.0f;
-        for (int s = 0; s < splits; ++s) sum += a.partial[(s * pixels + pixel) * padded + co];
-        out[t] = from_acc<T>(sum);
-    }
 }
 
 // The compiled kernel (strategy "compiled"), for str_h == 1 and idil == 1: one weight's mask

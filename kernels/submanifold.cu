@@ -362,7 +362,7 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 // few sites the grid is small and each CTA's chain of loads is what takes the time. The
 // neighbour rows of up to FUSED_TAPS taps are read once, together; taps no row of the tile has
 // are skipped. Where tiles are fewer than the GPU has SMs, the taps are split over blockIdx.z:
-// each split writes its float sums to partial[z], and submanifold_split_sum adds them up in
+// each split writes its float sums to partial[z], and split_sum (common.cuh) adds them up in
 // split order (deterministic, no atomics). Both are programmatic dependent launches (common.cuh).
 
 #define FUSED_BM 64
@@ -525,28 +525,5 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
                 }
             }
         }
-    }
-}
-
-struct SplitSumArgs {
-    const float* partial;  // [splits, n_out * cout]
-    const void* bias;      // [cout], or null
-    void* out;             // [n_out, cout]
-    i64 n_out;
-    int cout, splits;
-};
-static_assert(sizeof(SplitSumArgs) == 40, "SplitSumArgs must match sbnet_cupy/submanifold.py");
-
-// out = bias + the splits' partial sums, added in split order.
-template <typename T> __global__ void submanifold_split_sum(const SplitSumArgs a) {
-    const i64 total = a.n_out * a.cout;
-    const T* bias = (const T*)a.bias;
-    T* out = (T*)a.out;
-    wait_for_previous_kernel();  // launched as a dependent of submanifold_fused
-    allow_next_kernel();
-    for (i64 t = subm_first(); t < total; t += subm_step()) {
-        float sum = bias ? to_acc(bias[t % a.cout]) : 0.0f;
-        for (int z = 0; z < a.splits; ++z) sum += a.partial[z * total + t];
-        out[t] = from_acc<T>(sum);
     }
 }

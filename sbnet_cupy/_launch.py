@@ -125,6 +125,20 @@ def cupy_float_scratch(n):
     return scratch.data.ptr, scratch
 
 
+SPLIT_SUM_ARGS = layout("3Pq3i", 48)  # kernels/common.cuh, SplitSumArgs
+_SPLIT_SUM_THREADS, _SPLIT_SUM_BLOCKS = 256, 2048  # a grid-stride loop: enough to fill a GPU
+
+
+def launch_split_sum(device, stream, kernel, partial, bias, out, rows, cols, pitch, splits,
+                     dependent=False):
+    """Launch split_sum (kernels/common.cuh; `kernel` from function(device, op, "split_sum",
+    ctype)): out [rows, cols] = bias [cols] (0: none) + the float sums partial [splits, rows,
+    pitch] of each split, in split order."""
+    blocks = max(1, min(-(-rows * cols // _SPLIT_SUM_THREADS), _SPLIT_SUM_BLOCKS))
+    launch(device, stream, kernel, (blocks, 1, 1), (_SPLIT_SUM_THREADS, 1, 1), 0,
+           SPLIT_SUM_ARGS, (partial, bias, out, rows, cols, pitch, splits), dependent)
+
+
 def launch(device, stream, kernel, grid, block, shared_mem, arguments, values, dependent=False):
     """Launch `kernel` (an address from function()) on `device` and `stream` (a cudaStream_t
     address), grid and block as 3-tuples, with `values` packed by the Struct `arguments`;

@@ -53,7 +53,6 @@ _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
 _SPLIT_CTAS_PER_SM = 2  # "direct" splits its input channels until the grid has this many an SM
-_SPLIT_SUM_THREADS, _SPLIT_SUM_BLOCKS = 256, 2048  # a grid-stride loop: enough to fill a GPU
 _SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
 # "compiled" opts in to more (the kernel attribute), as much as keeps its 2 CTAs an SM on the
 # H100 (228 KB an SM): larger chunks of input channels, fewer passes over them.
@@ -780,8 +779,9 @@ a plan made with a device; else None: a "compiled" kernel belongs to a weight's 
 _Taps.function), the kernel's name and template arguments ("compiled": the dtype's), grid,
 block, shared-memory bytes, the int fields of ConvArgs, the layout (None for "direct", the
 program's (P, Q, tile columns, pitch, chunk, DH, DW) for "compiled"), and for "direct" with its
-input channels split, the float32 partial sums it writes (their count; else 0) and the kernel
-that adds them into the output (with a device; else None)."""
+input channels split, the float32 partial sums it writes (their count; else 0) and the launch
+that adds them into the output: (function, rows, cols, pitch, splits) of
+_launch.launch_split_sum, the function None without a device (else None)."""
 
 
 def _round_up(value, multiple):
@@ -889,14 +889,18 @@ def _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilatio
     ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, *input_dilation, rows, cols,
             pitch, chunk, warps_y, warps_q, groups, split_cin)
     template = (_kernels.ARITHMETIC_CTYPES[dtype], p, q)
-    function = split_sum = None
+    function = split_function = None
     if device is not None:
         function = _launch.function(device, "sparse_kernel_conv", "sparse_kernel_conv_direct",
                                     *template)
         if splits > 1:
-            split_sum = _launch.function(device, "sparse_kernel_conv",
-                                         "sparse_kernel_conv_split_sum", template[0], q)
-    partial = splits * n * out_hw[0] * out_hw[1] * groups * q if splits > 1 else 0
+            split_function = _launch.function(device, "sparse_kernel_conv", "split_sum",
+                                              template[0])
+    pixels = n * out_hw[0] * out_hw[1]  # a split's sums: pixels x groups * q (16-byte stores)
+    partial, split_sum = 0, None
+    if splits > 1:
+        partial = splits * pixels * groups * q
+        split_sum = (split_function, pixels, cout, groups * q, splits)
     return ConvPlan("direct", function, "sparse_kernel_conv_direct", template, grid,
                     (32 * warps_y * warps_q, 1, 1), chunk * channel_bytes, ints, None, partial,
                     split_sum)
@@ -923,8 +927,7 @@ def instantiations():
         names.append(_kernels.name_expression("sparse_kernel_conv_direct", ctype, _DIRECT_P,
                                               _DIRECT_Q))
         if ctype != "double":
-            names.append(_kernels.name_expression("sparse_kernel_conv_split_sum", ctype,
-                                                  _DIRECT_Q))
+            names.append(_kernels.name_expression("split_sum", ctype))
         names.append(_kernels.name_expression("sparse_kernel_conv_grad_values", ctype, _GRAD_P))
     return names
 
@@ -943,11 +946,8 @@ def launch_conv(device, stream, plan, function, x, out, bias, ranges, taps, valu
     _launch.launch(device, stream, function, plan.grid, plan.block, plan.smem, _CONV_ARGS,
                    (x, out, bias, ranges, taps, values, partial, *plan.ints))
     if partial:  # _owner keeps the scratch until both launches are queued
-        n, out_h, out_w, cout = plan.ints[0], plan.ints[4], plan.ints[5], plan.ints[6]
-        blocks = min(-(-n * out_h * out_w * cout // _SPLIT_SUM_THREADS), _SPLIT_SUM_BLOCKS)
-        _launch.launch(device, stream, plan.split_sum, (blocks, 1, 1),
-                       (_SPLIT_SUM_THREADS, 1, 1), 0, _CONV_ARGS,
-                       (x, out, bias, ranges, taps, values, partial, *plan.ints))
+        function, *shape = plan.split_sum
+        _launch.launch_split_sum(device, stream, function, partial, bias, out, *shape)
 
 
 def address(a):

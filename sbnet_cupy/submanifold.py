@@ -71,7 +71,6 @@ _RANK_THREADS, _RANK_WORDS = 256, 1024  # rank_words' CTA and the bitmap words i
 _BITMAP_MAX_BITS = 1 << 27
 _GATHER_ARGS = _launch.layout("3Pq2i", 40)
 _FUSED_ARGS = _launch.layout("6Pq4i", 72)
-_SPLIT_SUM_ARGS = _launch.layout("3Pq2i", 40)
 _FUSED_TILE, _FUSED_THREADS = 64, 128  # output sites and channels a CTA; its threads
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
 ALGOS = ("gemm", "fused")
@@ -950,9 +949,8 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
                    (features, weight, 0 if partial else bias, neighbors, 0 if partial else out,
                     partial, n_out, cin, cout, taps, split_taps), dependent=True)
     if partial:  # _owner keeps the scratch until both launches are queued
-        _launch.launch(device, stream, split_sum, _grid(n_out * cout),
-                       (_THREADS, 1, 1), 0, _SPLIT_SUM_ARGS,
-                       (partial, bias, out, n_out, cout, splits), dependent=True)
+        _launch.launch_split_sum(device, stream, split_sum, partial, bias, out, n_out, cout,
+                                 cout, splits, dependent=True)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -965,7 +963,7 @@ def _fused_plan(device, dtype, vector, n_out, cout, taps):
              _checks.grid_dim("output channels", -(-cout // _FUSED_TILE)))
     split_taps = -(-taps // fused_splits(device, tiles[0] * tiles[1], taps))
     splits = -(-taps // split_taps)
-    split_sum = (_launch.function(device, "submanifold", "submanifold_split_sum", ctype)
+    split_sum = (_launch.function(device, "submanifold", "split_sum", ctype)
                  if splits > 1 else None)
     return function, (*tiles, splits), split_taps, split_sum
 
@@ -987,7 +985,7 @@ def instantiations():
              for dims in range(1, _MAX_DIMS + 1)]
             + [_kernels.name_expression("submanifold_fused", ctype, vector)
                for ctype in fused for vector in (False, True)]
-            + [_kernels.name_expression("submanifold_split_sum", ctype) for ctype in fused]
+            + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
             + [_kernels.name_expression("submanifold_gather", word)
                for word in _kernels.STORAGE_CTYPES.values()])
 

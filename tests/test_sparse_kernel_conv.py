@@ -672,10 +672,11 @@ def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
         else:
             _store(out, acc, a, n, oy0, ox0, g0 * q_per_warp, q_per_warp,
                    None if bias is None else bias.astype(numpy.float64))
-    if splits > 1:  # sparse_kernel_conv_split_sum
-        out[...] = 0 if bias is None else bias.astype(numpy.float64)
-        for split in range(splits):
-            out += partial[split, ..., :a["cout"]]
+    if splits > 1:  # split_sum (kernels/common.cuh) with the plan's rows, cols and pitch
+        _, rows, cols, pitch, summed = plan.split_sum
+        assert (summed, cols) == (splits, a["cout"]) and splits * rows * pitch == plan.partial
+        sums = partial.reshape(splits, rows, pitch)[:, :, :cols].sum(axis=0)
+        out[...] = (sums if bias is None else sums + bias).reshape(out_shape)
     assert not numpy.isnan(out).any(), "outputs left unwritten"
     return out
 
