@@ -211,7 +211,6 @@ static __device__ __forceinline__ block_row locate_row(const BlockList& list, in
     return row;
 }
 
-// Index of element (c, p) in the shared-memory tile [tile_c][pitch] of the transposing kernels.
 // The second kernel of a reduction split over CTAs (the fused submanifold convolution's taps,
 // the pruned-kernel convolution's input channels): out [rows, cols] = bias [cols] (or none) +
 // each split's float sums, partial [splits, rows, pitch], added in split order (deterministic,
@@ -241,6 +240,7 @@ template <typename T> __global__ void split_sum(const SplitSumArgs a) {
     }
 }
 
+// Index of element (c, p) in the shared-memory tile [tile_c][pitch] of the transposing kernels.
 // Vectors of V pixels are XOR-swizzled by the channel's vector index, so that a warp's accesses
 // spread over the banks both when it walks the channels of a few pixels and when it walks the
 // pixels of one channel; pitch is a multiple of 8 * V, so the swizzle stays inside the row.
