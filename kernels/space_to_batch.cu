@@ -116,19 +116,22 @@ __global__ void batch_to_space_nhwc(const nhwc_args a) {
 // each -- are consecutive. A CTA takes a tile of tile_bands bands, tile_rows of the block_h rows
 // i of each (all of them unless block_h is large) and tile_cols columns of y (all of them unless
 // rows are long), and stages it in shared memory as padded rows of x. One side of the copy reads
-// or writes x's rows, V elements a thread; the other reads or writes y's rows, V elements a
-// thread, with the threads of one (i, j) on consecutive vectors of y: for a given (i, j) the
-// tile is one run of y (tile_bands * out_w elements when tile_cols = out_w), so a warp's
-// accesses cover whole sectors whatever out_w is. The stride of block_w elements lies in the
-// shared-memory accesses. V divides width, out_w, off_w and the column tiles' first columns
-// (tile_cols, when there are several), and the pointers are aligned to it.
+// or writes x's rows, V elements a thread; the other reads or writes y, VY elements a thread,
+// with the threads of one (i, j) on consecutive vectors of y: for a given (i, j) the tile is
+// one run of y (tile_bands * out_w elements when tile_cols = out_w), so a warp's accesses cover
+// whole sectors whatever out_w is, and y's vectors may run across its rows (narrow rows of y,
+// as a rate-12 dilation's 6 pixels, would otherwise make its vectors narrow). The stride of
+// block_w elements lies in the shared-memory accesses. V divides width, off_w and the column
+// tiles' first columns (tile_cols, when there are several); VY divides the tile's runs
+// (tile_bands * out_w with one column tile, else tile_cols and out_w) and y's sub-lattices
+// (bands * out_w); the pointers are aligned to both.
 //
 // CL = true: y is NHWC, [block_h * block_w * n, out_h, out_w, channels], x still NCHW (the
 // channels move last in the same pass, for a convolution in channels_last). The bands run
 // through the channels fastest, band = (b * out_h + hq) * channels + c, a tile's bands lie in
 // one (b, hq) (tile_bands divides channels), and y's vectors run along the channels: V
-// consecutive bands at one column. V divides width, off_w, the column tiles' first columns,
-// tile_bands and channels.
+// consecutive bands at one column (VY = V). V divides width, off_w, the column tiles' first
+// columns, tile_bands and channels.
 //
 // Shared memory is 32-bit words: tile row (g, ii) starts at word g * band_words + ii * row_words,
 // and in a row a pad word follows every 32, so that vectors and every block_w-th element spread
@@ -145,7 +148,8 @@ struct nchw_args {
     int row_words, band_words;
     divisor out_h, block_w, channels, tile_rows, tile_bands, tile_cols;
     divisor row_vectors;   // vectors of a padded tile row
-    divisor col_vectors;   // vectors of a tile row of y (CL: of a tile column's tile_bands)
+    divisor col_vectors;   // vectors of y in a tile's run of one (i, j) (CL: of a tile column's
+                           // tile_bands)
 };
 static_assert(sizeof(nchw_args) == 152, "nchw_args: sbnet_cupy/space_to_batch.py, _NCHW_ARGS");
 
@@ -234,45 +238,58 @@ static __device__ __forceinline__ x_vector locate_x(const nchw_args& a, const nc
             ii < c.rows && h >= 0 && h < a.height && w >= 0 && w < a.width};
 }
 
-// A vector on y's side: y's offset (valid when `inside`), and element e's place in the tile,
-// row + e * row_step (a tile row's first word) and column + e * column_step (padded column).
+// A vector on y's side: y's offset (valid when `inside`) and where its elements lie in the tile
+// (y_element). CL: element e in tile row `row` + e * band_words, padded column `column`. Else
+// element e is element flat + e of the tile's run of sub-lattice column j, tile_cols elements a
+// band: band (flat + e) / tile_cols of tile row `row`, padded column ((flat + e) % tile_cols) *
+// block_w + j.
 struct y_vector {
     i64 offset;
-    int row, column, row_step, column_step;
+    int row, column, flat;
     bool inside;
 };
 
-// Vectors on y's side, for thread t of y_vectors(): NCHW, vector qv of row (g, ii) of
-// sub-lattice column j (qv fastest, then g), V elements along the row; CL, vector gv of the
-// bands at tile column qo of row ii, sub-lattice column j (gv fastest, then qo), V bands.
+// Vectors on y's side, for thread t of y_vectors(): NCHW, vector v of the run of (ii, j) (v
+// fastest, then j, then ii), VY elements along it; CL, vector gv of the bands at tile column qo
+// of row ii, sub-lattice column j (gv fastest, then qo), V bands.
 template <bool CL>
 static __device__ __forceinline__ int y_vectors(const nchw_args& a, const nchw_tile& c) {
-    return c.rows * a.block_w.d * a.col_vectors.d * (CL ? a.tile_cols.d : a.tile_bands.d);
+    return c.rows * a.block_w.d * a.col_vectors.d * (CL ? a.tile_cols.d : 1);
 }
 
-template <int V, bool CL>
+template <int VY, bool CL>
 static __device__ __forceinline__ y_vector locate_y(const nchw_args& a, const nchw_tile& c, int t) {
     const int r = a.col_vectors.div(t), v = t - r * a.col_vectors.d;
-    const divisor& outer = CL ? a.tile_cols : a.tile_bands;
-    const int ij = outer.div(r), o = r - ij * outer.d;
-    const int ii = a.block_w.div(ij), j = ij - ii * a.block_w.d;
-    const i64 sub_lattice = (i64)((c.i0 + ii) * a.block_w.d + j) * a.bands * a.out_w;
     if (CL) {  // v: vector of channels, o: tile column
+        const int ij = a.tile_cols.div(r), o = r - ij * a.tile_cols.d;
+        const int ii = a.block_w.div(ij), j = ij - ii * a.block_w.d;
+        const i64 sub_lattice = (i64)((c.i0 + ii) * a.block_w.d + j) * a.bands * a.out_w;
         const int q = c.q0 + o, bq = a.channels.div(c.band0);
-        const int channel = c.band0 - bq * a.channels.d + v * V;
+        const int channel = c.band0 - bq * a.channels.d + v * VY;
         return {sub_lattice + ((i64)bq * a.out_w + q) * a.channels.d + channel,
-                v * V * a.band_words + ii * a.row_words, o * a.block_w.d + j, a.band_words, 0,
-                q < a.out_w};
+                v * VY * a.band_words + ii * a.row_words, o * a.block_w.d + j, 0, q < a.out_w};
     }
-    const int q = c.q0 + v * V;  // v: vector of the row, o: band
-    return {sub_lattice + (i64)(c.band0 + o) * a.out_w + q,
-            o * a.band_words + ii * a.row_words, v * V * a.block_w.d + j, 0, a.block_w.d,
+    const int ii = a.block_w.div(r), j = r - ii * a.block_w.d;
+    const i64 sub_lattice = (i64)((c.i0 + ii) * a.block_w.d + j) * a.bands * a.out_w;
+    const int flat = v * VY, o = a.tile_cols.div(flat), q = c.q0 + flat - o * a.tile_cols.d;
+    return {sub_lattice + (i64)(c.band0 + o) * a.out_w + q, ii * a.row_words, j, flat,
             o < c.bands && q < a.out_w};
 }
 
-template <typename E, int V, bool CL>
+// Tile address of element e of the y vector p.
+template <bool CL, int SIZE>
+static __device__ __forceinline__ int y_element(const nchw_args& a, const y_vector& p, int e) {
+    if (CL) return tile_at(p.row + e * a.band_words, p.column * SIZE);
+    const int f = p.flat + e, o = a.tile_cols.div(f);
+    return tile_at(p.row + o * a.band_words,
+                   ((f - o * a.tile_cols.d) * a.block_w.d + p.column) * SIZE);
+}
+
+template <typename E, int V, int VY, bool CL>
 __global__ void __launch_bounds__(THREADS, 4) space_to_batch_nchw(const nchw_args a) {
+    static_assert(!CL || V == VY, "channels last: one vector width");
     typedef vec_t<E, V> Vec;
+    typedef vec_t<E, VY> VecY;
     constexpr int LOADS = loads_in_flight<sizeof(Vec)>::value;
     extern __shared__ __align__(16) unsigned char tile[];
     const E* __restrict__ x = static_cast<const E*>(a.x);
@@ -301,21 +318,22 @@ __global__ void __launch_bounds__(THREADS, 4) space_to_batch_nchw(const nchw_arg
     // The tile into y, gathering every block_w-th element of a row (CL: one of each row).
     const int n_out = y_vectors<CL>(a, c);
     for (int t = threadIdx.x; t < n_out; t += THREADS) {
-        const y_vector p = locate_y<V, CL>(a, c, t);
+        const y_vector p = locate_y<VY, CL>(a, c, t);
         if (!p.inside) continue;
-        Vec v;
+        VecY v;
 #pragma unroll
-        for (int e = 0; e < V; ++e)
-            v.v[e] = tile_load<E>(tile, tile_at(p.row + e * p.row_step,
-                                                (p.column + e * p.column_step) * (int)sizeof(E)));
-        *reinterpret_cast<Vec*>(y + p.offset) = v;
+        for (int e = 0; e < VY; ++e)
+            v.v[e] = tile_load<E>(tile, y_element<CL, (int)sizeof(E)>(a, p, e));
+        *reinterpret_cast<VecY*>(y + p.offset) = v;
     }
 }
 
-template <typename E, int V, bool CL>
+template <typename E, int V, int VY, bool CL>
 __global__ void __launch_bounds__(THREADS, 4) batch_to_space_nchw(const nchw_args a) {
+    static_assert(!CL || V == VY, "channels last: one vector width");
     typedef vec_t<E, V> Vec;
-    constexpr int LOADS = loads_in_flight<sizeof(Vec)>::value;
+    typedef vec_t<E, VY> VecY;
+    constexpr int LOADS = loads_in_flight<sizeof(VecY)>::value;
     extern __shared__ __align__(16) unsigned char tile[];
     const E* __restrict__ y = static_cast<const E*>(a.y);
     E* __restrict__ x = static_cast<E*>(a.x);
@@ -323,24 +341,21 @@ __global__ void __launch_bounds__(THREADS, 4) batch_to_space_nchw(const nchw_arg
 
     // y into the tile, spreading every block_w-th element of a row (CL: one to each row).
     const int n_in = y_vectors<CL>(a, c);
-    const int row_step = CL ? a.band_words : 0, column_step = CL ? 0 : a.block_w.d;
     for (int t0 = threadIdx.x; t0 < n_in; t0 += LOADS * THREADS) {
-        Vec v[LOADS];
+        VecY v[LOADS];
 #pragma unroll
         for (int s = 0; s < LOADS; ++s) {  // all loads first, so several are in flight
-            const y_vector p = locate_y<V, CL>(a, c, t0 + s * THREADS);
+            const y_vector p = locate_y<VY, CL>(a, c, t0 + s * THREADS);
             if (t0 + s * THREADS < n_in && p.inside)
-                v[s] = *reinterpret_cast<const Vec*>(y + p.offset);
+                v[s] = *reinterpret_cast<const VecY*>(y + p.offset);
         }
 #pragma unroll
         for (int s = 0; s < LOADS; ++s) {  // the places again: fewer registers than keeping them
-            const y_vector p = locate_y<V, CL>(a, c, t0 + s * THREADS);
+            const y_vector p = locate_y<VY, CL>(a, c, t0 + s * THREADS);
             if (t0 + s * THREADS < n_in && p.inside) {
 #pragma unroll
-                for (int e = 0; e < V; ++e)
-                    tile_store(tile, tile_at(p.row + e * row_step,
-                                             (p.column + e * column_step) * (int)sizeof(E)),
-                               v[s].v[e]);
+                for (int e = 0; e < VY; ++e)
+                    tile_store(tile, y_element<CL, (int)sizeof(E)>(a, p, e), v[s].v[e]);
             }
         }
     }

@@ -113,10 +113,11 @@ def all_instantiations():
         "space_to_batch": (
             [name_expression(f"{op}_nhwc", word)
              for op in reshapes for word in STORAGE_CTYPES.values()]
-            + [name_expression(f"{op}_nchw", ctype, v, channels_last) for op in reshapes
-               for size, ctype in STORAGE_CTYPES.items() for v in (1, 2, 4, 8, 16)
+            + [name_expression(f"{op}_nchw", ctype, v, vy, channels_last) for op in reshapes
+               for size, ctype in STORAGE_CTYPES.items()
+               for v in vectors(size, 16) for vy in vectors(size, 16)
                for channels_last in (False, True)
-               if v * size <= 16 and (not channels_last or size in CHANNELS_LAST_ITEMSIZES)]),
+               if not channels_last or (v == vy and size in CHANNELS_LAST_ITEMSIZES)]),
         "sparse_scatter": (
             [name_expression("sparse_scatter", word, "Assign")
              for word in STORAGE_CTYPES.values()]

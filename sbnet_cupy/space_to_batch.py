@@ -469,16 +469,16 @@ def _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, pixel_bytes, align):
 
 def _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, channels_last):
     """The NCHW kernels' launch; channels_last: y is NHWC (CL in the kernel source)."""
-    # y's vectors run along its rows (out_w) or, channels last, along the channels, where a
-    # tile holds a vector of bands at least: its rows are shorter.
-    along = c if channels_last else wq
-
-    def row_limit(v):
+    def row_limit(v):  # channels last, a tile holds a vector of bands at least
         return min(_ROW_BYTES, _TILE_BYTES // v) if channels_last else _ROW_BYTES
 
-    vector = next(v for v in (16, 8, 4, 2, 1)
-                  if v * itemsize <= min(16, align) and w % v == 0 and along % v == 0
-                  and left % v == 0 and v * itemsize * bw <= row_limit(v))
+    def widest(*multiples_of, fits=lambda v: True):  # elements: the widest aligned vector
+        return next(v for v in (16, 8, 4, 2, 1) if v * itemsize <= min(16, align)
+                    and all(m % v == 0 for m in multiples_of) and fits(v))
+
+    # x's vectors; channels last, y's vectors are bands and take the same width.
+    vector = widest(w, left, *((c,) if channels_last else ()),
+                    fits=lambda v: v * itemsize * bw <= row_limit(v))
     # Columns of y a tile takes: all of them unless a padded row would pass the limit.
     most = row_limit(vector) // (bw * itemsize) // vector * vector
     column_tiles = math.ceil(wq / most)
@@ -498,27 +498,36 @@ def _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, chann
     if channels_last:
         tile_bands = max(d for d in range(vector, c + 1, vector)
                          if c % d == 0 and d <= tile_bands or d == vector)
-    elif column_tiles == 1:
-        # A whole number of sectors in each (i, j)'s run of y, tile_bands * out_w elements.
-        per_sector = _SECTOR // math.gcd(_SECTOR, wq * itemsize)
-        if tile_bands > per_sector:
-            tile_bands -= tile_bands % per_sector
-    col_vectors = tile_bands // vector if channels_last else tile_cols // vector
+        vector_y, col_vectors = vector, tile_bands // vector
+    else:
+        if column_tiles == 1:
+            # A whole number of sectors in each (i, j)'s run of y, tile_bands * out_w elements.
+            per_sector = _SECTOR // math.gcd(_SECTOR, wq * itemsize)
+            if tile_bands > per_sector:
+                tile_bands -= tile_bands % per_sector
+            # y's vectors run along the run, across its rows: they divide the tiles' runs and
+            # the sub-lattices (bands * out_w elements).
+            vector_y = widest(tile_bands * wq, bands * wq)
+        else:  # runs of tile_cols columns of each row: y's vectors stay in a row
+            vector_y = widest(tile_cols, wq)
+        col_vectors = tile_bands * tile_cols // vector_y
     row_words, band_words = _tile_pitches(words, tile_rows, tile_bands, tile_cols, col_vectors,
-                                          row_vectors, bw, vector, itemsize, channels_last)
-    _check_int32(bands=bands + 16 * _THREADS, padded_height=hq * bh, padded_width=wq * bw)
+                                          row_vectors, bw, vector, vector_y, itemsize,
+                                          channels_last)
+    _check_int32(bands=bands + 16 * _THREADS, padded_height=hq * bh, padded_width=wq * bw,
+                 y_run=tile_bands * tile_cols)
     grid = (math.ceil(bands / tile_bands), _checks.grid_dim("block rows", row_tiles),
             _checks.grid_dim("columns", column_tiles))
     values = (h, w, wq, bh, bands, top, left, row_words, band_words,
               *_divisor(hq), *_divisor(bw), *_divisor(c), *_divisor(tile_rows),
               *_divisor(tile_bands), *_divisor(tile_cols), *_divisor(row_vectors),
               *_divisor(col_vectors))
-    return (f"{op}_nchw", (_kernels.STORAGE_CTYPES[itemsize], vector, channels_last), grid,
-            (_THREADS, 1, 1), tile_bands * band_words * 4, _NCHW_ARGS, values)
+    return (f"{op}_nchw", (_kernels.STORAGE_CTYPES[itemsize], vector, vector_y, channels_last),
+            grid, (_THREADS, 1, 1), tile_bands * band_words * 4, _NCHW_ARGS, values)
 
 
 def _tile_pitches(words, tile_rows, tile_bands, tile_cols, col_vectors, row_vectors, bw, vector,
-                  itemsize, channels_last):
+                  vector_y, itemsize, channels_last):
     """(row_words, band_words) of the NCHW tile: the pitches of its rows and bands in shared
     memory, `words` and their pad words plus the extra pads (up to 1 a row, 31 a band) on which
     the first warps' accesses conflict least on the banks, taken in the orders of the kernel's
@@ -529,9 +538,10 @@ def _tile_pitches(words, tile_rows, tile_bands, tile_cols, col_vectors, row_vect
     if channels_last:  # y's side: bands v * vector + e at tile column o, row ii, column j
         o, ij = r % tile_cols, r // tile_cols
         y_places = [(v * vector + e, (o * bw + ij % bw) * itemsize) for e in range(vector)]
-    else:  # y's side: vector v of tile row (o, ii), sub-lattice column j
-        o, ij = r % tile_bands, r // tile_bands
-        y_places = [(o, (v * vector * bw + ij % bw + e * bw) * itemsize) for e in range(vector)]
+    else:  # y's side: element v * vector_y + e of the run of tile row ii, sub-lattice column j
+        ij, flat = r, v * vector_y
+        y_places = [((flat + e) // tile_cols, ((flat + e) % tile_cols * bw + ij % bw) * itemsize)
+                    for e in range(vector_y)]
     # x's side: vector k of tile row (g, ii); k fastest.
     r = t // row_vectors
     x_places = [(r // tile_rows, t % row_vectors * vector * itemsize)]

@@ -1,4 +1,5 @@
 import itertools
+import math
 
 import numpy
 import pytest
@@ -228,11 +229,135 @@ def test_launch_plans_fit_the_kernels(layouts):
             arguments.pack(0, 0, *values)
             assert smem <= 48 * 1024 and max(grid[1:]) < 2**16 and numpy.prod(block) <= 1024
             if kernel.endswith("_nchw"):
-                vector, channels_last = template[1:]
-                assert vector * itemsize <= align and channels_last == (batch_format == "NHWC")
+                vector, vector_y, channels_last = template[1:]
+                assert max(vector, vector_y) * itemsize <= align
+                assert channels_last == (batch_format == "NHWC")
+                tile_bands, tile_cols, col_vectors = values[21], values[24], values[30]
                 if channels_last:
-                    tile_bands = values[9 + 3 * 4]
                     assert c % tile_bands == 0 and tile_bands % vector == 0
+                    assert vector_y == vector
+                else:  # y's vectors tile each (i, j)'s run and never leave y's sub-lattice
+                    w_out, bands = g.y_hw[1], n * c * g.y_hw[0]
+                    assert col_vectors * vector_y == tile_bands * tile_cols
+                    assert (bands * w_out) % vector_y == 0
+                    run = tile_bands * w_out if tile_cols == w_out else math.gcd(tile_cols, w_out)
+                    assert run % vector_y == 0
+
+
+def _transliterated_nchw(op, g, src, itemsize, align):
+    """kernels/space_to_batch.cu's NCHW kernels as NumPy runs them: the plan of _shape_plan,
+    every CTA's x vectors (locate_x) into a tile of element slots at tile_at's addresses and y's
+    vectors (locate_y, y_element) out of it, or the other way round. Checks the tile's bounds,
+    that nothing reads a slot no one wrote, and that every output element is written once.
+    Returns y as [block_h * block_w, bands * out_w] or x as [planes, h, w]."""
+    _, (_, vx, vy, cl), grid, _, smem, _, values = _shape_plan(op, g, itemsize, align)
+    h, w, out_w, block_h, bands, off_h, off_w, row_words, band_words = values[:9]
+    out_h, block_w, channels, tile_rows, tile_bands, tile_cols, row_vectors, col_vectors = (
+        values[9 + 3 * i] for i in range(8))
+
+    def tile_at(row, byte):  # a pad word after every 32
+        word = byte >> 2
+        return (row + word + (word >> 5)) * 4 + (byte & 3)
+
+    y = numpy.full((block_h * block_w, bands * out_w), numpy.nan)
+    x = numpy.full((g.x_dims[0] * g.x_dims[1], h, w), numpy.nan)
+    if op == "space_to_batch":
+        x[...] = src.reshape(x.shape)
+    else:
+        y[...] = src.reshape(y.shape)
+    written = numpy.zeros((y if op == "space_to_batch" else x).shape, int)
+    for bx, by, bz in itertools.product(*(range(n) for n in grid)):
+        band0, i0, q0 = bx * tile_bands, by * tile_rows, bz * tile_cols
+        n_bands, n_rows = min(tile_bands, bands - band0), min(tile_rows, block_h - i0)
+        tile = numpy.full(smem // itemsize, numpy.nan)  # slots of one element
+        # locate_x
+        t = numpy.arange(n_bands * tile_rows * row_vectors)
+        r, k = t // row_vectors, t % row_vectors
+        band_in_tile, ii = r // tile_rows, r % tile_rows
+        band = band0 + band_in_tile
+        if cl:
+            bq = band // channels
+            plane, hq = bq // out_h * channels + band % channels, bq % out_h
+        else:
+            plane, hq = band // out_h, band % out_h
+        row_x = hq * block_h + i0 + ii - off_h
+        col_x = q0 * block_w - off_w + k * vx
+        inside_x = (ii < n_rows) & (row_x >= 0) & (row_x < h) & (col_x >= 0) & (col_x < w)
+        at_x = tile_at(band_in_tile * band_words + ii * row_words, k * vx * itemsize)
+        assert at_x.min() >= 0 and at_x.max() + vx * itemsize <= smem
+        # locate_y and y_element
+        t = numpy.arange(n_rows * block_w * col_vectors * (tile_cols if cl else 1))
+        r, v = t // col_vectors, t % col_vectors
+        if cl:
+            ij, o = r // tile_cols, r % tile_cols
+            q = q0 + o
+            y_index = (band0 // channels * out_w + q) * channels + band0 % channels + v * vy
+            inside_y = q < out_w
+        else:
+            ij, flat = r, v * vy
+            o, q = flat // tile_cols, q0 + flat % tile_cols
+            y_index = (band0 + o) * out_w + q
+            inside_y = (o < n_bands) & (q < out_w)
+        ii_y, j = ij // block_w, ij % block_w
+        sub_lattice = (i0 + ii_y) * block_w + j
+
+        def y_slots(e):
+            if cl:
+                at = tile_at((v * vy + e) * band_words + ii_y * row_words,
+                             (o * block_w + j) * itemsize)
+            else:
+                f = flat + e
+                at = tile_at(f // tile_cols * band_words + ii_y * row_words,
+                             (f % tile_cols * block_w + j) * itemsize)
+            assert at[inside_y].min(initial=0) >= 0 and at[inside_y].max(initial=0) < smem
+            return at // itemsize
+
+        x_slot = [(at_x + e * itemsize) // itemsize for e in range(vx)]
+        if op == "space_to_batch":
+            for e in range(vx):
+                tile[x_slot[e]] = numpy.where(inside_x, x[plane * inside_x, row_x * inside_x,
+                                                         (col_x + e) * inside_x], 0)
+            for e in range(vy):
+                values_e = tile[y_slots(e)][inside_y]
+                assert not numpy.isnan(values_e).any(), "read a tile slot no one wrote"
+                y[sub_lattice[inside_y], y_index[inside_y] + e] = values_e
+                numpy.add.at(written, (sub_lattice[inside_y], y_index[inside_y] + e), 1)
+        else:
+            for e in range(vy):
+                tile[y_slots(e)[inside_y]] = y[sub_lattice[inside_y], y_index[inside_y] + e]
+            for e in range(vx):
+                values_e = tile[x_slot[e]][inside_x]
+                assert not numpy.isnan(values_e).any(), "read a tile slot no one wrote"
+                where = plane[inside_x], row_x[inside_x], col_x[inside_x] + e
+                x[where] = values_e
+                numpy.add.at(written, where, 1)
+    assert (written == 1).all(), "an output element written other than once"
+    return y if op == "space_to_batch" else x
+
+
+@pytest.mark.parametrize("dims, rate, left, itemsize, batch_format", [
+    ((1, 1024, 64, 64), 12, 4, 2, None),  # DeepLab's 6-pixel rows: vectors of 4 (x), 8 (y)
+    ((8, 256, 16, 8), 8, 0, 2, None),  # one pixel a row of y: y's vectors span 4 rows
+    ((2, 300, 10, 6), 2, 0, 4, None),
+    ((64, 9, 33, 35), 3, 1, 1, None),  # x's vectors of one element, y's of 16
+    ((2, 3, 20, 4100), 2, 0, 4, None),  # several column tiles: y's vectors stay in a row
+    ((2, 300, 10, 6), 2, 0, 2, "NHWC"),  # channels last: vectors of bands
+    ((4, 64, 12, 12), 12, 0, 8, "NHWC"),
+])
+def test_nchw_kernels_transliterated(rng, dims, rate, left, itemsize, batch_format):
+    """The NCHW kernels' index arithmetic, run on the CPU (_transliterated_nchw) against the
+    NumPy backend, space_to_batch and back: x's and y's vector widths apart, y's vectors across
+    y's rows, column tiles, channels last."""
+    n, c, h, w = dims
+    paddings = ((rate // 2, (-h - rate // 2) % rate), (left, (-w - left) % rate))
+    g = space_to_batch_reshape(dims, (rate, rate), paddings, "NCHW", batch_format)
+    x = rng.standard_normal(dims)
+    want = sbnet_cupy.space_to_batch(x, rate, paddings, data_format="NCHW",
+                                     batch_format=batch_format)
+    got = _transliterated_nchw("space_to_batch", g, x, itemsize, 16)
+    numpy.testing.assert_array_equal(got.reshape(want.shape), want)
+    back = _transliterated_nchw("batch_to_space", g, want, itemsize, 16)
+    numpy.testing.assert_array_equal(back.reshape(x.shape), x)
 
 
 # --- atrous_conv2d --------------------------------------------------------------------------
