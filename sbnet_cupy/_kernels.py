@@ -149,4 +149,3 @@ def _submanifold_instantiations():
     from . import submanifold
 
     return submanifold.instantiations()
-

@@ -472,13 +472,13 @@ def _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, chann
     def row_limit(v):  # channels last, a tile holds a vector of bands at least
         return min(_ROW_BYTES, _TILE_BYTES // v) if channels_last else _ROW_BYTES
 
-    def widest(*multiples_of, fits=lambda v: True):  # elements: the widest aligned vector
-        return next(v for v in (16, 8, 4, 2, 1) if v * itemsize <= min(16, align)
-                    and all(m % v == 0 for m in multiples_of) and fits(v))
+    def widest(*multiples_of):  # elements of the widest aligned access dividing them all
+        return _kernels.widest_access(math.gcd(*multiples_of) * itemsize, align) // itemsize
 
     # x's vectors; channels last, y's vectors are bands and take the same width.
-    vector = widest(w, left, *((c,) if channels_last else ()),
-                    fits=lambda v: v * itemsize * bw <= row_limit(v))
+    vector = widest(w, left, *((c,) if channels_last else ()))
+    while vector * itemsize * bw > row_limit(vector):  # 1 fits: bw * itemsize <= _ROW_BYTES
+        vector //= 2
     # Columns of y a tile takes: all of them unless a padded row would pass the limit.
     most = row_limit(vector) // (bw * itemsize) // vector * vector
     column_tiles = math.ceil(wq / most)
