@@ -773,15 +773,15 @@ def _grad_values_numpy(x, dy, kernel, strides, dilations, pads):
 # --- CuPy backend --------------------------------------------------------------------------
 
 ConvPlan = namedtuple("ConvPlan", ["strategy", "function", "kernel", "template", "grid", "block",
-                                   "smem", "ints", "layout", "partial", "split_sum"])
+                                   "smem", "ints", "layout", "split_sum"])
 ConvPlan.__doc__ = """Launch of a forward kernel: the strategy, the compiled function ("direct" in
 a plan made with a device; else None: a "compiled" kernel belongs to a weight's mask, see
 _Taps.function), the kernel's name and template arguments ("compiled": the dtype's), grid,
 block, shared-memory bytes, the int fields of ConvArgs, the layout (None for "direct", the
 program's (P, Q, tile columns, pitch, chunk, DH, DW) for "compiled"), and for "direct" with its
-input channels split, the float32 partial sums it writes (their count; else 0) and the launch
-that adds them into the output: (function, rows, cols, pitch, splits) of
-_launch.launch_split_sum, the function None without a device (else None)."""
+input channels split, the launch that adds the float32 partial sums it writes, [splits, rows,
+pitch], into the output: (function, rows, cols, pitch, splits) of _launch.launch_split_sum, the
+function None without a device (else None)."""
 
 
 def _round_up(value, multiple):
@@ -857,7 +857,7 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
     smem = max(chunk * channel_bytes + value_bytes, output_bytes)
     return ConvPlan("compiled", None, "sparse_kernel_conv_compiled",
                     (_kernels.ARITHMETIC_CTYPES[dtype],), grid, (32 * warps_y, 1, 1), smem, ints,
-                    (p, q, cols, pitch, chunk, dh, dw), 0, None)
+                    (p, q, cols, pitch, chunk, dh, dw), None)
 
 
 def _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
@@ -896,14 +896,11 @@ def _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilatio
         if splits > 1:
             split_function = _launch.function(device, "sparse_kernel_conv", "split_sum",
                                               template[0])
-    pixels = n * out_hw[0] * out_hw[1]  # a split's sums: pixels x groups * q (16-byte stores)
-    partial, split_sum = 0, None
-    if splits > 1:
-        partial = splits * pixels * groups * q
-        split_sum = (split_function, pixels, cout, groups * q, splits)
+    # A split's sums: each pixel's output channels padded to whole groups (16-byte stores).
+    split_sum = ((split_function, n * out_hw[0] * out_hw[1], cout, groups * q, splits)
+                 if splits > 1 else None)
     return ConvPlan("direct", function, "sparse_kernel_conv_direct", template, grid,
-                    (32 * warps_y * warps_q, 1, 1), chunk * channel_bytes, ints, None, partial,
-                    split_sum)
+                    (32 * warps_y * warps_q, 1, 1), chunk * channel_bytes, ints, None, split_sum)
 
 
 def _split_cin(dtype, tiles, cin, chunk, device):
@@ -942,12 +939,15 @@ def launch_conv(device, stream, plan, function, x, out, bias, ranges, taps, valu
     if plan.grid[0] * plan.grid[1] * plan.grid[2] == 0:
         return
     # Split input channels: the kernel writes partial sums, the split sum adds them and the bias.
-    partial, _owner = float_scratch(plan.partial) if plan.partial else (0, None)
+    partial, _owner = 0, None
+    if plan.split_sum is not None:
+        split_function, rows, cols, pitch, splits = plan.split_sum
+        partial, _owner = float_scratch(splits * rows * pitch)
     _launch.launch(device, stream, function, plan.grid, plan.block, plan.smem, _CONV_ARGS,
                    (x, out, bias, ranges, taps, values, partial, *plan.ints))
     if partial:  # _owner keeps the scratch until both launches are queued
-        function, *shape = plan.split_sum
-        _launch.launch_split_sum(device, stream, function, partial, bias, out, *shape)
+        _launch.launch_split_sum(device, stream, split_function, partial, bias, out, rows, cols,
+                                 pitch, splits)
 
 
 def address(a):

@@ -289,7 +289,7 @@ def test_direct_split_matches_reference(rng, case):
                              dilations)
     plan = skc.conv_plan("direct", "float32", x_shape[0], x_shape[1:3], w_shape[2], out_hw,
                          w_shape[3], w_shape[:2], strides, dilations, pads, (1, 1), 1)
-    assert plan.partial > 0
+    assert plan.split_sum is not None
     _check_strategy(rng, case, "direct")
 
 
@@ -633,8 +633,7 @@ def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
     images = a["n"] * group_blocks
     splits = plan.grid[2] // images if images else 1
     assert splits == -(-a["cin"] // a["split_cin"]) or a["cin"] == 0
-    assert plan.partial == (splits * out.size // a["cout"] * a["groups"] * q_per_warp
-                            if splits > 1 else 0)
+    assert (plan.split_sum is None) == (splits == 1)
     # Split channels: [split, n, out_h, out_w, padded channels] (float64 here: the emulation
     # checks indices and coverage, not float32 rounding).
     partial = numpy.full((splits, *out_shape[:3], a["groups"] * q_per_warp), numpy.nan)
@@ -674,7 +673,8 @@ def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
                    None if bias is None else bias.astype(numpy.float64))
     if splits > 1:  # split_sum (kernels/common.cuh) with the plan's rows, cols and pitch
         _, rows, cols, pitch, summed = plan.split_sum
-        assert (summed, cols) == (splits, a["cout"]) and splits * rows * pitch == plan.partial
+        assert (rows, cols, pitch, summed) == (out.size // a["cout"], a["cout"],
+                                               a["groups"] * q_per_warp, splits)
         sums = partial.reshape(splits, rows, pitch)[:, :, :cols].sum(axis=0)
         out[...] = (sums if bias is None else sums + bias).reshape(out_shape)
     assert not numpy.isnan(out).any(), "outputs left unwritten"
