@@ -12,7 +12,9 @@ at 90% sparsity, batch 1, tf32 and fp16: dense cuDNN and SBNet's block path (red
 timed region; res_blocks.run_blocks, eager and graphed) beside the same unit with a 3x3
 submanifold convolution (res_blocks._SubmanifoldBottleneck): ours, spconv 2.3.8 and
 spconv-triton, dense in and dense out (the site list and rulebook built every call), and ours
-on the sites alone with the rulebook cached (eager and graphed).
+on the sites alone with the rulebook cached (eager and graphed); "torch ops alone" is that call
+less its submanifold convolution (site list, gathers, BN, 1x1 maps, scatter: torch's ops, the
+same for every implementation), the floor under all of them.
 
 Workload 2: a SECOND-style 3D middle encoder (SubM 4 -> 16, SubM 16, SparseConv s2 -> 32,
 SubM 32 x2, SparseConv s2 -> 64, SubM 64 x2, SparseConv s2, SubM 64 x2, SparseConv (3, 1, 1)
@@ -181,6 +183,19 @@ def workload1(stage, precision, namespaces, repeats, seed):
                                  error=note))
                 if algo is not None:
                     rows += _cached_unit(unit, name, x, mask, base, repeats)
+        y = x.clone()
+
+        def torch_ops_alone():  # every implementation's call less its submanifold convolution
+            indices = mask.nonzero().int()
+            features = y[indices[:, 0], indices[:, 1], indices[:, 2]]
+            z = torch.relu(reference.linear1(torch.relu(reference.bn1(features))))
+            out = features + reference.linear3(torch.relu(z))
+            y[indices[:, 0], indices[:, 1], indices[:, 2]] = out
+            return out
+
+        rows.append(dict(base, impl="torch ops alone", passes="forward_eager",
+                         sites=int(mask.sum()), gpu_ms=events_ms(torch_ops_alone, repeats),
+                         host_ms=host_ms(torch_ops_alone, repeats)))
     return rows, sbnet
 
 
