@@ -41,14 +41,7 @@ _COMPILED_WARPS = 8  # warps a CTA, stacked vertically (__launch_bounds__(256, 2
 # runs "direct" and "compiled" refuses.
 COMPILED_MAX_TAPS = 8192
 _COMPILED_MAX_EXTENT = 33  # kernel rows (with dilation) a window may span: registers
-# The rule's H100: its SMs, the warps of "compiled" resident at once (2 CTAs of 8 warps an SM, by
-# the kernel's __launch_bounds__(256, 2)) and the L2 cache that holds the input between passes.
-_SMS = 132
-_RESIDENT_WARPS = _SMS * 16
-_L2_BYTES = 50 * 2**20
-_SPILL_PASSES = 8  # passes of "compiled" over the input channels from which L2 misses weigh
-# Taps a staged input channel feeds in one "compiled" CTA below which the staging outweighs them.
-_MIN_TAPS_PER_STAGED_CHANNEL = 25
+_SMS = 132  # the rule's H100
 _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
@@ -67,29 +60,20 @@ _MAX_CIN = 32767
 def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
                     input_dilation, nnz):
     """The strategy sparse_kernel_conv2d uses when none is given, for conv_plan's arguments:
-    "compiled" where it applies and stages its input channels in one pass; with more passes,
-    "compiled" unless its CTAs are too few, its staging outweighs its taps, or its input falls
-    out of L2 between passes; "direct" elsewhere.
+    "compiled" where it applies, unless it takes two passes or more over the input channels with
+    fewer CTAs than the GPU has SMs; "direct" elsewhere.
 
     "compiled" applies with unit vertical stride, no input dilation, float32 arithmetic, at most
     COMPILED_MAX_TAPS taps, a kernel extent (KH - 1) * DH + 1 <= 33 rows and room in shared
     memory for its tile and its values. It stages the input tile a chunk of input channels at a
-    time (3-4 channels of 16-64 at 11x11xCinx3; "direct" 3), and each pass reads again
-    the 32-byte sectors of the NHWC pixels that the previous pass read. Against "direct" it has
-    three handicaps once it takes two passes or more (the benchmark's one-pass cases all favour
-    it, 1.0-2.5x):
-    - on one image with few output channels its CTAs are fewer than the SMs (32 on 1x256x512
-      with 3 outputs; "direct" has 64 tiles and splits their input channels over more CTAs);
-    - each CTA computes one group of output channels and stages the whole input tile for it,
-      where a "direct" CTA stages it once for all of them: below _MIN_TAPS_PER_STAGED_CHANNEL
-      taps a channel a group (nnz / (groups * Cin); 19 at 11x11x32x64 at 1%, 36-39 in the
-      cases "compiled" wins) the staging outweighs the taps;
-    - the sectors come back from L2 while the input under the CTAs resident at once
-      (_RESIDENT_WARPS warps: an H100's 132 SMs x 16) fits in it (_L2_BYTES, the H100's 50 MiB);
-      past that, from DRAM, which tells from _SPILL_PASSES passes on (the reading of the
-      benchmark's times; not profiled).
+    time (3-4 channels of 16-64 at 11x11xCinx3; "direct" 3), one group of output channels a CTA.
+    On one image with few output channels its CTAs are fewer than the SMs (32 on 1x256x512 with
+    3 outputs), where "direct" has 64 tiles and splits their input channels over more CTAs; with
+    one pass there is nothing to split. Elsewhere "compiled" was the faster in every case of the
+    benchmark, 11x11x32x64 at 1% non-zeros (19 taps a staged channel a group) and inputs larger
+    than L2 read in 22 passes included.
 
-    The measurements behind the lines: bench/README.md, "The strategies and the rule";
+    The measurements behind it: bench/README.md, "The strategies and the rule";
     test_rule_matches_the_benchmark checks it against the committed run.
     """
     extent = (kernel_hw[0] - 1) * dilations[0] + 1
@@ -101,17 +85,8 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
                               pads, input_dilation, nnz)
     except ValueError:  # no room in shared memory
         return "direct"
-    q, chunk, warps_y = plan.layout[1], plan.layout[4], plan.block[0] // 32
-    passes, ctas = -(-cin // chunk), math.prod(plan.grid)
-    if passes < 2 or ctas == 0:  # 0: an empty output
-        return "compiled"
-    few_ctas = ctas < _SMS
-    few_taps = nnz < _MIN_TAPS_PER_STAGED_CHANNEL * -(-cout // q) * cin
-    ctas_per_image = plan.grid[0] * plan.grid[1]
-    resident_images = min(n, _RESIDENT_WARPS / warps_y / ctas_per_image)
-    resident_bytes = resident_images * in_hw[0] * in_hw[1] * cin * _kernels.ITEMSIZES[dtype]
-    spills = passes >= _SPILL_PASSES and resident_bytes > _L2_BYTES
-    return "direct" if few_ctas or few_taps or spills else "compiled"
+    passes, ctas = -(-cin // plan.layout[4]), math.prod(plan.grid)
+    return "direct" if passes >= 2 and 0 < ctas < _SMS else "compiled"  # 0: an empty output
 
 
 # --- the converted weight -----------------------------------------------------------------
