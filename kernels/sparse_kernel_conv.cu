@@ -49,7 +49,7 @@ static __device__ __forceinline__ double fma_acc(double a, double b, double c) {
 // thread steps through its words (row, col, c) by adding blockDim.x with carries: a division
 // per word cost more than the products of a small kernel. It loads LOADS words before it stores
 // any, so that their latencies overlap (one at a time, a load's wait was 40% of the H100's stall
-// samples at 3x3x3x64).
+// samples at 3x3x3x64; the compiled kernel's first chunk takes 8).
 template <typename T, int LOADS = 4>
 static __device__ __forceinline__ void stage_tile(
     typename acc_type<T>::type* tile, const T* __restrict__ x, int n, int in_h, int in_w, int cin,
@@ -298,10 +298,10 @@ struct CompiledFrame {
         const T* __restrict__ values = static_cast<const T*>(a.values);
         for (int i = threadIdx.x; i < ((count + 3) & ~3); i += blockDim.x)
             vals[i] = i < count ? to_acc(values[first + i]) : Acc(0);
-        stage<4>(ci0);
+        stage<8>(ci0);
     }
     // Stages input channels [ci0, ci0 + chunk) after the previous chunk is no longer read (with
-    // the accumulators live: fewer loads in flight, which spilled at 4).
+    // the accumulators live: 2 loads in flight, as 4 spilled).
     __device__ __forceinline__ void chunk(int ci0) const {
         __syncthreads();
         stage<2>(ci0);
