@@ -55,7 +55,6 @@ static __device__ __forceinline__ void stage_tile(
     typename acc_type<T>::type* tile, const T* __restrict__ x, int n, int in_h, int in_w, int cin,
     int idil_h, int idil_w, int y0, int x0, int ci0, int nci, int tile_rows, int tile_cols,
     int pitch) {
-    typedef typename acc_type<T>::type Acc;
     const int row_elems = tile_cols * nci;
     const int step_rows = blockDim.x / row_elems, step_j = blockDim.x - step_rows * row_elems;
     const int step_cols = step_j / nci, step_c = step_j - step_cols * nci;
