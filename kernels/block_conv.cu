@@ -45,6 +45,10 @@ constexpr int PITCH = WORDS + 4;  // padded rows: fragment loads hit 32 differen
 constexpr int SLOTS = 3;      // shared-memory stages of a warp group: loads in flight
 }  // namespace block_conv_tile
 
+// Whether Op (common.cuh) adds into the destination, which the epilogue then reads first.
+template <typename Op> struct reads_destination { static constexpr bool value = false; };
+template <> struct reads_destination<Add> { static constexpr bool value = true; };
+
 // Each warp group waits only for its own warps (barrier 0 is __syncthreads).
 static __device__ __forceinline__ void group_sync(int group) {
     asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(block_conv_tile::THREADS) : "memory");
@@ -307,20 +311,55 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
         }
         if (group == 0) {
             // Epilogue: accumulator (mt, nt, 2 * half + e) is pixel p0 + wm * 32 + mt * 16 + g +
-            // 8 * half, channel n0 + wn * BN / 2 + nt * 8 + 2 * t + e.
+            // 8 * half, channel n0 + wn * BN / 2 + nt * 8 + 2 * t + e. The global reads (the
+            // bias; the old outputs where Op adds, 2 * NT pixel pairs at a time) are issued before
+            // the writes, which the compiler may not move reads past: one round trip each, not
+            // one for each write.
+            float bias[NT][2];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    bias[nt][e] = a.bias != nullptr && co + e < a.cout ? a.bias[co + e] : 0.f;
+            }
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
+                T* pixel[2];  // null where the pixel is past the block or outside the image
+                bool zero[2];
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int p = p0 + wm * 32 + mt * 16 + g + 8 * half;
-                    if (p >= pixels) continue;
                     const int ph = p / a.out_w, pw = p - ph * a.out_w;
                     const int dh = out.h + ph, dw = out.w + pw;
-                    if (dh < 0 || dh >= a.out.height || dw < 0 || dw >= a.out.width) continue;
                     const int sh = in.h + ph, sw = in.w + pw;
-                    const bool zero = a.zero_outside &&
-                                      (sh < 0 || sh >= a.in.height || sw < 0 || sw >= a.in.width);
-                    T* pixel = dst + ((out.n * a.out.height + dh) * a.out.width + dw) * a.cout;
+                    pixel[half] =
+                        p < pixels && dh >= 0 && dh < a.out.height && dw >= 0 && dw < a.out.width
+                            ? dst + ((out.n * a.out.height + dh) * a.out.width + dw) * a.cout
+                            : nullptr;
+                    zero[half] = a.zero_outside &&
+                                 (sh < 0 || sh >= a.in.height || sw < 0 || sw >= a.in.width);
+                }
+                vec_t<T, 2> old[2][NT] = {};
+                if constexpr (reads_destination<Op>::value) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+                            const T* at = pixel[half] + co;
+                            if (pixel[half] == nullptr || co >= a.cout) continue;
+                            if (a.paired) {
+                                old[half][nt] = *reinterpret_cast<const vec_t<T, 2>*>(at);
+                            } else {
+                                old[half][nt].v[0] = at[0];
+                                if (co + 1 < a.cout) old[half][nt].v[1] = at[1];
+                            }
+                        }
+                }
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    if (pixel[half] == nullptr) continue;
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
@@ -328,17 +367,17 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
                         float v[2];
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
-                            v[e] = acc[mt][nt][2 * half + e];
-                            if (a.bias != nullptr && co + e < a.cout) v[e] += a.bias[co + e];
+                            v[e] = acc[mt][nt][2 * half + e] + bias[nt][e];
                             if (a.relu_out) v[e] = fmaxf(v[e], 0.f);
-                            if (zero) v[e] = 0.f;
+                            if (zero[half]) v[e] = 0.f;
+                            v[e] += to_acc(old[half][nt].v[e]);
                         }
+                        T* at = pixel[half] + co;
                         if (a.paired) {
-                            vec_t<T, 2> pair = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
-                            Op::apply(reinterpret_cast<vec_t<T, 2>*>(pixel + co), pair);
+                            *reinterpret_cast<vec_t<T, 2>*>(at) = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
                         } else {
-                            Op::apply(pixel + co, from_acc<T>(v[0]));
-                            if (co + 1 < a.cout) Op::apply(pixel + co + 1, from_acc<T>(v[1]));
+                            at[0] = from_acc<T>(v[0]);
+                            if (co + 1 < a.cout) at[1] = from_acc<T>(v[1]);
                         }
                     }
                 }
