@@ -225,6 +225,32 @@ def test_dependent_launch_host_side(monkeypatch):
     assert not calls
 
 
+def test_tile_channels_pad_least_and_fill_the_gpu():
+    pick = sbnet_cupy.block_conv.tile_channels
+    assert pick(24, 1000, 4, 132) == 32   # 48 and 64 pad more
+    assert pick(40, 1000, 4, 132) == 48
+    assert pick(96, 128, 4, 132) == 48    # ties with 32; 1024 tiles of 48 fill the GPU
+    assert pick(96, 16, 2, 132) == 32     # conv-5: 64 tiles of 48 would not
+    assert pick(192, 128, 1, 132) == 64   # conv-3's last 1x1: 384 tiles of 64
+    assert pick(256, 48, 1, 132) == 32    # conv-4's last 1x1: 192 tiles of 64 would not
+    assert pick(64, 48, 1, 132) == 32     # conv-4's 3x3
+    assert pick(5, 0, 1, 132) == 32
+
+
+@requires_gpu
+@pytest.mark.parametrize("width", sbnet_cupy.block_conv.TILE_CHANNELS)
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
+def test_every_tile_width(rng, monkeypatch, width, dtype):
+    """Each tile width the rule can pick, forced, on channel counts that leave a part tile."""
+    monkeypatch.setattr(sbnet_cupy.block_conv, "TILE_CHANNELS", (width,))
+    sbnet_cupy.block_conv._tile_channels.cache_clear()
+    try:
+        test_sparse_res_block_fused_equals_dense(rng, dtype, 70, 40, (8, 8), False)
+    finally:
+        monkeypatch.undo()
+        sbnet_cupy.block_conv._tile_channels.cache_clear()
+
+
 def test_k_groups_fill_the_gpu():
     ctas = (528, 264, 132, 132)
     assert sbnet_cupy.block_conv.k_groups(1000, 20, ctas) == 1
