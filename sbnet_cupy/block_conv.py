@@ -72,15 +72,19 @@ def instantiations():
 
 
 def tile_channels(cout, rows, pixel_tiles, sms):
-    """Output channels a tile for `rows` blocks of `pixel_tiles` pixel tiles each: of the widths
-    that pad cout least, the widest that still gives each of the `sms` SMs two tiles, else the
-    narrowest. Wider tiles load each input tile once for more channels; where blocks are few,
-    more tiles keep more of the GPU busy (H100, T2 and T1 units graphed: 4-6% faster at conv-3
-    with the widest, up to 20% at conv-4 with the narrowest)."""
+    """Output channels a tile for `rows` blocks of `pixel_tiles` pixel tiles each: the narrowest
+    of the widths that pad cout least, or the widest width where it pads as little and its tiles
+    still give each of the `sms` SMs two. Wide tiles load each input tile once for more
+    channels; where blocks are few, narrow ones keep more of the GPU busy; 48 pays only where it
+    pads less (H100, T2 / T1 units graphed: 64 4-6% faster at conv-3's 48 -> 192, 32 up to 20%
+    at conv-4, 48 slower than 32 on 96 channels: 1.37x against 1.65x cuDNN's speed at conv-2
+    with every block active)."""
     padded = [math.ceil(cout / bn) * bn for bn in TILE_CHANNELS]
     least = [bn for bn, p in zip(TILE_CHANNELS, padded) if p == min(padded)]
-    filling = [bn for bn in least if rows * pixel_tiles * math.ceil(cout / bn) >= 2 * sms]
-    return max(filling) if filling else min(least)
+    widest = max(TILE_CHANNELS)
+    if widest in least and rows * pixel_tiles * math.ceil(cout / widest) >= 2 * sms:
+        return widest
+    return min(least)
 
 
 @functools.lru_cache(maxsize=1024)

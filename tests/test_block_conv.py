@@ -229,8 +229,8 @@ def test_tile_channels_pad_least_and_fill_the_gpu():
     pick = sbnet_cupy.block_conv.tile_channels
     assert pick(24, 1000, 4, 132) == 32   # 48 and 64 pad more
     assert pick(40, 1000, 4, 132) == 48
-    assert pick(96, 128, 4, 132) == 48    # ties with 32; 1024 tiles of 48 fill the GPU
-    assert pick(96, 16, 2, 132) == 32     # conv-5: 64 tiles of 48 would not
+    assert pick(96, 128, 4, 132) == 32    # ties with 48, which pays only where it pads less
+    assert pick(96, 16, 2, 132) == 32     # conv-5's first 1x1
     assert pick(192, 128, 1, 132) == 64   # conv-3's last 1x1: 384 tiles of 64
     assert pick(256, 48, 1, 132) == 32    # conv-4's last 1x1: 192 tiles of 64 would not
     assert pick(64, 48, 1, 132) == 32     # conv-4's 3x3
