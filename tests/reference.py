@@ -148,3 +148,18 @@ def dilated_conv2d(x, w, rate, paddings):
                     if 0 <= hi < height and 0 <= wi < width:
                         out[:, h, v, :] += x[:, hi, wi, :] @ w[a, b]
     return out
+
+
+def zero_inserted_kernel(tf, w, dilations):
+    """The TensorFlow tensor w [KH, KW, C, K] with dilation - 1 zero rows (columns) between its
+    taps: convolving by it without dilation is the dilated convolution by w. TensorFlow 2.21's
+    CPU kernels refuse the gradients of a dilated convolution; built from differentiable ops,
+    this gives them through the undilated one."""
+    for axis, d in enumerate(dilations):
+        if d > 1:
+            size = w.shape[axis]
+            shape = list(w.shape)
+            shape[axis] = size * d
+            w = tf.reshape(tf.stack([w] + [tf.zeros_like(w)] * (d - 1), axis=axis + 1), shape)
+            w = tf.gather(w, tf.range((size - 1) * d + 1), axis=axis)
+    return w

@@ -9,6 +9,7 @@ import pytest
 import sbnet_cupy
 from sbnet_cupy import SparseKernel, _kernels, sparse_kernel_conv as skc
 from axes import random_array
+from reference import zero_inserted_kernel
 from conftest import cupy, require, requires_gpu, to_numpy
 
 # The five sweeps, scaled down: (name, x shape, kernel shape), batch 1 and 3.
@@ -193,7 +194,8 @@ def test_gradients_match_tensorflow(rng, strides, padding, dilations):
     xt, wt = tf.constant(x), tf.constant(w)
     with tf.GradientTape() as tape:
         tape.watch([xt, wt])
-        y = tf.nn.conv2d(xt, wt, **kw)
+        y = tf.nn.conv2d(xt, zero_inserted_kernel(tf, wt, dilations), strides=strides,
+                         padding=padding)
     dy = random_array(rng, tuple(y.shape), numpy.float32)
     dx_tf, dw_tf = tape.gradient(y, [xt, wt], output_gradients=tf.constant(dy))
     dx = sbnet_cupy.sparse_kernel_conv2d_grad_input(dy, kernel, x.shape, **kw)

@@ -11,6 +11,7 @@ tf = require("tensorflow")
 
 import tf_bridge  # noqa: E402
 from axes import random_array  # noqa: E402
+from reference import zero_inserted_kernel  # noqa: E402
 
 
 def _pruned(rng, shape, density, dtype=numpy.float32):
@@ -24,22 +25,25 @@ def _tf_padding(padding):
     return [[0, 0], list(padding[0]), list(padding[1]), [0, 0]]
 
 
-# TensorFlow's CPU kernels have no float64 gradient of a dilated convolution.
+# TensorFlow's side convolves by the zero-inserted kernel, which its CPU kernels differentiate
+# in every dtype and take with strides and dilations together.
 @pytest.mark.parametrize("strides, padding, dilations, dtype", [
     ((1, 1), "SAME", (1, 1), numpy.float64), ((2, 2), "VALID", (1, 1), numpy.float64),
     ((2, 1), ((1, 2), (0, 3)), (1, 1), numpy.float64), ((1, 1), "SAME", (1, 1), numpy.float32),
-    ((1, 1), "VALID", (2, 3), numpy.float32)])
+    ((1, 1), "VALID", (2, 3), numpy.float32), ((1, 1), "VALID", (2, 3), numpy.float64),
+    ((2, 1), "SAME", (2, 3), numpy.float32)])
 def test_forward_and_gradients_equal_tensorflow(rng, strides, padding, dilations, dtype):
     x = tf.constant(random_array(rng, (2, 11, 13, 3), dtype))
     w = _pruned(rng, (5, 3, 3, 4), 0.3, dtype)
     bias = tf.constant(random_array(rng, (4,), dtype))
     kernel = tf_bridge.SparseKernel.from_dense(w)
     dense = tf.Variable(w)
-    kw = dict(strides=strides, dilations=dilations)
     with tf.GradientTape(persistent=True) as tape:
         tape.watch([x, bias])
-        ours = tf_bridge.sparse_kernel_conv2d(x, kernel, padding=padding, bias=bias, **kw)
-        theirs = tf.nn.conv2d(x, dense, padding=_tf_padding(padding), **kw) + bias
+        ours = tf_bridge.sparse_kernel_conv2d(x, kernel, padding=padding, bias=bias,
+                                              strides=strides, dilations=dilations)
+        theirs = tf.nn.conv2d(x, zero_inserted_kernel(tf, dense, dilations),
+                              padding=_tf_padding(padding), strides=strides) + bias
         dy = tf.constant(random_array(rng, tuple(theirs.shape), dtype))
         loss_ours, loss_theirs = tf.reduce_sum(ours * dy), tf.reduce_sum(theirs * dy)
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == numpy.float32 else dict(rtol=1e-12, atol=1e-12)
