@@ -11,7 +11,7 @@ from conftest import require
 torch = require("torch")
 
 import torch_bridge as tb  # noqa: E402
-from torch_bridge import block_conv  # noqa: E402
+from torch_bridge import _weights  # noqa: E402
 from test_torch_sparse_res_block import _covered, _mask, _randomise_batchnorm  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -113,16 +113,16 @@ def test_weight_copies_kept_per_version():
         return (weight.to(x.dtype) * 2,)
 
     weight, x = torch.randn(4, 3, 3, 3), torch.randn(2)
-    first = block_conv._prepared(prepare, x, (weight, None))
-    assert block_conv._prepared(prepare, x, (weight, None)) is first and len(made) == 1
+    first = _weights.prepared(prepare, x, (weight, None))
+    assert _weights.prepared(prepare, x, (weight, None)) is first and len(made) == 1
     weight.mul_(3)
-    assert torch.equal(block_conv._prepared(prepare, x, (weight, None))[0], weight * 2)
-    block_conv._prepared(prepare, x.double(), (weight, None))
+    assert torch.equal(_weights.prepared(prepare, x, (weight, None))[0], weight * 2)
+    _weights.prepared(prepare, x.double(), (weight, None))
     bias = torch.randn(4)
-    block_conv._prepared(prepare, x.double(), (weight, bias))
-    block_conv._prepared(prepare, x.double(), (weight, torch.randn(4)))
+    _weights.prepared(prepare, x.double(), (weight, bias))
+    _weights.prepared(prepare, x.double(), (weight, torch.randn(4)))
     assert len(made) == 5
-    latest = weakref.ref(block_conv._PREPARED[weight][2][0])
+    latest = weakref.ref(_weights._PREPARED[weight][2][0])
     del weight
     assert latest() is None
 

@@ -25,6 +25,10 @@ DTYPES = {"cpu": [torch.float64],
           "cuda": [torch.float32, torch.float16, torch.bfloat16]}
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3,
              torch.bfloat16: 2e-2}
+# Gradients, as fractions of their largest element: inductor sums the backward's element-wise
+# chain in its own order, and in float32 a few small elements of x's gradient, sums of larger
+# terms that cancel, moved by up to 3.7e-5 on the H100.
+GRADIENT_TOLERANCE = {**TOLERANCE, torch.float32: 1e-4}
 
 
 @pytest.fixture(autouse=True)
@@ -42,8 +46,8 @@ def _mask(rng, n, height, width, device, pixels=4):
     return torch.tensor(mask, device=device)
 
 
-def _close(got, want, dtype):
-    tol = TOLERANCE[dtype]
+def _close(got, want, dtype, tolerance=TOLERANCE):
+    tol = tolerance[dtype]
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
@@ -90,7 +94,7 @@ def _run_training(rng, case, dtype):
         fn(x).backward()
         grads.append([x.grad] + [p.grad for p in unit.parameters()])
     for got, want in zip(*grads):
-        _close(got / want.abs().max(), want / want.abs().max(), dtype)
+        _close(got / want.abs().max(), want / want.abs().max(), dtype, GRADIENT_TOLERANCE)
 
 
 @pytest.mark.parametrize("case", [CPU_AOT, ("cpu", "inductor", None), *GPU_CASES])

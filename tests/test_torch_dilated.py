@@ -1,6 +1,7 @@
 """torch_bridge.dilated: the reshapes as torch ops (values, layouts, gradients, compile) and
 dilated_conv2d against F.conv2d(dilation=), on the CPU and, where there is one, the GPU."""
 
+import contextlib
 import csv
 import pathlib
 import zlib
@@ -341,3 +342,50 @@ def test_cuda_graph_capture(gen):
         torch.testing.assert_close(out, tb.dilated_conv2d(x, w, dilation=2, padding=2,
                                                           method="reshape"))
         assert not torch.equal(out, want)
+
+
+@cuda_only
+@pytest.mark.parametrize("frozen", [False, True])
+def test_cuda_weight_copy_follows_the_weight(gen, frozen):
+    """Where no gradient of the weight is recorded, the channels_last route convolves by a
+    channels_last copy of the weight made once per parameter version: remade after an in-place
+    change, never used where the weight's gradient is recorded or y is NCHW; a CUDA graph makes
+    it inside the graph (replays follow the weight) unless captured under frozen_weights."""
+    x = _random((2, 16, 20, 18), torch.float16, "cuda", gen)
+    w = torch.nn.Parameter(_random((8, 16, 3, 3), torch.float16, "cuda", gen) / 8)
+
+    def check(out):
+        torch.testing.assert_close(out, F.conv2d(x, w, padding=2, dilation=2), rtol=2e-3,
+                                   atol=2e-3)
+
+    y = tb.space_to_batch(x, 2, 2, mixed=True)
+    with torch.no_grad():
+        copy = dilated._conv_weight(w, y)
+        assert copy is not w and copy.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(copy, w) and dilated._conv_weight(w, y) is copy
+        check(tb.dilated_conv2d(x, w, dilation=2, padding=2, method="reshape"))
+        w.mul_(-2)
+        assert torch.equal(dilated._conv_weight(w, y), w)
+        check(tb.dilated_conv2d(x, w, dilation=2, padding=2, method="reshape"))
+        assert dilated._conv_weight(w, y.contiguous()) is w
+    assert dilated._conv_weight(w, y) is w  # its gradient is recorded
+    with torch.no_grad():
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        context = tb.frozen_weights() if frozen else contextlib.nullcontext([])
+        with torch.cuda.stream(stream):
+            tb.dilated_conv2d(x, w, dilation=2, padding=2, method="reshape")  # warm up
+            with context as kept, torch.cuda.graph(graph, stream=stream):
+                out = tb.dilated_conv2d(x, w, dilation=2, padding=2, method="reshape")
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        check(out)
+        before = out.clone()
+        w.mul_(-1)
+        graph.replay()
+        if frozen:
+            assert kept and torch.equal(out, before)
+        else:
+            assert not kept
+            check(out)

@@ -8,21 +8,16 @@ no gradient: the modules train through gather, cuDNN and scatter.
 The ops take the modules' parameters as they are (weights [K, C, KH, KW] in any float dtype)
 and prepare the kernels' copies themselves (OHWI in x's dtype, float32 bias and affine), once
 per parameter version: eager calls and torch.compile's graphs alike then launch nothing but the
-kernels. While a CUDA graph is captured the copies are made inside the graph, so that its
-replays follow in-place changes of the parameters, unless the capture runs under
-frozen_weights() (as CapacityGraphs' does), which has the graph read the copies made before.
+kernels (``_weights``, which says how CUDA graphs see the copies).
 """
 
-import contextlib
-import weakref
-
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from sbnet_cupy import BlockParams, _checks
 from sbnet_cupy.block_conv import launch_conv, launch_res_unit
 
 from . import _ops
+from ._weights import prepared
 
 
 def fused_dtype(x):
@@ -63,68 +58,6 @@ def _unit_weights(x, scale, shift, w1, b1, w2, b2, w3):
             _float32(b2, x), _ohwi(w3, x))
 
 
-_PREPARED = WeakIdKeyDictionary()  # first source -> (key, weak refs to the sources, copies)
-_FROZEN = []  # one list per active frozen_weights(): the copies its captures read
-
-
-@contextlib.contextmanager
-def frozen_weights():
-    """Inside, a CUDA graph captured through the fused modules reads the kernels' copies of the
-    weights made before the capture (by the warm-up call any capture needs) instead of making
-    them in the graph: a shorter graph, which does not follow later in-place changes of the
-    parameters (capture again after those). Yields the list of the copies the captures read;
-    keep it as long as the graphs."""
-    kept = []
-    _FROZEN.append(kept)
-    try:
-        yield kept
-    finally:
-        _FROZEN.remove(kept)
-
-
-def _same_tensors(refs, sources):
-    return all((t is None) if r is None else (r() is t) for r, t in zip(refs, sources))
-
-
-def _outside_torch_pools(t):
-    """A copy of t (or None) in memory from CuPy's pool, allocated on torch's current stream so
-    that its reuse is ordered with the kernels that read it. Torch's CUDA graph pools then never
-    hold a kept copy: cudagraph trees' warm-up puts every torch allocation of its thread in its
-    pool, and fails on live ones it did not return."""
-    if t is None:
-        return None
-    import cupy
-
-    device = t.get_device()
-    with cupy.cuda.Device(device), cupy.cuda.Stream.from_external(
-            torch.cuda.current_stream(device)):
-        memory = cupy.empty(t.numel() * t.element_size(), cupy.uint8)
-    return torch.from_dlpack(memory).view(t.dtype).view(t.shape).copy_(t)
-
-
-def _prepared(prepare, x, sources):
-    """prepare(x, *sources), kept while the sources stay the same tensors with the same data and
-    version and x's device and dtype stay (see the module's docstring for CUDA graphs). Weak
-    references: the cache keeps neither the parameters nor, through them, the modules alive."""
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if capturing and not _FROZEN:
-        return prepare(x, *sources)
-    key = (x.device, x.dtype, *((0, 0) if t is None else (t.data_ptr(), t._version)
-                                for t in sources))
-    cached = _PREPARED.get(sources[0])
-    if cached is None or cached[0] != key or not _same_tensors(cached[1], sources):
-        if capturing:  # nothing made before the capture: make them in the graph
-            return prepare(x, *sources)
-        refs = tuple(None if t is None else weakref.ref(t) for t in sources)
-        copies = prepare(x, *sources)
-        if x.is_cuda:
-            copies = tuple(_outside_torch_pools(t) for t in copies)
-        cached = _PREPARED[sources[0]] = (key, refs, copies)
-    if capturing:
-        _FROZEN[-1].append(cached[2])
-    return cached[2]
-
-
 # --- one convolution: SparseConv2d ----------------------------------------------------------
 
 def _cuda_only(y):
@@ -137,7 +70,7 @@ def _conv_into(x, weight, bias, bin_counts, active_block_indices, y, bsize, boff
     _cuda_only(y)
     counts, indices = _ops._block_list(bin_counts, active_block_indices)
     x = _ops._contiguous(x)
-    weight, bias = _prepared(_conv_weights, x, (weight, bias))
+    weight, bias = prepared(_conv_weights, x, (weight, bias))
     device = y.get_device()
     launch_conv(device, _ops._raw_stream(device), _checks.dtype_name(x), x.data_ptr(),
                 y.data_ptr(), weight.data_ptr(), *_addresses(bias), indices.data_ptr(),
@@ -191,7 +124,7 @@ def _unit_into(y, bin_counts, active_block_indices, scale, shift, w1, b1, w2, b2
                boffset, bstride, bsize_out):
     _cuda_only(y)
     counts, indices = _ops._block_list(bin_counts, active_block_indices)
-    weights = _prepared(_unit_weights, y, (scale, shift, w1, b1, w2, b2, w3))
+    weights = prepared(_unit_weights, y, (scale, shift, w1, b1, w2, b2, w3))
     rows, bottleneck = indices.shape[0], w1.shape[0]
     stacks = (y.new_empty((rows, *bsize, bottleneck)), y.new_empty((rows, *bsize_out,
                                                                      bottleneck)))

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from .block_conv import frozen_weights
+from ._weights import frozen_weights
 
 
 def capacity_bucket(count, ratio=1.125, minimum=8):

@@ -17,7 +17,8 @@ from sbnet_cupy.space_to_batch import (batch_to_space_reshape, check_batch_to_sp
                                        launch_batch_to_space, launch_space_to_batch,
                                        same_padding, space_to_batch_reshape)
 
-from ._ops import _call, _checked, _contiguous, _numpy, _raw_stream, _register
+from ._ops import _call, _checked, _contiguous, _numpy, _raw_stream, _register, _traced
+from ._weights import prepared
 
 METHODS = ("auto", "reshape", "native")
 
@@ -45,6 +46,12 @@ def _as_format(t, data_format):
     return t.permute(0, 2, 3, 1) if data_format == "NHWC" else t
 
 
+def _dims(t, data_format):
+    """The shape of _as_format(t, data_format), without making the view."""
+    n, c, h, w = t.shape
+    return (n, h, w, c) if data_format == "NHWC" else (n, c, h, w)
+
+
 def _pairs(flat):
     return ((flat[0], flat[1]), (flat[2], flat[3]))
 
@@ -58,22 +65,19 @@ def _run(op, src, block, margins, mixed):
     tensor: channels_last kept, or with `mixed`, x NCHW and y channels_last."""
     src, x_format, y_format, memory_format = _layouts(op, src, mixed)
     if op == "space_to_batch":
-        view = _as_format(src, x_format)
-        geometry = space_to_batch_reshape(tuple(view.shape), tuple(block), _pairs(margins),
-                                          x_format, y_format)
-        shape, out_format = geometry.y_shape, y_format
+        src_format, out_format, reshape = x_format, y_format, space_to_batch_reshape
     else:
-        view = _as_format(src, y_format)
-        geometry = batch_to_space_reshape(tuple(view.shape), tuple(block), _pairs(margins),
-                                          x_format, y_format)
-        shape, out_format = geometry.x_shape, x_format
+        src_format, out_format, reshape = y_format, x_format, batch_to_space_reshape
+    geometry = reshape(_dims(src, src_format), tuple(block), _pairs(margins), x_format, y_format)
+    shape = geometry.y_shape if op == "space_to_batch" else geometry.x_shape
     out = torch.empty(shape if out_format == "NCHW" else _nchw(shape), dtype=src.dtype,
                       device=src.device, memory_format=memory_format)
     if not src.is_cuda:
         function = (sbnet_cupy.space_to_batch if op == "space_to_batch"
                     else sbnet_cupy.batch_to_space)
-        function(_numpy(view), tuple(block), _pairs(margins), data_format=x_format,
-                 batch_format=y_format, out=_numpy(_as_format(out, out_format)))
+        function(_numpy(_as_format(src, src_format)), tuple(block), _pairs(margins),
+                 data_format=x_format, batch_format=y_format,
+                 out=_numpy(_as_format(out, out_format)))
         return out
     device = src.get_device()
     launch = launch_space_to_batch if op == "space_to_batch" else launch_batch_to_space
@@ -339,8 +343,24 @@ def dilated_conv2d(x, weight, bias=None, *, dilation, padding=0, method="auto"):
                  conv_padding=True)
     block, mixed = list(dilation), conv_channels_last(x, weight)
     y = _space_to_batch(x, block, _flat(g.paddings), mixed)
-    z = F.conv2d(y, weight, bias, padding=g.conv_padding)
+    z = F.conv2d(y, _conv_weight(weight, y), bias, padding=g.conv_padding)
     return _batch_to_space(z, block, _flat(g.crops), mixed)
+
+
+def _channels_last_copy(y, weight):
+    return (weight.detach().contiguous(memory_format=torch.channels_last),)
+
+
+def _conv_weight(weight, y):
+    """weight as the route's convolution of y takes it. cuDNN convolves a channels_last y by a
+    channels_last weight, and converts an NCHW one on every call (a kernel, and ~40 us of host
+    time on the H100's host); where no gradient of the weight is recorded and nothing traces the
+    call, a copy made once per parameter version (_weights.prepared) saves both."""
+    if (_traced((y, weight)) or not y.is_cuda or not _channels_last(y)
+            or weight.is_contiguous(memory_format=torch.channels_last)
+            or (weight.requires_grad and torch.is_grad_enabled())):
+        return weight
+    return prepared(_channels_last_copy, y, (weight,))[0]
 
 
 class DilatedConv2d(torch.nn.Conv2d):
