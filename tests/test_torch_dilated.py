@@ -368,6 +368,8 @@ def test_cuda_weight_copy_follows_the_weight(gen, frozen):
         assert torch.equal(dilated._conv_weight(w, y), w)
         check(tb.dilated_conv2d(x, w, dilation=2, padding=2, method="reshape"))
         assert dilated._conv_weight(w, y.contiguous()) is w
+        with pytest.raises(RuntimeError):  # torch's own message, as before
+            tb.dilated_conv2d(x, w.cpu(), dilation=2, padding=2, method="reshape")
     assert dilated._conv_weight(w, y) is w  # its gradient is recorded
     with torch.no_grad():
         graph = torch.cuda.CUDAGraph()

@@ -357,6 +357,7 @@ def _conv_weight(weight, y):
     time on the H100's host); where no gradient of the weight is recorded and nothing traces the
     call, a copy made once per parameter version (_weights.prepared) saves both."""
     if (_traced((y, weight)) or not y.is_cuda or not _channels_last(y)
+            or weight.device != y.device  # F.conv2d says what is wrong
             or weight.is_contiguous(memory_format=torch.channels_last)
             or (weight.requires_grad and torch.is_grad_enabled())):
         return weight
