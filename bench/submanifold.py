@@ -95,6 +95,13 @@ def failures(rows, base, name):
         print(f"FAILED {name} {FAILED[-1][1]}: {message}", flush=True)
 
 
+def site_list(mask):
+    """The active sites of a mask, int32 [N, 1 + D], stored row-major. torch's nonzero()
+    returns them column-major (strides (1, N)), which spconv 2.3.8 reads as if row-major without
+    a check: it then finds no neighbours and returns the centre tap alone."""
+    return mask.nonzero().int().contiguous()
+
+
 def host_ms(run, repeats):
     """Median host time of an eager call (no synchronisation inside the timed region)."""
     times = []
@@ -163,7 +170,7 @@ def workload1(stage, precision, namespaces, repeats, seed):
             y = x.clone()
 
             def dense_in_out():  # site list, rulebook and unit every call, as SBNet's path
-                indices = mask.nonzero().int()
+                indices = site_list(mask)
                 features = y[indices[:, 0], indices[:, 1], indices[:, 2]]
                 out = unit(ns, features, indices, [height, width], 1)
                 y[indices[:, 0], indices[:, 1], indices[:, 2]] = out
@@ -186,7 +193,7 @@ def workload1(stage, precision, namespaces, repeats, seed):
         y = x.clone()
 
         def torch_ops_alone():  # every implementation's call less its submanifold convolution
-            indices = mask.nonzero().int()
+            indices = site_list(mask)
             features = y[indices[:, 0], indices[:, 1], indices[:, 2]]
             z = torch.relu(reference.linear1(torch.relu(reference.bn1(features))))
             out = features + reference.linear3(torch.relu(z))
@@ -201,7 +208,7 @@ def workload1(stage, precision, namespaces, repeats, seed):
 
 def _cached_unit(unit, name, x, mask, base, repeats):
     """Ours on the sites alone, the rulebook built once: eager and graphed."""
-    indices = mask.nonzero().int()
+    indices = site_list(mask)
     features = x[mask]
     shape = list(mask.shape[1:])
     rulebook = ours.build_rulebook(indices, shape, 1, 3, subm=True)

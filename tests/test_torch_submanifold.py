@@ -257,6 +257,25 @@ def test_cuda_graph_with_cached_rulebooks(rng):
 
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_column_major_indices(rng, device):
+    """Indices as torch's nonzero() returns them (column-major, strides (1, N)) give the same
+    rulebook and features as row-major ones, and the dense convolution's (spconv 2.3.8 reads
+    them as row-major and loses every neighbour)."""
+    mask = torch.from_numpy(rng.random((2, 9, 11)) < 0.6).to(device)
+    indices = mask.nonzero().int()
+    assert indices.stride() == (1, indices.shape[0])
+    features = torch.from_numpy(random_array(rng, (indices.shape[0], 3), numpy.float64))
+    layer = spconv.SubMConv2d(3, 4, 3, indice_key="s").double().to(device)
+    outs = [layer(spconv.SparseConvTensor(features.to(device), i, [9, 11], 2))
+            for i in (indices, indices.contiguous())]
+    assert torch.equal(outs[0].indices, outs[1].indices)
+    torch.testing.assert_close(outs[0].features, outs[1].features, rtol=0, atol=0)
+    x = spconv.SparseConvTensor(features, indices.cpu().contiguous(), [9, 11], 2)
+    want = at_sites(dense_reference(x, layer, 1, 1), x.indices)
+    torch.testing.assert_close(outs[0].features.cpu(), want)
+
+
 @requires_cuda
 def test_same_as_spconv(rng):
     """spconv 2.3.8 (where installed) on the same weights gives the same sites and features:
