@@ -2,7 +2,7 @@
 T1/T2 benchmark) on the paper's stage sizes, and against submanifold sparse convolution.
 
     python -m bench.res_blocks [--suite topleft blocksize batch fp32 road spconv modes fused
-                                fused-dense dependent]
+                                fused-capacity fused-dense dependent]
                                [--out DIR]
 
 The `modes` suite runs one unit and a stage of 3 units sharing one reduce_mask
@@ -18,9 +18,9 @@ call, median of --repeats after warm-up. Writes <out>/res_blocks_<device>.csv an
 
 The modules run method="auto" (the fused block-convolution kernels in inference where they
 apply) except in the `fused` suite, which runs each row with method="gemm" (gather, cuDNN,
-scatter) and method="fused" side by side: T2 and T1 at 90% on the top-left mask, a capacity of
-exactly the count against twice it, the road-like mask, and every block active (also alone, as
-the `fused-dense` suite; blocks of 8 and 16). The `dependent`
+scatter) and method="fused" side by side: T2 and T1 at 90% on the top-left mask, the road-like
+mask, a capacity of exactly the count against twice it and every block active (these two also
+alone, as the `fused-capacity` and `fused-dense` suites; blocks of 8 and 16). The `dependent`
 suite runs T2 and T1 at 90% (top-left mask, each stage's best block size) with the block
 convolutions launched as programmatic dependents (suite "dependent") and plainly (suite
 "dependent-off", sbnet_cupy._launch.DEPENDENT_LAUNCH off), side by side.
@@ -57,10 +57,11 @@ def suites(names):
         rows += [("fused", t, s, 1, p, "topleft", 0.9, b, m, None)
                  for t, s, p, b, m in itertools.product(("T2", "T1"), STAGES, ("tf32", "fp16"),
                                                         (8, 16), both)]
-        rows += [("fused-capacity", "T2", s, 1, "tf32", "topleft", 0.9, 16, "fused", c)
-                 for s, c in itertools.product(STAGES, (1, 2))]
         rows += [("fused-road", "T2", s, 1, p, "road", 0.9, 16, m, None)
                  for s, p, m in itertools.product(STAGES, ("tf32", "fp16"), both)]
+    if "fused" in names or "fused-capacity" in names:  # capacity 1x / 2x the count
+        rows += [("fused-capacity", "T2", s, 1, p, "topleft", 0.9, b, "fused", c)
+                 for s, p, b, c in itertools.product(STAGES, ("tf32", "fp16"), (8, 16), (1, 2))]
     if "fused" in names or "fused-dense" in names:  # every block active, best of blocks 8, 16
         rows += [("fused-dense", "T2", s, 1, p, "topleft", 0.0, b, m, None)
                  for s, p, b, m in itertools.product(STAGES, ("tf32", "fp16"), (8, 16),
