@@ -260,8 +260,8 @@ def test_cuda_graph_with_cached_rulebooks(rng):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 def test_column_major_indices(rng, device):
     """Indices as torch's nonzero() returns them (column-major, strides (1, N)) give the same
-    rulebook and features as row-major ones, and the dense convolution's (spconv 2.3.8 reads
-    them as row-major and loses every neighbour)."""
+    sites and features as row-major ones, and the dense convolution's; the tensor keeps them
+    row-major (spconv 2.3.8 reads any indices as row-major and would lose every neighbour)."""
     mask = torch.from_numpy(rng.random((2, 9, 11)) < 0.6).to(device)
     indices = mask.nonzero().int()
     assert indices.stride() == (1, indices.shape[0])
@@ -269,6 +269,7 @@ def test_column_major_indices(rng, device):
     layer = spconv.SubMConv2d(3, 4, 3, indice_key="s").double().to(device)
     outs = [layer(spconv.SparseConvTensor(features.to(device), i, [9, 11], 2))
             for i in (indices, indices.contiguous())]
+    assert outs[0].indices.is_contiguous()  # stored row-major, as spconv hands them on
     assert torch.equal(outs[0].indices, outs[1].indices)
     torch.testing.assert_close(outs[0].features, outs[1].features, rtol=0, atol=0)
     x = spconv.SparseConvTensor(features, indices.cpu().contiguous(), [9, 11], 2)

@@ -305,7 +305,9 @@ class SparseConvTensor:
             raise ValueError(f"indices must be [N, {1 + len(spatial_shape)}] for spatial_shape "
                              f"{list(spatial_shape)}, got {tuple(indices.shape)}")
         self._features = features
-        self.indices = indices
+        # Row-major once (torch's nonzero() gives column-major sites): every rulebook reads them
+        # so, and reuses a table only of this very tensor.
+        self.indices = indices.contiguous()
         self.spatial_shape = [int(s) for s in spatial_shape]
         self.batch_size = int(batch_size)
         self.indice_dict = {} if indice_dict is None else indice_dict
