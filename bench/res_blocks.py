@@ -52,8 +52,8 @@ def suites(names):
     """(suite, test, stage, batch, precision, mask, sparsity, bsize, method, capacity) rows to
     run; capacity None is capacity_bucket(count), a number is that multiple of the count."""
     rows = [row + ("auto", None) for row in _auto_suites(names)]
+    both = ("gemm", "fused")
     if "fused" in names:
-        both = ("gemm", "fused")
         rows += [("fused", t, s, 1, p, "topleft", 0.9, b, m, None)
                  for t, s, p, b, m in itertools.product(("T2", "T1"), STAGES, ("tf32", "fp16"),
                                                         (8, 16), both)]
@@ -64,8 +64,7 @@ def suites(names):
                  for s, p, b, c in itertools.product(STAGES, ("tf32", "fp16"), (8, 16), (1, 2))]
     if "fused" in names or "fused-dense" in names:  # every block active, best of blocks 8, 16
         rows += [("fused-dense", "T2", s, 1, p, "topleft", 0.0, b, m, None)
-                 for s, p, b, m in itertools.product(STAGES, ("tf32", "fp16"), (8, 16),
-                                                     ("gemm", "fused"))]
+                 for s, p, b, m in itertools.product(STAGES, ("tf32", "fp16"), (8, 16), both)]
     if "dependent" in names:
         rows += [(d, t, s, 1, p, "topleft", 0.9, BEST_BLOCK[p][s], "fused", None)
                  for t, s, p, d in itertools.product(("T2", "T1"), STAGES, ("tf32", "fp16"),

@@ -272,7 +272,7 @@ def test_column_major_indices(rng, device):
     assert outs[0].indices.is_contiguous()  # stored row-major, as spconv hands them on
     assert torch.equal(outs[0].indices, outs[1].indices)
     torch.testing.assert_close(outs[0].features, outs[1].features, rtol=0, atol=0)
-    x = spconv.SparseConvTensor(features, indices.cpu().contiguous(), [9, 11], 2)
+    x = spconv.SparseConvTensor(features, indices.cpu(), [9, 11], 2)
     want = at_sites(dense_reference(x, layer, 1, 1), x.indices)
     torch.testing.assert_close(outs[0].features.cpu(), want)
 
