@@ -3,6 +3,7 @@ seed's benchmark, on a modern GPU), and the reshape kernels against the copy ban
 
     python -m bench.dilated [--quick] [--out DIR] [--modes eager graph] [--repeats N]
                             [--rounds N] [--conv-layout auto|nchw] [--rescore CSV]
+                            [--fit CSV]
 
 Three routes per configuration, in the same run: "ours" = torch_bridge.dilated_conv2d
 (method="reshape": space_to_batch -> cuDNN convolution -> batch_to_space on this library's
@@ -17,7 +18,11 @@ against the native one before it is timed. Timing: CUDA events around each call 
 of the call ("graph": GPU time), median of --repeats after warm-up; the tables take the
 median of --rounds such times, measured over all configurations in turn. "auto" is what
 method="auto" picks (torch_bridge.dilated.reshape_wins, its table for the timing's kind: eager or
-captured), scored with the times measured here; --rescore scores a committed run again.
+captured), scored with the times measured here; --rescore scores a committed run again, and
+--fit prints the tables that fit a run (RESHAPE_WINS_EAGER and RESHAPE_WINS_GRAPHED).
+"conv" times the route's convolution alone (on the space_to_batch of x, in the route's layout,
+by the weight the route hands it): no reshape can take the route below it, so torch ops / conv
+is the most that any reshape route could gain over torch's ("ceiling" in the tables).
 
 The reshape kernels alone run in CUDA graphs, a launch on its own buffers each (so the L2
 cache does not hold the data between launches), against a 1 GiB device-to-device copy measured
@@ -54,6 +59,7 @@ QUICK_CONFIGS = [(128, 3, 128, 64, 2), (16, 256, 256, 64, 8), (1, 2048, 256, 64,
 PRECISIONS = {"tf32": torch.float32, "fp16": torch.float16}
 PASSES = ("forward", "backward_input", "backward_weight")
 ROUTES = ("ours", "torch", "native")
+TIMED = ROUTES + ("conv",)  # and the route's convolution alone
 TOLERANCE = {"tf32": 1e-2, "fp16": 2e-2}  # largest error / largest value, against native
 # (N, C, H = W, rate) of the reshape kernels alone, each in both precisions and layouts.
 RESHAPES = [(n, c, 64, r) for n, c, r in ((128, 3, 2), (128, 128, 2), (64, 64, 2), (64, 64, 8),
@@ -105,6 +111,22 @@ def _route(name, r):
 
 
 # --- timing ---------------------------------------------------------------------------------
+
+def _conv_alone(x, w, gy, r):
+    """(call, y, gz): the reshape route's convolution as `route` takes (y, w), on y =
+    space_to_batch(x) as the route makes it, and a gradient gz of its output (gy's values)."""
+    g = dilated_conv_geometry(tuple(x.shape[2:]), tuple(w.shape[2:]), (r, r), ((r, r), (r, r)),
+                              conv_padding=True)
+    mixed = dilated.conv_channels_last(x, w)
+    with torch.no_grad():
+        y = tb.space_to_batch(x, (r, r), g.paddings, mixed=mixed)
+        gz = tb.space_to_batch(gy, (r, r), g.crops, mixed=mixed)
+
+    def conv(y, w):
+        return F.conv2d(y, dilated._conv_weight(w, y), padding=g.conv_padding)
+
+    return conv, y, gz
+
 
 def _time(make_call, mode, repeats):
     """Median ms of the call that make_call() returns (after recording what it needs)."""
@@ -184,6 +206,7 @@ def run_config(config, precision, modes, repeats):
     gy = torch.randn(n, k, size, size, device="cuda", dtype=dtype)
     routes = {name: _route(name, r) for name in ROUTES}
     _check(routes, x, w, gy, precision)
+    conv, y, gz = _conv_alone(x, w, gy, r)
     rows = []
     for pass_name in PASSES:
         row = dict(N=n, C=c, K=k, size=size, rate=r, precision=precision, pass_=pass_name)
@@ -191,6 +214,7 @@ def run_config(config, precision, modes, repeats):
             for name, route in routes.items():
                 row[f"{name}_{mode}_ms"] = _time(_pass_call(route, pass_name, x, w, gy), mode,
                                                  repeats)
+            row[f"conv_{mode}_ms"] = _time(_pass_call(conv, pass_name, y, w, gz), mode, repeats)
         rows.append(row)
         torch.cuda.empty_cache()
     return rows
@@ -203,12 +227,13 @@ def median_of_rounds(rounds, modes):
     for samples in zip(*rounds):
         row = dict(samples[0])
         for mode in modes:
-            for name in ROUTES:
+            for name in TIMED:
                 key = f"{name}_{mode}_ms"
                 row[key] = statistics.median(sample[key] for sample in samples)
             score_auto(row, mode)
             row[f"ours_vs_torch_{mode}"] = row[f"torch_{mode}_ms"] / row[f"ours_{mode}_ms"]
             row[f"ours_vs_native_{mode}"] = row[f"native_{mode}_ms"] / row[f"ours_{mode}_ms"]
+            row[f"ceiling_vs_torch_{mode}"] = row[f"torch_{mode}_ms"] / row[f"conv_{mode}_ms"]
         rows.append(row)
     return rows
 
@@ -318,15 +343,21 @@ def write_markdown(path, device, stamp, copy_gbs, rows, reshape_rows, modes):
              f"read + write): **{copy_gbs:.0f} GB/s**.", ""]
     for mode in modes:
         lines += [f"## Routes, {mode}", "",
-                  "| config | precision | pass | native | ours | torch ops | ours vs torch | "
-                  "ours vs native | auto (vs best) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| config | precision | pass | native | ours | torch ops | conv alone | "
+                  "ours vs torch | ceiling vs torch | ours vs native | auto (vs best) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
+            ceiling = r.get(f"ceiling_vs_torch_{mode}")  # runs before it have no conv column
             lines.append(
                 f"| {_label(r)} | {r['precision']} | {r['pass_']} | {r[f'native_{mode}_ms']:.3f} | "
                 f"{r[f'ours_{mode}_ms']:.3f} | {r[f'torch_{mode}_ms']:.3f} | "
-                f"{r[f'ours_vs_torch_{mode}']:.2f}x | {r[f'ours_vs_native_{mode}']:.2f}x | "
+                + (f"{r[f'conv_{mode}_ms']:.3f} | " if ceiling else "| ")
+                + f"{r[f'ours_vs_torch_{mode}']:.2f}x | "
+                + (f"{ceiling:.2f}x | " if ceiling else "| ")
+                + f"{r[f'ours_vs_native_{mode}']:.2f}x | "
                 f"{r[f'auto_{mode}']} ({r[f'auto_{mode}_vs_best']:.2f}) |")
         worst_torch = min(r[f"ours_vs_torch_{mode}"] for r in rows)
+        capped = [r for r in rows if r.get(f"ceiling_vs_torch_{mode}", 2) < 1.5]
         worst_auto = max(r[f"auto_{mode}_vs_best"] for r in rows)
         wins = [r for r in rows if r[f"ours_vs_native_{mode}"] > 1]
         lines += ["", f"Targets ({mode}): ours vs torch ops >= 1.5x everywhere: lowest "
@@ -336,6 +367,12 @@ def write_markdown(path, device, stamp, copy_gbs, rows, reshape_rows, modes):
                   + (": " + "; ".join(f"{_label(r)} {r['precision']} {r['pass_']} "
                                       f"{r[f'ours_vs_native_{mode}']:.2f}x" for r in wins)
                      if wins else "") + ".", ""]
+        if capped:
+            lines += [f"In {len(capped)} of {len(rows)} cases the convolution alone leaves "
+                      f"less than 1.5x over torch's route to any reshape route (ceiling < "
+                      f"1.5x): " + "; ".join(f"{_label(r)} {r['precision']} {r['pass_']} "
+                                             f"{r[f'ceiling_vs_torch_{mode}']:.2f}x"
+                                             for r in capped) + ".", ""]
     lines += ["## The reshape kernels alone (CUDA graphs)", "",
               "| op | impl | shape | rate | dtype | layout | MB moved | us | GB/s | of copy | "
               "copy of the same bytes, us | of it |",
@@ -414,11 +451,20 @@ def main(argv=None):
     parser.add_argument("--conv-layout", choices=["auto", "nchw"], default="auto",
                         help="the reshape route's convolution: channels_last where "
                         "torch_bridge.dilated.conv_channels_last says so, or always NCHW")
+    parser.add_argument("--fit", type=pathlib.Path,
+                        help="only print the reshape_wins tables that fit this CSV of routes")
     parser.add_argument("--rescore", type=pathlib.Path,
                         help="only score method='auto' again, with the current rule, in this "
                         "CSV of routes (the times as measured) and rewrite it with its .md and "
                         ".png")
     args = parser.parse_args(argv)
+    if args.fit:
+        rows = read_csv(args.fit)
+        for mode, name in (("graph", "RESHAPE_WINS_GRAPHED"), ("eager", "RESHAPE_WINS_EAGER")):
+            table = fit_rule(rows, mode)
+            print(f"{name} = {{" + "".join(f"\n    {k!r}: {v!r}," for k, v in table.items())
+                  + "\n}")
+        return 0
     if args.rescore:
         return rescore(args.rescore)
     dilated.CONV_CHANNELS_LAST = args.conv_layout == "auto"
@@ -456,8 +502,8 @@ def main(argv=None):
             samples += run_config(config, precision, args.modes, repeats)
             for r in samples[-len(PASSES):]:
                 times = "  ".join(f"{m}: native {r[f'native_{m}_ms']:.3f} ours "
-                                  f"{r[f'ours_{m}_ms']:.3f} torch {r[f'torch_{m}_ms']:.3f}"
-                                  for m in args.modes)
+                                  f"{r[f'ours_{m}_ms']:.3f} torch {r[f'torch_{m}_ms']:.3f} "
+                                  f"conv {r[f'conv_{m}_ms']:.3f}" for m in args.modes)
                 print(f"[{time.time() - started:4.0f}s] round {round_ + 1} {_label(r)} "
                       f"{precision} {r['pass_']:>15}: {times} ms", flush=True)
         rows = median_of_rounds(rounds[:round_ + 1], args.modes)
@@ -468,6 +514,50 @@ def main(argv=None):
     plot(rows, reshape_rows, args.modes, args.out / f"dilated_{slug}.png")
     print(f"done in {time.time() - started:.0f}s", flush=True)
     return 0
+
+
+def fit_rule(rows, mode, tolerance=1.05, most=3):
+    """The table for reshape_wins that fits the rows of a run in one timing: per dtype and
+    gradients recorded, the fewest (C, K, rate, N*H*W) lower bounds (at most `most`, each a
+    measured case's, with or without its N*H*W) under which the reshape route is taken, such
+    that every case runs within `tolerance` of the faster of reshape and native; among those,
+    the least worst case. "both" fits the sum of the two backward passes. Where no set fits,
+    the one whose worst case is best, and a warning."""
+    import itertools
+
+    cases = {}  # (dtype, grads) -> [((C, K, rate, N*H*W), ours ms, native ms)]
+    for r in rows:
+        dtype = {"tf32": "float32", "fp16": "float16"}[r["precision"]]
+        key = (r["C"], r["K"], r["rate"], r["N"] * r["size"] ** 2)
+        times = (r[f"ours_{mode}_ms"], r[f"native_{mode}_ms"])
+        cases.setdefault((dtype, PASS_GRADS[r["pass_"]]), []).append((key, *times))
+    for dtype in ("float32", "float16"):
+        by_key = {}
+        for grads in ("input", "weight"):
+            for key, ours, native in cases.get((dtype, grads), ()):
+                total = by_key.get(key, (0, 0))
+                by_key[key] = (total[0] + ours, total[1] + native)
+        cases[(dtype, "both")] = [(key, *times) for key, times in by_key.items()]
+    table = {}
+    for group, measured in sorted(cases.items(), key=str):
+        candidates = sorted({bound for key, ours, native in measured if ours < native
+                             for bound in (key, (*key[:3], 0))})
+
+        def score(bounds):
+            picked = [ours if any(all(v >= b for v, b in zip(key, bound)) for bound in bounds)
+                      else native for key, ours, native in measured]
+            ratios = [p / min(o, n) for p, (_, o, n) in zip(picked, measured)]
+            return max(ratios) > tolerance, max(ratios), sum(picked)
+
+        subsets = (s for size in range(most + 1)
+                   for s in itertools.combinations(candidates, size))
+        best = min(subsets, key=lambda s: (score(s)[0], len(s), *score(s)[1:]))
+        missed, worst, _ = score(best)
+        if missed:
+            print(f"warning: {group} {mode}: no table within {tolerance}, worst {worst:.3f}")
+        if best:
+            table[group] = best
+    return table
 
 
 def rescore(path):

@@ -127,9 +127,15 @@ def test_dilated_conv2d_gradients(gen, dilation, padding):
     x = _random((2, 3, 7, 8), torch.float64, "cpu", gen).requires_grad_(True)
     w = _random((2, 3, 3, 2), torch.float64, "cpu", gen).requires_grad_(True)
     b = _random((2,), torch.float64, "cpu", gen).requires_grad_(True)
-    assert torch.autograd.gradcheck(
-        lambda x, w, b: tb.dilated_conv2d(x, w, b, dilation=dilation, padding=padding,
-                                          method="reshape"), (x, w, b))
+
+    def route(x, w, b):
+        return tb.dilated_conv2d(x, w, b, dilation=dilation, padding=padding, method="reshape")
+
+    assert torch.autograd.gradcheck(route, (x, w, b))
+    # create_graph: second-order terms through y = space_to_batch(x) included.
+    assert torch.autograd.gradgradcheck(route, (x, w, b))
+    assert torch.autograd.gradcheck(lambda x: route(x, w.detach(), None), (x,))
+    assert torch.autograd.gradcheck(lambda w: route(x.detach(), w, b.detach()), (w,))
 
 
 @pytest.mark.parametrize("dilation, padding", [(2, 2), ((3, 2), "same")])
@@ -149,6 +155,7 @@ def test_dilated_conv2d_mixed_route(gen, monkeypatch, dilation, padding):
     torch.testing.assert_close(out, F.conv2d(x, w, b, padding=padding, dilation=dilation),
                                rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(route, (x, w, b))
+    assert torch.autograd.gradgradcheck(route, (x, w, b))
     torch._dynamo.reset()
     compiled = torch.compile(route, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, w, b), out, rtol=1e-12, atol=1e-12)

@@ -203,11 +203,12 @@ def batch_to_space(y, block, crops=0, *, mixed=False):
 # gradients' times. Two tables, because the two timings disagree: inside a CUDA graph (GPU time)
 # the sub-lattices' plain convolution beats cuDNN's dilated one by more than the two reshapes
 # cost from 64 channels up in fp16, and for the weight gradient in TF32; called eagerly, the
-# route's extra launches and autograd nodes cost host time that only weight gradients at 512
-# channels earn back on that run's host (how much shows through eagerly depends on the host's
-# speed: bench/README.md). The seed's 3 -> 128 channels never win.
+# route's extra launches and autograd nodes cost host time that only weight gradients from 256
+# channels and TF32 forwards of 256 channels at rates from 4 earned back on that run's host (how
+# much shows through eagerly depends on the host's speed: bench/README.md). The seed's 3 -> 128
+# channels never win. `python -m bench.dilated --fit <csv>` prints the tables that fit a run.
 RESHAPE_WINS_GRAPHED = {
-    ("float32", None): ((256, 256, 4, 0),),
+    ("float32", None): ((256, 256, 2, 0),),
     ("float32", "input"): ((2048, 256, 12, 0),),
     ("float32", "weight"): ((64, 64, 2, 0),),
     ("float32", "both"): ((64, 64, 2, 0),),
@@ -217,7 +218,8 @@ RESHAPE_WINS_GRAPHED = {
     ("float16", "both"): ((64, 64, 2, 0),),
 }
 RESHAPE_WINS_EAGER = {
-    ("float32", "weight"): ((512, 512, 2, 0),),
+    ("float32", None): ((256, 256, 4, 65536),),
+    ("float32", "weight"): ((256, 256, 2, 65536), (512, 512, 2, 0)),
     ("float32", "both"): ((512, 512, 2, 0),),
     ("float16", "weight"): ((512, 512, 8, 0),),
 }
