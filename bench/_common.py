@@ -2,6 +2,7 @@
 
 import csv
 import statistics
+import sys
 
 
 def events_ms(run, repeats, reset=None, warmup=3):
@@ -66,3 +67,15 @@ def read_csv(path):
 
     with open(path) as f:
         return [{k: value(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def allow_tf32(tf32):
+    """torch's TF32 switches, and the anchors' own: spconv 2.3.8 and spconv-triton multiply
+    float32 in IEEE fp32 unless their `constants.SPCONV_ALLOW_TF32` is set (read at every call),
+    whatever torch's flags say. A TF32 row runs every implementation in TF32."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    for module in ("spconv.constants", "spconv_triton.constants"):
+        if module in sys.modules:
+            sys.modules[module].SPCONV_ALLOW_TF32 = tf32

@@ -37,7 +37,7 @@ import torch
 
 import torch_bridge as tb
 from bench import masks
-from bench._common import events_ms, graph, read_csv, write_csv
+from bench._common import allow_tf32, events_ms, graph, read_csv, write_csv
 from sbnet_cupy import _launch
 
 # stage: (H, W, C, bottleneck K). T1 convolves K channels at H x W, T2 is the C/K unit.
@@ -203,7 +203,7 @@ def run_spconv(stage, precision, mask_kind, sparsity, repeats, rng):
 
     height, width, channels, bottleneck = STAGES[stage]
     dtype, tf32 = PRECISIONS[precision]
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    allow_tf32(tf32)
     unit = _SubmanifoldBottleneck(spconv, channels, bottleneck).cuda().to(dtype).eval()
     mask_np = (masks.top_left(1, height, width, sparsity) if mask_kind == "topleft"
                else masks.road(rng, 1, height, width, sparsity))

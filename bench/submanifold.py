@@ -2,7 +2,8 @@
 spconv-triton, dense cuDNN and SBNet's block path, measured in the same run.
 
     python -m bench.submanifold [--quick] [--out bench/results] [--repeats N] [--workloads 1 2]
-        [--triton none|some|all] [--stages conv-2 ...] [--precisions tf32 fp16]
+        [--triton none|some|all] [--triton-warmup PROCESSES] [--stages conv-2 ...]
+        [--precisions tf32 fp16]
 
 "ours" is torch_bridge.submanifold with algo "gemm" (gather + cuBLAS), "ours-fused" with algo
 "fused" (one gather + tensor-core kernel).
@@ -28,6 +29,10 @@ implicit-GEMM indice pairs through spconv.pytorch.ops, as its forward in eval mo
 spconv-triton compiles and autotunes its Triton kernels for every new shape (about two minutes
 a stage of workload 1), so by default ("--triton some") it runs on workload 1's conv-5 and
 workload 2's batch 1, in TF32 only; "all" runs it everywhere, "none" (and --quick) nowhere.
+--triton-warmup P first runs every layer shape of the chosen workloads and precisions through
+spconv-triton in P processes at once (its autotuner compiles each candidate kernel one after
+another), then deletes the choices those contending processes made, keeping the compiled
+kernels: the timed process tunes again, on an idle GPU, in seconds.
 --stages and --precisions narrow workload 1 (and --precisions workload 2), so that "all" can be
 run a few stages a call.
 
@@ -52,7 +57,7 @@ import torch
 import torch_bridge.submanifold as ours
 from bench import lidar, masks, res_blocks
 from sbnet_cupy.submanifold import conv_output_shape
-from bench._common import events_ms, graph, write_csv
+from bench._common import allow_tf32, events_ms, graph, write_csv
 
 PRECISIONS = {"tf32": (torch.float32, True), "fp16": (torch.float16, False)}
 TOLERANCE = {"tf32": 2e-2, "fp16": 2e-2, "float64": 1e-9}  # relative L2 error
@@ -148,7 +153,7 @@ def workload1(stage, precision, namespaces, repeats, seed):
     rows = []
     sbnet = res_blocks.run_blocks("T2", stage, 1, precision, "road", SPARSITY, 16, repeats,
                                   numpy.random.default_rng(seed))
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    allow_tf32(tf32)
     base = dict(workload=1, case=stage, batch=1, precision=precision)
     for name, key in (("dense cuDNN", "dense"), ("SBNet blocks", "sparse")):
         for mode in ("eager", "graph"):
@@ -318,7 +323,7 @@ def check_against_numpy(seed):
 
 def workload2(batch, precision, namespaces, repeats, seed, inputs):
     dtype, tf32 = PRECISIONS[precision]
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    allow_tf32(tf32)
     coords, features = inputs
     indices = torch.from_numpy(coords).cuda()
     features = torch.from_numpy(features).cuda().to(dtype)
@@ -393,6 +398,82 @@ def _cached_encoder(net, name, features, indices, shape, batch, base, repeats):
                                                                          repeats))]
 
 
+# --- spconv-triton's autotuning, in parallel ----------------------------------------------
+
+def _triton_layers(workloads, precisions):
+    """(precision, dims, cin, cout, kernel, stride, padding, subm) of every spconv-triton
+    convolution the chosen workloads run: workload 1's 3x3 at each stage's bottleneck width,
+    workload 2's encoder layers (what its autotuner keys on: the kernel, the channels, the
+    dtype; not the number of sites)."""
+    layers = []
+    if 1 in workloads:
+        layers += [(2, k, k, 3, 1, 1, True) for _, _, _, k in res_blocks.STAGES.values()]
+    if 2 in workloads:
+        layers += [(3, m.in_channels, m.out_channels, *(tuple(getattr(m, key)) for key in
+                                                          ("kernel_size", "stride", "padding")),
+                    m.subm)
+                   for m in encoder(ours).modules() if isinstance(m, ours.SparseConvolution)]
+    return [(p, *layer) for p in precisions for layer in dict.fromkeys(layers)]
+
+
+def _triton_layer(layer):
+    """One layer through spconv-triton, forward in eval mode and forward + backward in train
+    mode, on a LiDAR sweep's sites (3D) or a road mask's (2D); what went wrong, or None."""
+    try:
+        _run_triton_layer(layer)
+    except Exception as error:  # reported; the timed run then tunes that layer itself
+        return f"{layer}: {type(error).__name__}: {error}"[:300]
+    return None
+
+
+def _run_triton_layer(layer):
+    import spconv_triton.pytorch as spt
+
+    precision, dims, cin, cout, kernel, stride, padding, subm = layer
+    dtype, tf32 = PRECISIONS[precision]
+    allow_tf32(tf32)
+    if dims == 3:
+        coords, _ = lidar.batch(100, 1)
+        indices, shape = torch.from_numpy(coords).cuda(), list(lidar.GRID)
+        conv = (spt.SubMConv3d(cin, cout, kernel, padding=padding, bias=False) if subm else
+                spt.SparseConv3d(cin, cout, kernel, stride=stride, padding=padding, bias=False))
+    else:
+        height, width, _, _ = res_blocks.STAGES["conv-3"]
+        mask = torch.tensor(masks.road(numpy.random.default_rng(0), 1, height, width, SPARSITY),
+                            device="cuda") > 0.5
+        indices, shape = site_list(mask), [height, width]
+        conv = spt.SubMConv2d(cin, cout, kernel, bias=False)
+    conv = conv.cuda().to(dtype)
+    features = torch.randn(indices.shape[0], cin, device="cuda", dtype=dtype,
+                           requires_grad=True)
+    with torch.no_grad():
+        conv.eval()(spt.SparseConvTensor(features, indices, shape, 1))
+    conv.train()(spt.SparseConvTensor(features, indices, shape, 1)).features.float().sum() \
+        .backward()
+    torch.cuda.synchronize()
+
+
+def warm_triton(processes, workloads, precisions):
+    """Compile spconv-triton's kernels for every layer the run will time, `processes` layers at
+    a time in worker processes, then delete the autotune results they left in Triton's cache
+    (chosen while the workers shared the GPU) and keep the compiled kernels."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    layers = _triton_layers(workloads, precisions)
+    with concurrent.futures.ProcessPoolExecutor(
+            processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for failed in filter(None, pool.map(_triton_layer, layers)):
+            print(f"spconv-triton warm-up failed: {failed}", flush=True)
+    cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.environ.get("TRITON_HOME", os.path.expanduser("~")), ".triton", "cache")
+    tuned = list(pathlib.Path(cache).rglob("*.autotune.json"))
+    for path in tuned:
+        path.unlink()
+    return len(layers), len(tuned)
+
+
 # --- report ------------------------------------------------------------------------------
 
 def table(rows, device, checks):
@@ -451,6 +532,8 @@ def main(argv=None):
     parser.add_argument("--workloads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--triton", choices=["none", "some", "all"], default="some",
                         help="where spconv-triton runs (it autotunes every shape)")
+    parser.add_argument("--triton-warmup", type=int, metavar="PROCESSES",
+                        help="compile spconv-triton's kernels in this many processes first")
     parser.add_argument("--stages", nargs="+", choices=list(res_blocks.STAGES),
                         help="workload 1's stages (default: all; --quick: conv-4)")
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS),
@@ -469,6 +552,11 @@ def main(argv=None):
         return {name: entry for name, entry in namespaces.items()
                 if name != "spconv-triton" or triton == "all" or (triton == "some" and where)}
     started = time.time()
+    if args.triton_warmup and triton != "none" and "spconv-triton" in namespaces:
+        layers, forgotten = warm_triton(args.triton_warmup, args.workloads,
+                                        args.precisions or list(PRECISIONS))
+        print(f"[{time.time() - started:5.0f}s] spconv-triton: {layers} layer shapes compiled, "
+              f"{forgotten} autotune results deleted", flush=True)
     sites, error = check_against_numpy(0)
     checks = (f"encoder on CUDA (float64) vs NumPy backend on a crop of {sites} voxels: "
               f"rel. error {error:.1e}")
