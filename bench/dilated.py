@@ -58,6 +58,7 @@ CONFIGS = ([(128, 3, 128, size, 2) for size in (64, 32, 16)]
 QUICK_CONFIGS = [(128, 3, 128, 64, 2), (16, 256, 256, 64, 8), (1, 2048, 256, 64, 12)]
 PRECISIONS = {"tf32": torch.float32, "fp16": torch.float16}
 PASSES = ("forward", "backward_input", "backward_weight")
+DTYPE_NAMES = {"tf32": "float32", "fp16": "float16"}  # what reshape_wins calls each precision
 ROUTES = ("ours", "torch", "native")
 TIMED = ROUTES + ("conv",)  # and the route's convolution alone
 TOLERANCE = {"tf32": 1e-2, "fp16": 2e-2}  # largest error / largest value, against native
@@ -174,7 +175,7 @@ def score_auto(row, mode):
     """What method="auto" picks for a row's configuration and pass, timed in `mode` ("graph":
     as captured in a CUDA graph), and its time against the faster of reshape and native:
     row[auto_<mode>] and row[auto_<mode>_vs_best]."""
-    precision = {"tf32": "float32", "fp16": "float16"}[row["precision"]]
+    precision = DTYPE_NAMES[row["precision"]]
     wins = dilated.reshape_wins(precision, row["C"], row["K"], row["rate"],
                                 row["N"] * row["size"] ** 2, PASS_GRADS[row["pass_"]],
                                 graphed=mode == "graph")
@@ -357,7 +358,7 @@ def write_markdown(path, device, stamp, copy_gbs, rows, reshape_rows, modes):
                 + f"{r[f'ours_vs_native_{mode}']:.2f}x | "
                 f"{r[f'auto_{mode}']} ({r[f'auto_{mode}_vs_best']:.2f}) |")
         worst_torch = min(r[f"ours_vs_torch_{mode}"] for r in rows)
-        capped = [r for r in rows if r.get(f"ceiling_vs_torch_{mode}", 2) < 1.5]
+        capped = [r for r in rows if r.get(f"ceiling_vs_torch_{mode}", math.inf) < 1.5]
         worst_auto = max(r[f"auto_{mode}_vs_best"] for r in rows)
         wins = [r for r in rows if r[f"ours_vs_native_{mode}"] > 1]
         lines += ["", f"Targets ({mode}): ours vs torch ops >= 1.5x everywhere: lowest "
@@ -527,7 +528,7 @@ def fit_rule(rows, mode, tolerance=1.05, most=3):
 
     cases = {}  # (dtype, grads) -> [((C, K, rate, N*H*W), ours ms, native ms)]
     for r in rows:
-        dtype = {"tf32": "float32", "fp16": "float16"}[r["precision"]]
+        dtype = DTYPE_NAMES[r["precision"]]
         key = (r["C"], r["K"], r["rate"], r["N"] * r["size"] ** 2)
         times = (r[f"ours_{mode}_ms"], r[f"native_{mode}_ms"])
         cases.setdefault((dtype, PASS_GRADS[r["pass_"]]), []).append((key, *times))
@@ -543,16 +544,19 @@ def fit_rule(rows, mode, tolerance=1.05, most=3):
         candidates = sorted({bound for key, ours, native in measured if ours < native
                              for bound in (key, (*key[:3], 0))})
 
-        def score(bounds):
+        def rank(bounds):
+            """(missed, worst case if missed, size, worst case, total time): the sets that fit
+            first, the fewest bounds among them; else the best worst case."""
             picked = [ours if any(all(v >= b for v, b in zip(key, bound)) for bound in bounds)
                       else native for key, ours, native in measured]
-            ratios = [p / min(o, n) for p, (_, o, n) in zip(picked, measured)]
-            return max(ratios) > tolerance, max(ratios), sum(picked)
+            worst = max(p / min(o, n) for p, (_, o, n) in zip(picked, measured))
+            missed = worst > tolerance
+            return missed, worst if missed else 0, len(bounds), worst, sum(picked)
 
         subsets = (s for size in range(most + 1)
                    for s in itertools.combinations(candidates, size))
-        best = min(subsets, key=lambda s: (score(s)[0], len(s), *score(s)[1:]))
-        missed, worst, _ = score(best)
+        best = min(subsets, key=rank)
+        missed, _, _, worst, _ = rank(best)
         if missed:
             print(f"warning: {group} {mode}: no table within {tolerance}, worst {worst:.3f}")
         if best:
