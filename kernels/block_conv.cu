@@ -34,8 +34,11 @@ struct BlockConvArgs {
     int relu_out, zero_outside;
     int paired;             // cout even and dst aligned: two channels written as one access
     int k_groups;           // warp groups of the CTA that split the reduction (blockDim.x / 128)
+    // A group's step from one of its stages to the next, k_groups stages of the reduction, as
+    // taps (step_taps_y rows and step_taps_x columns of the kernel) and channels.
+    int step_taps_y, step_taps_x, step_channels;
 };
-static_assert(sizeof(BlockConvArgs) == 168, "BlockConvArgs must match sbnet_cupy/block_conv.py");
+static_assert(sizeof(BlockConvArgs) == 184, "BlockConvArgs must match sbnet_cupy/block_conv.py");
 
 namespace block_conv_tile {
 constexpr int THREADS = 128;  // a warp group: 4 warps as 2 x 2, each 32 pixels x BN / 2 channels
@@ -53,6 +56,47 @@ template <> struct reads_destination<Add> { static constexpr bool value = true; 
 static __device__ __forceinline__ void group_sync(int group) {
     asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(block_conv_tile::THREADS) : "memory");
 }
+
+// Four (x4) or two (x2) 8 x 4-word matrices of shared memory into registers: lane l gives the
+// address of row l % 8 of matrix l / 8 and receives word l % 4 of row l / 4 of each matrix, the
+// mma.sync fragment layout of a [row][k] tile for TF32 and 16-bit types alike. One instruction a
+// fragment instead of one a word.
+static __device__ __forceinline__ void load_matrices(unsigned (&r)[4], const unsigned* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(row)));
+}
+static __device__ __forceinline__ void load_matrices(unsigned (&r)[2], const unsigned* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"((unsigned)__cvta_generic_to_shared(row)));
+}
+
+// Where a thread's vector sits in the reduction: tap (dy, dx), channel, and r = (dy * kw + dx) *
+// cin + channel. From one of its group's stages to the next without dividing (the step's taps
+// and channels are the launch's).
+struct reduction_cursor {
+    int r, dy, dx, channel;
+
+    __device__ reduction_cursor(int r0, int cin, int kw) : r(r0) {
+        const int tap = cin > 0 ? r0 / cin : 0;  // no channels: no stages either
+        dy = tap / kw;
+        dx = tap - dy * kw;
+        channel = r0 - tap * cin;
+    }
+    __device__ __forceinline__ void advance(const BlockConvArgs& a, int step) {
+        r += step;
+        channel += a.step_channels;
+        const int carry = channel >= a.cin;
+        if (carry) channel -= a.cin;
+        dx += a.step_taps_x + carry;  // < 2 kw: one wrap at most
+        dy += a.step_taps_y;
+        if (dx >= a.kw) {
+            dx -= a.kw;
+            ++dy;
+        }
+    }
+};
 
 // V elements of T as they sit in shared memory: TF32 bit patterns for float (one a word), the
 // raw 16-bit patterns otherwise (two a word, the lower k in the low half).
@@ -114,6 +158,9 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     constexpr bool ASYNC = V * sizeof(T) == 16;  // cp.async moves 16 bytes
     constexpr int ACC = 2 * NT * 4;       // accumulators a thread
     static_assert(ACC * THREADS <= GROUP_WORDS, "a group's partial sums fit in its tiles");
+    // Each tile row's source offset kept across the stages where registers allow (16-byte
+    // vectors: four rows a thread), else computed at each stage.
+    constexpr bool KEEP_OFFSETS = A_PASSES <= 4;
     typedef vec_t<T, V> Vec;
     extern __shared__ __align__(16) unsigned block_conv_smem[];
 
@@ -136,6 +183,15 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     const int vec = tid % VECTORS, row0 = tid / VECTORS;
     // Slot i of this group: the A tile [BM][PITCH], then the B tile [BN][PITCH].
     unsigned* const slots = block_conv_smem + group * GROUP_WORDS;
+    // Each lane's row of the ldmatrix loads (load_matrices): A rows wm * 32 + lane % 16, words
+    // lane / 16 * 4 (fragment registers a0..a3); B rows wn * BN / 2 + lane % 8 (+ 8 for the
+    // second n-tile of a pair), words lane / 8 % 2 * 4 (b0, b1).
+    const int a_lane = (wm * 32 + (lane & 15)) * PITCH + (lane >> 4) * 4;
+    const int b_lane = (wn * (BN / 2) + (lane & 7) + (lane >> 4) * 8) * PITCH + (lane >> 3 & 1) * 4;
+    // Where this thread's cp.async copies land in slot 0 (a shared-memory address).
+    const unsigned copy_to = shared_address(slots + row0 * PITCH + vec * V / PER_WORD);
+    const reduction_cursor first(group * BK + vec * V, a.cin, a.kw);
+    const int step = a.k_groups * BK;
 
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const int m = tile / per_block, rest = tile % per_block;
@@ -144,8 +200,10 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
         if (row[0] < 0 || row[0] >= a.n_batch) continue;  // reads zeros, writes nothing
         const side_origin in = side_of(a.in, m, row), out = side_of(a.out, m, row);
 
-        // The source pixel of the top-left tap for each tile row this thread loads.
+        // For each tile row this thread loads: the source pixel of the top-left tap, and its
+        // element offset in src (the taps add (dy * width + dx) * cin).
         int a_h[A_PASSES], a_w[A_PASSES];
+        i64 a_at[KEEP_OFFSETS ? A_PASSES : 1];
         unsigned a_rows = 0;
 #pragma unroll
         for (int i = 0; i < A_PASSES; ++i) {
@@ -153,26 +211,45 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
             const int ph = p / a.out_w;
             a_h[i] = in.h + ph;
             a_w[i] = in.w + p - ph * a.out_w;
+            if constexpr (KEEP_OFFSETS)
+                a_at[i] = ((in.n * a.in.height + a_h[i]) * a.in.width + a_w[i]) * a.cin;
             if (p < pixels) a_rows |= 1u << i;
         }
+        reduction_cursor at = first;  // this group's first stage
+        // Whether tile row i's source pixel for the cursor's tap lies in the image.
+        auto a_valid = [&](int i) {
+            const int h = a_h[i] + at.dy, w = a_w[i] + at.dx;
+            return (a_rows >> i & 1) && (unsigned)h < (unsigned)a.in.height &&
+                   (unsigned)w < (unsigned)a.in.width;
+        };
+        // The tap's part of the source offset (the same for every tile row: KEEP_OFFSETS), and
+        // tile row i's source element.
+        auto tap_offset = [&]() {
+            return KEEP_OFFSETS ? ((i64)at.dy * a.in.width + at.dx) * a.cin + at.channel : 0;
+        };
+        auto a_offset = [&](int i, i64 tap) {
+            if constexpr (KEEP_OFFSETS) return a_at[i] + tap;
+            return ((in.n * a.in.height + a_h[i] + at.dy) * a.in.width + a_w[i] + at.dx) * a.cin +
+                   at.channel;
+        };
 
+        // This thread's first weight row of the tile, and the step to its next.
+        const T* const b_row = weight + (i64)(n0 + row0) * ktotal;
+        const i64 b_pass = (i64)ROWS_PER_PASS * ktotal;
         Vec va[A_PASSES], vb[B_PASSES];
         unsigned a_loaded = 0;
         int channel = 0;
-        auto load = [&](int stage) {
-            const int r = stage * BK + vec * V;
-            const int tap = r / a.cin, dy = tap / a.kw;
-            channel = r - tap * a.cin;
-            const int dx = tap - dy * a.kw;
+        // The register path: the cursor's stage into va, vb; then the next stage.
+        auto load = [&]() {
+            const bool live = at.r < ktotal;
+            const i64 offset = tap_offset();
+            channel = at.channel;
             a_loaded = 0;
 #pragma unroll
             for (int i = 0; i < A_PASSES; ++i) {
-                const int h = a_h[i] + dy, w = a_w[i] + dx;
                 va[i] = Vec{};
-                if (r < ktotal && (a_rows >> i & 1) && h >= 0 && h < a.in.height && w >= 0 &&
-                    w < a.in.width) {
-                    va[i] = *reinterpret_cast<const Vec*>(
-                        src + ((in.n * a.in.height + h) * a.in.width + w) * a.cin + channel);
+                if (live && a_valid(i)) {
+                    va[i] = *reinterpret_cast<const Vec*>(src + a_offset(i, offset));
                     a_loaded |= 1u << i;
                 }
             }
@@ -180,9 +257,10 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
             for (int j = 0; j < B_PASSES; ++j) {
                 const int co = n0 + row0 + j * ROWS_PER_PASS;
                 vb[j] = Vec{};
-                if (r < ktotal && co < a.cout)
-                    vb[j] = *reinterpret_cast<const Vec*>(weight + (i64)co * ktotal + r);
+                if (live && co < a.cout)
+                    vb[j] = *reinterpret_cast<const Vec*>(b_row + j * b_pass + at.r);
             }
+            at.advance(a, step);
         };
         auto store = [&](int buffer) {
             if (a.scale != nullptr) {  // the prologue, on pixels read from the image
@@ -210,52 +288,47 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
                 store_tile(slots + buffer * SLOT_WORDS + (BM + row0 + j * ROWS_PER_PASS) * PITCH,
                            vec * V, vb[j]);
         };
-        // The cp.async path's load and store in one: stage -> slot `buffer`.
-        auto copy = [&](int stage, int buffer) {
-            const int r = stage * BK + vec * V;
-            const int tap = r / a.cin, dy = tap / a.kw;
-            const int c = r - tap * a.cin, dx = tap - dy * a.kw;
-            unsigned* tile = slots + buffer * SLOT_WORDS;
+        // The cp.async path's load and store in one: the cursor's stage -> slot `buffer`; then
+        // the next stage.
+        auto copy = [&](int buffer) {
+            const bool live = at.r < ktotal;
+            const i64 offset = tap_offset();
+            const unsigned tile = copy_to + buffer * SLOT_WORDS * 4;
 #pragma unroll
             for (int i = 0; i < A_PASSES; ++i) {
-                const int h = a_h[i] + dy, w = a_w[i] + dx;
-                const bool valid = r < ktotal && (a_rows >> i & 1) && h >= 0 &&
-                                   h < a.in.height && w >= 0 && w < a.in.width;
-                copy_async16(tile + (row0 + i * ROWS_PER_PASS) * PITCH + vec * V / PER_WORD,
-                             valid ? src + ((in.n * a.in.height + h) * a.in.width + w) * a.cin + c
-                                   : src,
-                             valid);
+                const bool valid = live && a_valid(i);
+                copy_async16(tile + i * ROWS_PER_PASS * PITCH * 4,
+                             valid ? src + a_offset(i, offset) : src, valid);
             }
 #pragma unroll
             for (int j = 0; j < B_PASSES; ++j) {
-                const int co = n0 + row0 + j * ROWS_PER_PASS;
-                const bool valid = r < ktotal && co < a.cout;
-                copy_async16(tile + (BM + row0 + j * ROWS_PER_PASS) * PITCH + vec * V / PER_WORD,
-                             valid ? weight + (i64)co * ktotal + r : weight, valid);
+                const bool valid = live && n0 + row0 + j * ROWS_PER_PASS < a.cout;
+                copy_async16(tile + (BM + j * ROWS_PER_PASS) * PITCH * 4,
+                             valid ? b_row + j * b_pass + at.r : weight, valid);
             }
+            at.advance(a, step);
         };
         float acc[2][NT][4] = {};
-        // The MMAs of one stage, from slot `buffer`.
+        // The MMAs of one stage, from slot `buffer`: fragments through ldmatrix (load_matrices).
         auto multiply = [&](int buffer) {
-            const unsigned* ta = slots + buffer * SLOT_WORDS;
-            const unsigned* tb = ta + BM * PITCH;
+            const unsigned* ta = slots + buffer * SLOT_WORDS + a_lane;
+            const unsigned* tb = slots + buffer * SLOT_WORDS + BM * PITCH + b_lane;
 #pragma unroll
             for (int ks = 0; ks < WORDS / 8; ++ks) {
                 unsigned af[2][4], bf[NT][2];
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    const unsigned* p = ta + (wm * 32 + mt * 16 + g) * PITCH + ks * 8 + t;
-                    af[mt][0] = p[0];
-                    af[mt][1] = p[8 * PITCH];
-                    af[mt][2] = p[4];
-                    af[mt][3] = p[8 * PITCH + 4];
-                }
+                for (int mt = 0; mt < 2; ++mt) load_matrices(af[mt], ta + mt * 16 * PITCH + ks * 8);
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const unsigned* p = tb + (wn * (BN / 2) + nt * 8 + g) * PITCH + ks * 8 + t;
-                    bf[nt][0] = p[0];
-                    bf[nt][1] = p[4];
+                for (int nt = 0; nt + 1 < NT; nt += 2) {
+                    unsigned pair[4];
+                    load_matrices(pair, tb + nt * 8 * PITCH + ks * 8);
+                    bf[nt][0] = pair[0];
+                    bf[nt][1] = pair[1];
+                    bf[nt + 1][0] = pair[2];
+                    bf[nt + 1][1] = pair[3];
                 }
+                if constexpr (NT % 2 == 1)
+                    load_matrices(bf[NT - 1], tb + (NT - 1) * 8 * PITCH + ks * 8);
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -270,24 +343,24 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
             constexpr int AHEAD = block_conv_tile::SLOTS - 1;
 #pragma unroll
             for (int i = 0; i < AHEAD; ++i) {
-                if (i < mine) copy(group + i * a.k_groups, i);
+                if (i < mine) copy(i);
                 copy_async_commit();  // empty groups too: the wait below counts groups
             }
-            for (int i = 0; i < mine; ++i) {
+            // Stage i sits in slot i % SLOTS, which the copy of stage i + AHEAD takes next.
+            for (int i = 0, slot = 0; i < mine; ++i, slot = slot == AHEAD ? 0 : slot + 1) {
                 copy_async_wait<AHEAD - 1>();  // this thread's copies of stage i have landed
                 group_sync(group);             // everyone's, and slot (i - 1) is free again
-                if (i + AHEAD < mine)
-                    copy(group + (i + AHEAD) * a.k_groups, (i + AHEAD) % block_conv_tile::SLOTS);
+                if (i + AHEAD < mine) copy(slot == 0 ? AHEAD : slot - 1);
                 copy_async_commit();
-                multiply(i % block_conv_tile::SLOTS);
+                multiply(slot);
             }
             copy_async_wait<0>();
         } else {
-            if (mine > 0) load(group);
+            if (mine > 0) load();
             for (int i = 0; i < mine; ++i) {
                 store(i & 1);
                 group_sync(group);
-                if (i + 1 < mine) load(group + (i + 1) * a.k_groups);  // in flight during the MMAs
+                if (i + 1 < mine) load();  // in flight during the MMAs
                 multiply(i & 1);
             }
         }

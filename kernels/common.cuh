@@ -292,12 +292,17 @@ template <> struct tensor_core_mma<bfloat16_t> {
 
 // 16 bytes from global to shared memory without passing through registers; zeros (and no read)
 // when !valid.
-static __device__ __forceinline__ void copy_async16(unsigned* dst, const void* src, bool valid) {
-    unsigned long long shared;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(shared) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)shared), "l"(src),
+// dst as a shared-memory address (shared_address), which a loop can keep and step.
+static __device__ __forceinline__ void copy_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                  "r"(valid ? 16 : 0)
                  : "memory");
+}
+static __device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+static __device__ __forceinline__ void copy_async16(unsigned* dst, const void* src, bool valid) {
+    copy_async16(shared_address(dst), src, valid);
 }
 static __device__ __forceinline__ void copy_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");

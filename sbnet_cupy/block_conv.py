@@ -18,7 +18,7 @@ from collections import namedtuple
 from . import _checks, _kernels, _launch
 
 # kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 4 ints.
-BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i4i", 168)
+BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i7i", 184)
 # As block_conv_tile in the kernel: threads of a warp group, output pixels a tile, words of the
 # reduction a stage, words a shared-memory tile row, stages a warp group keeps in shared memory.
 THREADS, TILE_PIXELS, TILE_WORDS, PITCH, SLOTS = 128, 64, 32, 36, 3
@@ -146,12 +146,16 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
     itemsize = _kernels.ITEMSIZES[dtype_name]
     paired = cout % 2 == 0 and _checks.alignment(dst) % (2 * itemsize) == 0
     tiles = rows * per_block
-    groups = k_groups(tiles, math.ceil(kh * kw * cin / (TILE_WORDS * 4 // itemsize)), plan.ctas)
+    stage = TILE_WORDS * 4 // itemsize  # reduction elements a stage
+    groups = k_groups(tiles, math.ceil(kh * kw * cin / stage), plan.ctas)
+    # A group's step from one of its stages to the next, in taps and channels.
+    step_taps, step_channels = divmod(groups * stage, cin) if cin else (0, 0)
     _launch.launch(device, stream, plan.function, (min(tiles, plan.ctas[groups - 1]), 1, 1),
                    (THREADS * groups, 1, 1), groups * plan.group_bytes, BLOCK_CONV_ARGS,
                    (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
                     cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
-                    bool(zero_outside), paired, groups), dependent=True)
+                    bool(zero_outside), paired, groups, *divmod(step_taps, kw), step_channels),
+                   dependent=True)
 
 
 def launch_conv(device, stream, dtype_name, x, y, weight, bias, indices, counts, rows, x_shape,
