@@ -575,7 +575,9 @@ def rescore(path):
             score_auto(row, mode)
     copy_gbs = statistics.median(r["GBs"] / r["of_copy"] for r in reshape_rows)
     device = path.stem.removeprefix("dilated_").replace("_", " ")
+    # How the run was measured, without an earlier rescore's clause (replaced, not stacked).
     measured = path.with_suffix(".md").read_text().splitlines()[2].split(". Median ms")[0]
+    measured = measured.split("; auto scored again on ")[0]
     write_csv(rows, path)
     write_markdown(path.with_suffix(".md"), device, f"{measured}; auto scored again on "
                    f"{datetime.date.today()} by `python -m bench.dilated --rescore {path}`",
