@@ -64,12 +64,12 @@ static __device__ __forceinline__ void group_sync(int group) {
 static __device__ __forceinline__ void load_matrices(unsigned (&r)[4], const unsigned* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"((unsigned)__cvta_generic_to_shared(row)));
+                 : "r"(shared_address(row)));
 }
 static __device__ __forceinline__ void load_matrices(unsigned (&r)[2], const unsigned* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1])
-                 : "r"((unsigned)__cvta_generic_to_shared(row)));
+                 : "r"(shared_address(row)));
 }
 
 // Where a thread's vector sits in the reduction: tap (dy, dx), channel, and r = (dy * kw + dx) *
@@ -346,7 +346,8 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
                 if (i < mine) copy(i);
                 copy_async_commit();  // empty groups too: the wait below counts groups
             }
-            // Stage i sits in slot i % SLOTS, which the copy of stage i + AHEAD takes next.
+            // Stage i sits in slot i % SLOTS; the copy of stage i + AHEAD takes slot
+            // (i - 1) % SLOTS, which stage i - 1 left.
             for (int i = 0, slot = 0; i < mine; ++i, slot = slot == AHEAD ? 0 : slot + 1) {
                 copy_async_wait<AHEAD - 1>();  // this thread's copies of stage i have landed
                 group_sync(group);             // everyone's, and slot (i - 1) is free again
