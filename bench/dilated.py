@@ -36,6 +36,7 @@ dilated_<device>.md and dilated_<device>.png.
 
 import argparse
 import datetime
+import itertools
 import math
 import pathlib
 import statistics
@@ -524,8 +525,6 @@ def fit_rule(rows, mode, tolerance=1.05, most=3):
     that every case runs within `tolerance` of the faster of reshape and native; among those,
     the least worst case. "both" fits the sum of the two backward passes. Where no set fits,
     the one whose worst case is best, and a warning."""
-    import itertools
-
     cases = {}  # (dtype, grads) -> [((C, K, rate, N*H*W), ours ms, native ms)]
     for r in rows:
         dtype = DTYPE_NAMES[r["precision"]]

@@ -117,7 +117,7 @@ def run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize, repeat
                method="auto", capacity_factor=None):
     height, width, channels, bottleneck = STAGES[stage]
     dtype, tf32 = PRECISIONS[precision]
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    allow_tf32(tf32)
     if test == "T2":
         module = tb.SparseResBlockBottleneck(channels, bottleneck, bsize_out=bsize, method=method)
         _randomise(module, rng)
@@ -247,7 +247,7 @@ def run_modes(stage, precision, units, repeats, rng):
     CapacityGraphs. Eager runs are timed before anything is compiled."""
     height, width, channels, bottleneck = STAGES[stage]
     dtype, tf32 = PRECISIONS[precision]
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    allow_tf32(tf32)
     bsize = BEST_BLOCK[precision][stage]
     model = tb.SparseResStage(channels, bottleneck, units, bsize_out=bsize)
     _randomise(model, rng)
