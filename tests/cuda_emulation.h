@@ -1,0 +1,237 @@
+// The CUDA features kernels/block_conv.cu uses, emulated on the CPU so that CI (no GPU) runs the
+// kernel's own code: one std::thread a CUDA thread, the CTAs of a grid one after another;
+// __syncthreads and bar.sync as barriers; ldmatrix and mma.sync by exchanging the lanes'
+// registers within a warp, in PTX's fragment layouts; cp.async copies made at their
+// wait_group. tests/cuda_emulation.py puts this in front of the kernel source in place of
+// kernels/common.cuh. It checks what a kernel computes, never how fast or how it schedules: races
+// between warps are the GPU's compute-sanitizer's to find.
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+#include <algorithm>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __restrict__ __restrict
+using std::min;
+using std::max;
+
+struct dim3_ { unsigned x = 0, y = 0, z = 0; };
+thread_local dim3_ threadIdx, blockIdx;
+thread_local dim3_ blockDim, gridDim;
+
+struct Warp {
+    std::barrier<> bar{32};
+    const void* addr[32];
+    unsigned a[32][4], b[32][2];
+};
+struct Cta {
+    unsigned char* smem;
+    std::unique_ptr<std::barrier<>> all;
+    std::vector<std::unique_ptr<std::barrier<>>> groups;  // bar.sync 1.. of 128 threads
+    std::vector<std::unique_ptr<Warp>> warps;
+};
+thread_local Cta* cta;
+struct PendingCopy { unsigned dst; const void* src; bool valid; };
+thread_local std::vector<std::vector<PendingCopy>> copy_groups;  // committed groups, oldest first
+thread_local std::vector<PendingCopy> open_group;
+
+static inline void __syncthreads() { cta->all->arrive_and_wait(); }
+// bar.sync group + 1 of 128 threads: a warp group of block_conv.
+static inline void group_sync(int group) { cta->groups[group]->arrive_and_wait(); }
+static inline Warp& my_warp() { return *cta->warps[threadIdx.x / 32]; }
+static inline int my_lane() { return threadIdx.x % 32; }
+
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+
+typedef long long i64;
+struct half_t { unsigned short bits; };
+struct bfloat16_t { unsigned short bits; };
+template <typename T> struct acc_type { typedef float type; };
+template <> struct acc_type<double> { typedef double type; };
+
+static inline float half_to_float(unsigned short h) {
+    const unsigned sign = (h >> 15) & 1, exp = (h >> 10) & 31, man = h & 1023;
+    float v;
+    if (exp == 0) v = std::ldexp((float)man, -24);
+    else if (exp == 31) v = man ? NAN : INFINITY;
+    else v = std::ldexp((float)(man | 1024), (int)exp - 25);
+    return sign ? -v : v;
+}
+static inline unsigned short float_to_half(float f) {  // nearest, ties to even
+    if (std::isnan(f)) return 0x7e00;
+    const unsigned sign = std::signbit(f) ? 0x8000 : 0;
+    float a = std::fabs(f);
+    if (a >= 65520.f) return sign | 0x7c00;
+    if (a < std::ldexp(1.f, -14)) {  // subnormal
+        const unsigned m = (unsigned)std::nearbyint(a * std::ldexp(1.f, 24));
+        return sign | m;
+    }
+    int e;
+    std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+    const float scaled = std::ldexp(a, 11 - e);  // in [1024, 2048)
+    unsigned m = (unsigned)std::nearbyint(scaled);
+    if (m == 2048) { m = 1024; ++e; }
+    return sign | ((unsigned)(e + 14) << 10) | (m & 1023);
+}
+
+template <typename T> static inline float to_acc(T v) { return (float)v; }
+static inline double to_acc(double v) { return v; }
+static inline float to_acc(half_t v) { return half_to_float(v.bits); }
+static inline float to_acc(bfloat16_t v) { return __uint_as_float((unsigned)v.bits << 16); }
+template <typename T> static inline T from_acc(typename acc_type<T>::type v) { return (T)v; }
+template <> inline half_t from_acc<half_t>(float v) { return {float_to_half(v)}; }
+template <> inline bfloat16_t from_acc<bfloat16_t>(float v) {
+    unsigned u = __float_as_uint(v);
+    u += 0x7fff + ((u >> 16) & 1);
+    return {(unsigned short)(u >> 16)};
+}
+
+static inline void wait_for_previous_kernel() {}
+static inline void allow_next_kernel() {}
+
+template <typename T, int V> struct alignas(sizeof(T) * V) vec_t { T v[V]; };
+struct Assign {};
+struct Add {};
+
+static inline unsigned to_tf32(float v) {
+    unsigned u = __float_as_uint(v);
+    return (u + 0x1000u) & ~0x1fffu;  // nearest, ties away (finite values)
+}
+
+static inline unsigned shared_address(const void* p) {
+    return (unsigned)((const unsigned char*)p - cta->smem);
+}
+static inline void copy_async16(unsigned dst, const void* src, bool valid) {
+    open_group.push_back({dst, src, valid});
+}
+static inline void copy_async16(unsigned* dst, const void* src, bool valid) {
+    copy_async16(shared_address(dst), src, valid);
+}
+static inline void copy_async_commit() {
+    copy_groups.push_back(std::move(open_group));
+    open_group.clear();
+}
+template <int PENDING> static inline void copy_async_wait() {
+    while ((int)copy_groups.size() > PENDING) {
+        for (const PendingCopy& c : copy_groups.front()) {
+            if (c.valid) std::memcpy(cta->smem + c.dst, c.src, 16);
+            else std::memset(cta->smem + c.dst, 0, 16);
+        }
+        copy_groups.erase(copy_groups.begin());
+    }
+}
+
+static inline void load_matrices(unsigned (&r)[4], const unsigned* row) {
+    Warp& w = my_warp();
+    const int lane = my_lane();
+    w.addr[lane] = row;
+    w.bar.arrive_and_wait();
+    for (int j = 0; j < 4; ++j) r[j] = ((const unsigned*)w.addr[j * 8 + lane / 4])[lane % 4];
+    w.bar.arrive_and_wait();
+}
+static inline void load_matrices(unsigned (&r)[2], const unsigned* row) {
+    Warp& w = my_warp();
+    const int lane = my_lane();
+    w.addr[lane] = row;
+    w.bar.arrive_and_wait();
+    for (int j = 0; j < 2; ++j) r[j] = ((const unsigned*)w.addr[j * 8 + lane / 4])[lane % 4];
+    w.bar.arrive_and_wait();
+}
+
+// The tensor cores' products: TF32 operands truncated to 10 mantissa bits (the hardware ignores
+// the low 13 bits); sums in double, stored in the float accumulators.
+static inline double tf32_value(unsigned u) { return (double)__uint_as_float(u & ~0x1fffu); }
+template <typename T> struct tensor_core_mma;
+template <typename T> static inline double lo(unsigned w);
+template <> inline double lo<half_t>(unsigned w) { return half_to_float(w & 0xffff); }
+template <> inline double lo<bfloat16_t>(unsigned w) { return __uint_as_float(w << 16); }
+template <typename T> static inline double hi(unsigned w) { return lo<T>(w >> 16); }
+
+template <typename T> struct mma_16bit {
+    static void run(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+        Warp& w = my_warp();
+        const int lane = my_lane();
+        for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
+        for (int i = 0; i < 2; ++i) w.b[lane][i] = b[i];
+        w.bar.arrive_and_wait();
+        double A[16][16], B[16][8];
+        for (int l = 0; l < 32; ++l) {
+            const int g = l / 4, t = l % 4;
+            const unsigned* x = w.a[l];
+            A[g][2 * t] = lo<T>(x[0]); A[g][2 * t + 1] = hi<T>(x[0]);
+            A[g + 8][2 * t] = lo<T>(x[1]); A[g + 8][2 * t + 1] = hi<T>(x[1]);
+            A[g][2 * t + 8] = lo<T>(x[2]); A[g][2 * t + 9] = hi<T>(x[2]);
+            A[g + 8][2 * t + 8] = lo<T>(x[3]); A[g + 8][2 * t + 9] = hi<T>(x[3]);
+            B[2 * t][g] = lo<T>(w.b[l][0]); B[2 * t + 1][g] = hi<T>(w.b[l][0]);
+            B[2 * t + 8][g] = lo<T>(w.b[l][1]); B[2 * t + 9][g] = hi<T>(w.b[l][1]);
+        }
+        const int g = lane / 4, t = lane % 4;
+        for (int i = 0; i < 4; ++i) {
+            const int r = g + 8 * (i / 2), c = 2 * t + (i % 2);
+            double s = d[i];
+            for (int k = 0; k < 16; ++k) s += A[r][k] * B[k][c];
+            d[i] = (float)s;
+        }
+        w.bar.arrive_and_wait();
+    }
+};
+template <> struct tensor_core_mma<half_t> : mma_16bit<half_t> {};
+template <> struct tensor_core_mma<bfloat16_t> : mma_16bit<bfloat16_t> {};
+template <> struct tensor_core_mma<float> {
+    static void run(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+        Warp& w = my_warp();
+        const int lane = my_lane();
+        for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
+        for (int i = 0; i < 2; ++i) w.b[lane][i] = b[i];
+        w.bar.arrive_and_wait();
+        double A[16][8], B[8][8];
+        for (int l = 0; l < 32; ++l) {
+            const int g = l / 4, t = l % 4;
+            A[g][t] = tf32_value(w.a[l][0]); A[g + 8][t] = tf32_value(w.a[l][1]);
+            A[g][t + 4] = tf32_value(w.a[l][2]); A[g + 8][t + 4] = tf32_value(w.a[l][3]);
+            B[t][g] = tf32_value(w.b[l][0]); B[t + 4][g] = tf32_value(w.b[l][1]);
+        }
+        const int g = lane / 4, t = lane % 4;
+        for (int i = 0; i < 4; ++i) {
+            const int r = g + 8 * (i / 2), c = 2 * t + (i % 2);
+            double s = d[i];
+            for (int k = 0; k < 8; ++k) s += A[r][k] * B[k][c];
+            d[i] = (float)s;
+        }
+        w.bar.arrive_and_wait();
+    }
+};
+
+// Run `kernel` on a grid of `grid` CTAs of `block` threads with `smem` bytes of dynamic shared
+// memory (filled with 0xff bytes: NaN where a kernel reads what no one wrote).
+static void emu_run(int grid, int block, int smem, const std::function<void()>& kernel) {
+    for (int b = 0; b < grid; ++b) {
+        Cta c;
+        std::vector<unsigned char> memory(smem + 16, 0xff);
+        c.smem = memory.data();
+        c.all = std::make_unique<std::barrier<>>(block);
+        for (int g = 0; g < block / 128; ++g) c.groups.push_back(std::make_unique<std::barrier<>>(128));
+        for (int w = 0; w < block / 32; ++w) c.warps.push_back(std::make_unique<Warp>());
+        std::vector<std::thread> threads;
+        for (int t = 0; t < block; ++t) {
+            threads.emplace_back([&, t] {
+                cta = &c;
+                threadIdx.x = t; blockIdx.x = b; blockDim.x = block; gridDim.x = grid;
+                blockIdx.y = blockIdx.z = 0; gridDim.y = gridDim.z = 1;
+                copy_groups.clear(); open_group.clear();
+                kernel();
+            });
+        }
+        for (auto& th : threads) th.join();
+    }
+}

@@ -1,0 +1,92 @@
+"""kernels/block_conv.cu on the CPU (tests/cuda_emulation.h): the kernel's own source, built by
+g++ with the CUDA features it uses emulated, behind sbnet_cupy._launch, so that the host-side
+planning runs as it is (tile widths, warp groups, shared memory) and a launch runs the emulated
+kernel on NumPy arrays. For CI, which has no GPU: what the kernels compute, on small inputs."""
+
+import ctypes
+import hashlib
+import pathlib
+import shutil
+import subprocess
+
+from sbnet_cupy import _kernels, _launch
+
+HEADER = pathlib.Path(__file__).with_name("cuda_emulation.h")
+SHARED_MEMORY_OPTIN = 232448  # an H100's, bytes a CTA may opt into
+
+
+def available():
+    return shutil.which("g++") is not None
+
+
+def _emulated_source(op, names):
+    """kernels/<op>.cu after the header, its dynamic shared memory the emulated CTA's and its
+    inline-PTX helpers dropped for the header's; then one C entry point per name expression."""
+    text = (_kernels._source_dir() / f"{op}.cu").read_text()
+    text = text.replace(f"extern __shared__ __align__(16) unsigned {op}_smem[];",
+                        f"unsigned* {op}_smem = (unsigned*)cta->smem;")
+    for head in ("static __device__ __forceinline__ void group_sync(int group)",
+                 "static __device__ __forceinline__ void load_matrices("):
+        while head in text:
+            start = text.index(head)
+            text = text[:start] + text[text.index("\n}\n", start) + 3:]
+    entries = "".join(
+        f'extern "C" void entry_{i}(const void* args, int grid, int block, int shared) {{\n'
+        f"    Args a;\n    std::memcpy(&a, args, sizeof a);\n"
+        f"    emu_run(grid, block, shared, [&] {{ {name}(a); }});\n}}\n"
+        for i, name in enumerate(names))
+    return HEADER.read_text() + "\n" + text + "\n" + entries
+
+
+def build(op, args_struct, names, folder):
+    """{name expression: C function(args, grid, block, shared bytes)} of kernels/<op>.cu's
+    instantiations `names` (args_struct: the kernels' argument struct), built in `folder`."""
+    source = _emulated_source(op, names).replace("    Args a;", f"    {args_struct} a;")
+    key = hashlib.sha1(source.encode()).hexdigest()[:16]
+    library = pathlib.Path(folder) / f"{op}_{key}.so"
+    if not library.exists():
+        cpp = library.with_suffix(".cpp")
+        cpp.write_text(source)
+        subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
+                        "-Wno-unknown-pragmas", "-o", str(library), str(cpp)], check=True)
+    handle = ctypes.CDLL(str(library))
+    return {name: getattr(handle, f"entry_{i}") for i, name in enumerate(names)}
+
+
+class _Runtime:
+    cudaDevAttrMaxSharedMemoryPerBlockOptin, cudaDevAttrMultiProcessorCount = 1, 2
+
+    def __init__(self, sms):
+        self.sms = sms
+
+    def deviceGetAttribute(self, attribute, device):
+        return SHARED_MEMORY_OPTIN if attribute == 1 else self.sms
+
+
+class _Driver:
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+    def funcSetAttribute(self, *args):
+        pass
+
+    def occupancyMaxActiveBlocksPerMultiprocessor(self, function, threads, shared):
+        return min(2048 // threads, (SHARED_MEMORY_OPTIN + 1024) // (shared + 1024))
+
+
+def install(monkeypatch, entries, sms):
+    """Route sbnet_cupy._launch to the emulated kernels `entries` on a GPU of `sms` SMs; returns
+    the list that each launch appends (name expression, CTAs, threads, shared bytes) to."""
+    launched = []
+
+    def launch(device, stream, kernel, grid, block, shared, arguments, values, dependent=False):
+        packed = ctypes.create_string_buffer(arguments.size)
+        arguments.pack_into(packed, 0, *values)
+        launched.append((kernel, grid[0], block[0], shared))
+        entries[kernel](packed, grid[0], block[0], shared)
+
+    monkeypatch.setattr(_launch, "runtime", _Runtime(sms))
+    monkeypatch.setattr(_launch, "driver", _Driver())
+    monkeypatch.setattr(_launch, "function",
+                        lambda device, op, kernel, *args: _kernels.name_expression(kernel, *args))
+    monkeypatch.setattr(_launch, "launch", launch)
+    return launched

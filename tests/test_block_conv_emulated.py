@@ -1,0 +1,153 @@
+"""The block convolution kernels (kernels/block_conv.cu) run on the CPU through
+tests/cuda_emulation: the kernels' own code, with the CUDA features they use emulated, behind
+the real launch planning, against dense references written from the definition. So CI, which
+has no GPU, checks what the kernels compute; test_block_conv.py runs the same cases (and more)
+on a GPU."""
+
+import numpy
+import pytest
+
+import cuda_emulation
+import reference
+from axes import random_array
+from sbnet_cupy import block_conv
+from test_block_conv import TOLERANCE, _assert_close, _block_list, _written
+
+pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
+
+TOLERANCE = {**TOLERANCE, "bfloat16": 8e-3}
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    return cuda_emulation.build("block_conv", "BlockConvArgs", block_conv.instantiations(),
+                                tmp_path_factory.mktemp("emulated"))
+
+
+@pytest.fixture
+def launched(monkeypatch, kernels):
+    """Launches go to the emulated kernels on a GPU of 3 SMs (few CTAs: each loops over several
+    tiles, and few tiles split their reduction over warp groups); the plans made for it are
+    dropped after the test."""
+    caches = (block_conv._plan, block_conv._tile_channels)
+    for cache in caches:
+        cache.cache_clear()
+    yield cuda_emulation.install(monkeypatch, kernels, sms=3)
+    for cache in caches:
+        cache.cache_clear()
+
+
+def _storage(dtype):
+    """NumPy storage of a kernel dtype (bfloat16 as its upper 16 bits of float32) and back."""
+    if dtype == "bfloat16":
+        return (lambda a: (numpy.asarray(a, numpy.float32).view(numpy.uint32) >> 16)
+                .astype(numpy.uint16),
+                lambda a: (a.astype(numpy.uint32) << 16).view(numpy.float32))
+    return lambda a: numpy.asarray(a, dtype), lambda a: a.astype(numpy.float64)
+
+
+def _conv(dtype, x, w, bias, indices, count, params, y, *, scale=None, shift=None,
+          relu_out=False, op="Assign"):
+    """One block_conv launch on NumPy arrays: x [N, H, W, cin] -> y [N, H, W, cout] on the
+    listed blocks of `params` (a stride-1 'same' convolution, w HWIO)."""
+    store, _ = _storage(dtype)
+    x, weight = store(x), store(numpy.ascontiguousarray(w.transpose(3, 0, 1, 2)))
+    kernel_size = w.shape[:2]
+    arrays = [x, weight, indices, count, bias, scale, shift]
+    address = [0 if a is None else a.ctypes.data for a in arrays]
+    block_conv.launch_block_conv(
+        0, 0, dtype, address[0], y.ctypes.data, address[1], address[2], address[3],
+        len(indices), x.shape[0], x.shape[3], y.shape[3], kernel_size, params.bsize_out,
+        block_conv.image_side(x.shape[1], x.shape[2], params.boffset, params.bstrides),
+        block_conv.image_side(y.shape[1], y.shape[2], (0, 0), params.bsize_out),
+        bias=address[4], scale=address[5], shift=address[6], relu_out=relu_out, op=op)
+
+
+def _case(rng, dtype, cin, cout, kernel, bsize_out, shape, *, op="Assign", prologue=False,
+          relu_out=False, n_blocks=4, padding_rows=2):
+    import sbnet_cupy
+
+    kernel_dtype = numpy.float32 if dtype == "bfloat16" else numpy.dtype(dtype)
+    store, load = _storage(dtype)
+    x = random_array(rng, shape + (cin,), kernel_dtype)
+    w = random_array(rng, (kernel, kernel, cin, cout), kernel_dtype)
+    bias = random_array(rng, (cout,), numpy.float32)
+    scale = shift = None
+    if prologue:
+        scale = random_array(rng, (cin,), numpy.float32) / 4
+        shift = random_array(rng, (cin,), numpy.float32) / 4
+    params = sbnet_cupy.calc_block_params(shape[1:], tuple(b + kernel - 1 for b in bsize_out),
+                                          (kernel, kernel))
+    indices, count = _block_list(rng, shape[0], params.bcount, n_blocks, padding_rows)
+    base = random_array(rng, shape + (cout,), kernel_dtype)
+    y = store(base).copy() if op == "Add" else numpy.full(shape + (cout,), numpy.nan,
+                                                          kernel_dtype)
+    if dtype == "bfloat16" and op != "Add":
+        y = numpy.full(shape + (cout,), 0x7fc0, numpy.uint16)  # NaN
+    _conv(dtype, x, w, bias, indices, count, params, y, scale=scale, shift=shift,
+          relu_out=relu_out, op=op)
+    source = x.astype(numpy.float64)
+    if prologue:
+        source = numpy.maximum(source * scale + shift, 0)
+    want = reference.conv2d_same(source, w) + bias
+    if relu_out:
+        want = numpy.maximum(want, 0)
+    if op == "Add":
+        want += base
+    written = _written(indices, int(count[0]), shape, params.bsize_out)
+    got = load(y)
+    assert written.any()
+    _assert_close(got[written], want[written], TOLERANCE[numpy.dtype(kernel_dtype).type]
+                  if dtype != "bfloat16" else TOLERANCE["bfloat16"])
+    if op == "Add":
+        numpy.testing.assert_array_equal(got[~written], load(store(base))[~written])
+    else:
+        assert numpy.isnan(got[~written]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("cin, cout, kernel, bsize_out", [
+    (3, 5, 3, (16, 16)), (8, 16, 3, (6, 10)), (24, 24, 3, (16, 16)), (33, 40, 5, (7, 7)),
+    (96, 64, 3, (34, 6)), (6, 70, 1, (8, 8))])
+def test_conv_equals_dense(rng, launched, dtype, cin, cout, kernel, bsize_out):
+    """Every kind of launch: 16-byte vectors through cp.async and narrower ones through
+    registers, 1x1 / 3x3 / 5x5, odd channel counts, part tiles of pixels and channels, rows
+    outside the batch and padding rows past the count."""
+    _case(rng, dtype, cin, cout, kernel, bsize_out, (2, 23, 37))
+    assert launched and all(name.startswith("block_conv<") for name, *_ in launched)
+
+
+@pytest.mark.parametrize("op", ["Assign", "Add"])
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_prologue_relu_and_add(rng, launched, op, kernel):
+    """The affine + ReLU on load (registers path), ReLU on the output, and adding into y."""
+    _case(rng, "float16", 16, 24, kernel, (8, 8), (1, 19, 21), op=op, prologue=True,
+          relu_out=True)
+
+
+def test_bfloat16(rng, launched):
+    _case(rng, "bfloat16", 16, 24, 3, (8, 8), (1, 19, 21))
+
+
+def test_reduction_split_over_warp_groups(rng, launched):
+    """Two blocks of one tile each on 3 SMs: the launch splits the 3x3's 432-element reduction
+    over warp groups, whose sums group 0 adds."""
+    _case(rng, "float32", 48, 32, 3, (8, 8), (1, 16, 16), n_blocks=2, padding_rows=0)
+    (name, grid, block, shared), = launched
+    assert block > block_conv.THREADS
+
+
+@pytest.mark.parametrize("count", [0, 9])
+def test_count_zero_and_past_the_rows(rng, launched, count):
+    import sbnet_cupy
+
+    shape = (1, 20, 30)
+    x = random_array(rng, shape + (8,), numpy.float32)
+    w = random_array(rng, (3, 3, 8, 8), numpy.float32)
+    params = sbnet_cupy.calc_block_params(shape[1:], (10, 10), (3, 3))
+    indices = numpy.array([(0, 0, 0), (0, 1, 2), (0, 2, 1)], numpy.int32)
+    y = numpy.full(shape + (8,), numpy.nan, numpy.float32)
+    _conv("float32", x, w, None, indices, numpy.array([count], numpy.int32), params, y)
+    written = _written(indices, min(count, 3), shape, params.bsize_out)
+    _assert_close(y[written], reference.conv2d_same(x, w)[written], 1e-5)
+    assert numpy.isnan(y[~written]).all()
