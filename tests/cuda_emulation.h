@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 #include <algorithm>
@@ -20,6 +21,9 @@
 #define __forceinline__ inline
 #define __launch_bounds__(x)
 #define __restrict__ __restrict
+#define __align__(n) __attribute__((aligned(n)))
+// The CTAs of a grid run one after another, so a static local is what one CTA's threads share.
+#define __shared__ static
 using std::min;
 using std::max;
 
@@ -32,6 +36,10 @@ struct Warp {
     const void* addr[32];
     unsigned a[32][4], b[32][2];
 };
+// Dynamic shared memory, in the library's static storage like the kernels' static __shared__
+// arrays: a 32-bit shared-space address is then an offset from it (a signed one: the static
+// arrays may lie below it).
+alignas(16) static unsigned char dynamic_shared[256 * 1024];
 struct Cta {
     unsigned char* smem;
     std::unique_ptr<std::barrier<>> all;
@@ -48,6 +56,30 @@ static inline void __syncthreads() { cta->all->arrive_and_wait(); }
 static inline void group_sync(int group) { cta->groups[group]->arrive_and_wait(); }
 static inline Warp& my_warp() { return *cta->warps[threadIdx.x / 32]; }
 static inline int my_lane() { return threadIdx.x % 32; }
+
+static inline unsigned __ballot_sync(unsigned, int predicate) {
+    Warp& w = my_warp();
+    const int lane = my_lane();
+    w.a[lane][0] = predicate != 0;
+    w.bar.arrive_and_wait();
+    unsigned ballot = 0;
+    for (int l = 0; l < 32; ++l) ballot |= w.a[l][0] << l;
+    w.bar.arrive_and_wait();
+    return ballot;
+}
+static inline int __popc(unsigned v) { return __builtin_popcount(v); }
+static inline int __ffs(int v) { return __builtin_ffs(v); }
+static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+template <typename T> static inline T atomicAdd(T* p, T v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+template <typename T> static inline T atomicOr(T* p, T v) {
+    return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
+}
+template <typename T> static inline T atomicCAS(T* p, T expected, T desired) {
+    __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return expected;
+}
 
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -109,7 +141,7 @@ static inline unsigned to_tf32(float v) {
 }
 
 static inline unsigned shared_address(const void* p) {
-    return (unsigned)((const unsigned char*)p - cta->smem);
+    return (unsigned)(int)((const unsigned char*)p - dynamic_shared);
 }
 static inline void copy_async16(unsigned dst, const void* src, bool valid) {
     open_group.push_back({dst, src, valid});
@@ -124,8 +156,9 @@ static inline void copy_async_commit() {
 template <int PENDING> static inline void copy_async_wait() {
     while ((int)copy_groups.size() > PENDING) {
         for (const PendingCopy& c : copy_groups.front()) {
-            if (c.valid) std::memcpy(cta->smem + c.dst, c.src, 16);
-            else std::memset(cta->smem + c.dst, 0, 16);
+            unsigned char* to = dynamic_shared + (int)c.dst;
+            if (c.valid) std::memcpy(to, c.src, 16);
+            else std::memset(to, 0, 16);
         }
         copy_groups.erase(copy_groups.begin());
     }
@@ -212,13 +245,15 @@ template <> struct tensor_core_mma<float> {
     }
 };
 
-// Run `kernel` on a grid of `grid` CTAs of `block` threads with `smem` bytes of dynamic shared
-// memory (filled with 0xff bytes: NaN where a kernel reads what no one wrote).
-static void emu_run(int grid, int block, int smem, const std::function<void()>& kernel) {
-    for (int b = 0; b < grid; ++b) {
+// Run `kernel` on a grid of gx x gy x gz CTAs of `block` threads with `smem` bytes of dynamic
+// shared memory (filled with 0xff bytes: NaN where a kernel reads what no one wrote).
+static void emu_run(int gx, int gy, int gz, int block, int smem,
+                    const std::function<void()>& kernel) {
+    for (int b = 0; b < gx * gy * gz; ++b) {
         Cta c;
-        std::vector<unsigned char> memory(smem + 16, 0xff);
-        c.smem = memory.data();
+        if (smem > (int)sizeof dynamic_shared) throw std::length_error("shared memory");
+        std::memset(dynamic_shared, 0xff, smem);
+        c.smem = dynamic_shared;
         c.all = std::make_unique<std::barrier<>>(block);
         for (int g = 0; g < block / 128; ++g) c.groups.push_back(std::make_unique<std::barrier<>>(128));
         for (int w = 0; w < block / 32; ++w) c.warps.push_back(std::make_unique<Warp>());
@@ -226,8 +261,10 @@ static void emu_run(int grid, int block, int smem, const std::function<void()>& 
         for (int t = 0; t < block; ++t) {
             threads.emplace_back([&, t] {
                 cta = &c;
-                threadIdx.x = t; blockIdx.x = b; blockDim.x = block; gridDim.x = grid;
-                blockIdx.y = blockIdx.z = 0; gridDim.y = gridDim.z = 1;
+                threadIdx.x = t;
+                blockDim.x = block;
+                blockIdx.x = b % gx, blockIdx.y = b / gx % gy, blockIdx.z = b / (gx * gy);
+                gridDim.x = gx, gridDim.y = gy, gridDim.z = gz;
                 copy_groups.clear(); open_group.clear();
                 kernel();
             });

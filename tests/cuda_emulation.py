@@ -1,7 +1,9 @@
-"""kernels/block_conv.cu on the CPU (tests/cuda_emulation.h): the kernel's own source, built by
-g++ with the CUDA features it uses emulated, behind sbnet_cupy._launch, so that the host-side
-planning runs as it is (tile widths, warp groups, shared memory) and a launch runs the emulated
-kernel on NumPy arrays. For CI, which has no GPU: what the kernels compute, on small inputs."""
+"""Kernels of kernels/*.cu on the CPU (tests/cuda_emulation.h): their own source, built by g++
+with the CUDA features they use emulated, behind sbnet_cupy._launch, so that the host-side
+planning runs as it is (tile widths, warp groups, splits, shared memory) and each launch runs
+the emulated kernel on NumPy arrays. For CI, which has no GPU: what the kernels compute, on
+small inputs. The header stands in for kernels/common.cuh, except for split_sum, which is taken
+from it as it is."""
 
 import ctypes
 import hashlib
@@ -19,29 +21,42 @@ def available():
     return shutil.which("g++") is not None
 
 
-def _emulated_source(op, names):
-    """kernels/<op>.cu after the header, its dynamic shared memory the emulated CTA's and its
-    inline-PTX helpers dropped for the header's; then one C entry point per name expression."""
-    text = (_kernels._source_dir() / f"{op}.cu").read_text()
+def _without(text, head):
+    """text without each top-level function that starts with `head` (up to its closing brace
+    at the start of a line)."""
+    while head in text:
+        start = text.index(head)
+        text = text[:start] + text[text.index("\n}\n", start) + 3:]
+    return text
+
+
+def _emulated_source(op, kernels):
+    """The header, common.cuh's split_sum, then kernels/<op>.cu with its dynamic shared memory
+    the emulated CTA's and its inline-PTX helpers dropped for the header's; then one C entry
+    point per kernel (name expression: argument struct)."""
+    folder = _kernels._source_dir()
+    common = (folder / "common.cuh").read_text()
+    split_sum = common[common.index("struct SplitSumArgs {"):]
+    split_sum = split_sum[:split_sum.index("\n}\n", split_sum.index("void split_sum(")) + 3]
+    text = (folder / f"{op}.cu").read_text()
     text = text.replace(f"extern __shared__ __align__(16) unsigned {op}_smem[];",
                         f"unsigned* {op}_smem = (unsigned*)cta->smem;")
     for head in ("static __device__ __forceinline__ void group_sync(int group)",
                  "static __device__ __forceinline__ void load_matrices("):
-        while head in text:
-            start = text.index(head)
-            text = text[:start] + text[text.index("\n}\n", start) + 3:]
+        text = _without(text, head)
     entries = "".join(
-        f'extern "C" void entry_{i}(const void* args, int grid, int block, int shared) {{\n'
-        f"    Args a;\n    std::memcpy(&a, args, sizeof a);\n"
-        f"    emu_run(grid, block, shared, [&] {{ {name}(a); }});\n}}\n"
-        for i, name in enumerate(names))
-    return HEADER.read_text() + "\n" + text + "\n" + entries
+        f'extern "C" void entry_{i}(const void* args, int gx, int gy, int gz, int block,\n'
+        f"                          int shared) {{\n"
+        f"    {struct} a;\n    std::memcpy(&a, args, sizeof a);\n"
+        f"    emu_run(gx, gy, gz, block, shared, [&] {{ {name}(a); }});\n}}\n"
+        for i, (name, struct) in enumerate(kernels.items()))
+    return "\n".join([HEADER.read_text(), split_sum, text, entries])
 
 
-def build(op, args_struct, names, folder):
-    """{name expression: C function(args, grid, block, shared bytes)} of kernels/<op>.cu's
-    instantiations `names` (args_struct: the kernels' argument struct), built in `folder`."""
-    source = _emulated_source(op, names).replace("    Args a;", f"    {args_struct} a;")
+def build(op, kernels, folder):
+    """{name expression: C function(args, grid x, y, z, block, shared bytes)} of kernels/<op>.cu's
+    `kernels` ({name expression: argument struct}), built in `folder`."""
+    source = _emulated_source(op, kernels)
     key = hashlib.sha1(source.encode()).hexdigest()[:16]
     library = pathlib.Path(folder) / f"{op}_{key}.so"
     if not library.exists():
@@ -50,7 +65,7 @@ def build(op, args_struct, names, folder):
         subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
                         "-Wno-unknown-pragmas", "-o", str(library), str(cpp)], check=True)
     handle = ctypes.CDLL(str(library))
-    return {name: getattr(handle, f"entry_{i}") for i, name in enumerate(names)}
+    return {name: getattr(handle, f"entry_{i}") for i, name in enumerate(kernels)}
 
 
 class _Runtime:
@@ -75,14 +90,14 @@ class _Driver:
 
 def install(monkeypatch, entries, sms):
     """Route sbnet_cupy._launch to the emulated kernels `entries` on a GPU of `sms` SMs; returns
-    the list that each launch appends (name expression, CTAs, threads, shared bytes) to."""
+    the list that each launch appends (name expression, grid, threads, shared bytes) to."""
     launched = []
 
     def launch(device, stream, kernel, grid, block, shared, arguments, values, dependent=False):
         packed = ctypes.create_string_buffer(arguments.size)
         arguments.pack_into(packed, 0, *values)
-        launched.append((kernel, grid[0], block[0], shared))
-        entries[kernel](packed, grid[0], block[0], shared)
+        launched.append((kernel, tuple(grid), block[0], shared))
+        entries[kernel](packed, *grid, block[0], shared)
 
     monkeypatch.setattr(_launch, "runtime", _Runtime(sms))
     monkeypatch.setattr(_launch, "driver", _Driver())

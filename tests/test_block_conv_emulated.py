@@ -20,8 +20,9 @@ TOLERANCE = {**TOLERANCE, "bfloat16": 8e-3}
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
-    return cuda_emulation.build("block_conv", "BlockConvArgs", block_conv.instantiations(),
-                                tmp_path_factory.mktemp("emulated"))
+    return cuda_emulation.build(
+        "block_conv", {name: "BlockConvArgs" for name in block_conv.instantiations()},
+        tmp_path_factory.mktemp("emulated"))
 
 
 @pytest.fixture
