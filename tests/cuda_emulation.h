@@ -5,12 +5,13 @@
 // wait_group. tests/cuda_emulation.py puts this in front of the kernel source in place of
 // kernels/common.cuh. It checks what a kernel computes, never how fast or how it schedules: races
 // between warps are the GPU's compute-sanitizer's to find.
+#include <atomic>
 #include <barrier>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <stdexcept>
 #include <thread>
 #include <vector>
 #include <algorithm>
@@ -143,7 +144,16 @@ static inline unsigned to_tf32(float v) {
 static inline unsigned shared_address(const void* p) {
     return (unsigned)(int)((const unsigned char*)p - dynamic_shared);
 }
+// The first misaligned access of a launch, which the GPU would fault on: emu_run returns it.
+static std::atomic<const char*> emu_fault{nullptr};
+static inline void check_aligned(const void* p, const char* what) {
+    const char* none = nullptr;
+    if ((std::uintptr_t)p % 16) emu_fault.compare_exchange_strong(none, what);
+}
+
 static inline void copy_async16(unsigned dst, const void* src, bool valid) {
+    check_aligned(dynamic_shared + (int)dst, "cp.async: shared address not 16-byte aligned");
+    if (valid) check_aligned(src, "cp.async: global address not 16-byte aligned");
     open_group.push_back({dst, src, valid});
 }
 static inline void copy_async16(unsigned* dst, const void* src, bool valid) {
@@ -165,6 +175,7 @@ template <int PENDING> static inline void copy_async_wait() {
 }
 
 static inline void load_matrices(unsigned (&r)[4], const unsigned* row) {
+    check_aligned(row, "ldmatrix: row address not 16-byte aligned");
     Warp& w = my_warp();
     const int lane = my_lane();
     w.addr[lane] = row;
@@ -173,6 +184,7 @@ static inline void load_matrices(unsigned (&r)[4], const unsigned* row) {
     w.bar.arrive_and_wait();
 }
 static inline void load_matrices(unsigned (&r)[2], const unsigned* row) {
+    check_aligned(row, "ldmatrix: row address not 16-byte aligned");
     Warp& w = my_warp();
     const int lane = my_lane();
     w.addr[lane] = row;
@@ -246,12 +258,14 @@ template <> struct tensor_core_mma<float> {
 };
 
 // Run `kernel` on a grid of gx x gy x gz CTAs of `block` threads with `smem` bytes of dynamic
-// shared memory (filled with 0xff bytes: NaN where a kernel reads what no one wrote).
-static void emu_run(int gx, int gy, int gz, int block, int smem,
-                    const std::function<void()>& kernel) {
+// shared memory (filled with 0xff bytes: NaN where a kernel reads what no one wrote); returns
+// the first fault, or null.
+static const char* emu_run(int gx, int gy, int gz, int block, int smem,
+                           const std::function<void()>& kernel) {
+    if (smem > (int)sizeof dynamic_shared) return "more dynamic shared memory than emulated";
+    emu_fault = nullptr;
     for (int b = 0; b < gx * gy * gz; ++b) {
         Cta c;
-        if (smem > (int)sizeof dynamic_shared) throw std::length_error("shared memory");
         std::memset(dynamic_shared, 0xff, smem);
         c.smem = dynamic_shared;
         c.all = std::make_unique<std::barrier<>>(block);
@@ -271,4 +285,5 @@ static void emu_run(int gx, int gy, int gz, int block, int smem,
         }
         for (auto& th : threads) th.join();
     }
+    return emu_fault.load();
 }

@@ -45,10 +45,10 @@ def _emulated_source(op, kernels):
                  "static __device__ __forceinline__ void load_matrices("):
         text = _without(text, head)
     entries = "".join(
-        f'extern "C" void entry_{i}(const void* args, int gx, int gy, int gz, int block,\n'
-        f"                          int shared) {{\n"
+        f'extern "C" const char* entry_{i}(const void* args, int gx, int gy, int gz, int block,\n'
+        f"                                 int shared) {{\n"
         f"    {struct} a;\n    std::memcpy(&a, args, sizeof a);\n"
-        f"    emu_run(gx, gy, gz, block, shared, [&] {{ {name}(a); }});\n}}\n"
+        f"    return emu_run(gx, gy, gz, block, shared, [&] {{ {name}(a); }});\n}}\n"
         for i, (name, struct) in enumerate(kernels.items()))
     return "\n".join([HEADER.read_text(), split_sum, text, entries])
 
@@ -65,7 +65,10 @@ def build(op, kernels, folder):
         subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
                         "-Wno-unknown-pragmas", "-o", str(library), str(cpp)], check=True)
     handle = ctypes.CDLL(str(library))
-    return {name: getattr(handle, f"entry_{i}") for i, name in enumerate(kernels)}
+    entries = {name: getattr(handle, f"entry_{i}") for i, name in enumerate(kernels)}
+    for entry in entries.values():
+        entry.restype = ctypes.c_char_p  # the first fault of the launch, or None
+    return entries
 
 
 class _Runtime:
@@ -97,7 +100,9 @@ def install(monkeypatch, entries, sms):
         packed = ctypes.create_string_buffer(arguments.size)
         arguments.pack_into(packed, 0, *values)
         launched.append((kernel, tuple(grid), block[0], shared))
-        entries[kernel](packed, *grid, block[0], shared)
+        fault = entries[kernel](packed, *grid, block[0], shared)
+        if fault is not None:
+            raise AssertionError(f"{kernel}: {fault.decode()}")
 
     monkeypatch.setattr(_launch, "runtime", _Runtime(sms))
     monkeypatch.setattr(_launch, "driver", _Driver())
