@@ -11,7 +11,7 @@ import cuda_emulation
 import reference
 from axes import random_array
 from sbnet_cupy import block_conv
-from test_block_conv import TOLERANCE, _assert_close, _block_list, _written
+from test_block_conv import TOLERANCE, _assert_close, _block_list, _folded, _written
 
 pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
 
@@ -152,3 +152,37 @@ def test_count_zero_and_past_the_rows(rng, launched, count):
     written = _written(indices, min(count, 3), shape, params.bsize_out)
     _assert_close(y[written], reference.conv2d_same(x, w)[written], 1e-5)
     assert numpy.isnan(y[~written]).all()
+
+
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
+@pytest.mark.parametrize("channels, bottleneck, bsize_out", [
+    (12, 4, (8, 8)), (33, 17, (10, 14)), (96, 24, (16, 16))])
+def test_res_unit_equals_dense(rng, launched, dtype, channels, bottleneck, bsize_out):
+    """SBNet's bottleneck unit as its three launches (launch_res_unit): the bn1 prologue and the
+    out-of-image zeros into a stack, the 3x3 from stack to stack, the last 1x1 added into x."""
+    import sbnet_cupy
+
+    shape = (1, 29, 31)
+    x = (random_array(rng, shape + (channels,), numpy.float32) / 8).astype(dtype)
+    folded, ours = _folded(numpy, rng, channels, bottleneck, dtype)
+    params = sbnet_cupy.calc_block_params_res_block(
+        shape[1:], tuple(b + 2 for b in bsize_out), [(1, 1), (3, 3), (1, 1)])
+    indices, count = _block_list(rng, shape[0], params.bcount, 3, 2)
+    (bh, bw), (oh, ow) = params.bsize, params.bsize_out
+    stacks = (numpy.full((len(indices), bh, bw, bottleneck), numpy.nan, dtype),
+              numpy.full((len(indices), oh, ow, bottleneck), numpy.nan, dtype))
+    ohwi = [numpy.ascontiguousarray(ours[name].transpose(3, 0, 1, 2))
+            for name in ("conv1", "conv2", "conv3")]
+    weights = (*ours["bn1"], ohwi[0], ours["bias1"], ohwi[1], ours["bias2"], ohwi[2])
+    y = x.copy()
+    block_conv.launch_res_unit(0, 0, numpy.dtype(dtype).name, y.ctypes.data, y.ctypes.data,
+                               tuple(a.ctypes.data for a in weights), indices.ctypes.data,
+                               count.ctypes.data, len(indices), x.shape, bottleneck, params,
+                               tuple(a.ctypes.data for a in stacks))
+    assert len(launched) == 3
+    dense = sbnet_cupy.res_block_bottleneck(x.astype(numpy.float64), folded)
+    written = _written(indices, int(count[0]), shape, params.bsize_out)
+    assert written.any() and not written.all()
+    _assert_close(y[written].astype(numpy.float64), dense[written],
+                  3e-3 if dtype == numpy.float32 else 1e-2)
+    numpy.testing.assert_array_equal(y[~written], x[~written])
