@@ -1,10 +1,12 @@
-// The CUDA features kernels/block_conv.cu uses, emulated on the CPU so that CI (no GPU) runs the
-// kernel's own code: one std::thread a CUDA thread, the CTAs of a grid one after another;
-// __syncthreads and bar.sync as barriers; ldmatrix and mma.sync by exchanging the lanes'
-// registers within a warp, in PTX's fragment layouts; cp.async copies made at their
-// wait_group. tests/cuda_emulation.py puts this in front of the kernel source in place of
-// kernels/common.cuh. It checks what a kernel computes, never how fast or how it schedules: races
-// between warps are the GPU's compute-sanitizer's to find.
+// The CUDA features that kernels/block_conv.cu and kernels/submanifold.cu use, emulated on the
+// CPU so that CI (no GPU) runs the kernels' own code: one std::thread a CUDA thread, the CTAs of
+// a grid one after another; __syncthreads and bar.sync as barriers; ldmatrix, mma.sync and
+// __ballot_sync by exchanging the lanes' registers within a warp, in PTX's fragment layouts;
+// cp.async copies made at their wait_group; a misaligned cp.async or ldmatrix address reported
+// as the GPU's fault would be. tests/cuda_emulation.py puts this in front of a kernel source in
+// place of kernels/common.cuh (whose split_sum it takes as it is). It checks what a kernel
+// computes, never how fast or how it schedules: races between warps are the GPU's
+// compute-sanitizer's to find.
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -174,86 +176,73 @@ template <int PENDING> static inline void copy_async_wait() {
     }
 }
 
-static inline void load_matrices(unsigned (&r)[4], const unsigned* row) {
+// ldmatrix .x4 / .x2: lane l gives the address of row l % 8 of matrix l / 8 and receives word
+// l % 4 of row l / 4 of each matrix.
+template <int N> static inline void load_matrices(unsigned (&r)[N], const unsigned* row) {
     check_aligned(row, "ldmatrix: row address not 16-byte aligned");
     Warp& w = my_warp();
     const int lane = my_lane();
     w.addr[lane] = row;
     w.bar.arrive_and_wait();
-    for (int j = 0; j < 4; ++j) r[j] = ((const unsigned*)w.addr[j * 8 + lane / 4])[lane % 4];
-    w.bar.arrive_and_wait();
-}
-static inline void load_matrices(unsigned (&r)[2], const unsigned* row) {
-    check_aligned(row, "ldmatrix: row address not 16-byte aligned");
-    Warp& w = my_warp();
-    const int lane = my_lane();
-    w.addr[lane] = row;
-    w.bar.arrive_and_wait();
-    for (int j = 0; j < 2; ++j) r[j] = ((const unsigned*)w.addr[j * 8 + lane / 4])[lane % 4];
+    for (int j = 0; j < N; ++j) r[j] = ((const unsigned*)w.addr[j * 8 + lane / 4])[lane % 4];
     w.bar.arrive_and_wait();
 }
 
-// The tensor cores' products: TF32 operands truncated to 10 mantissa bits (the hardware ignores
-// the low 13 bits); sums in double, stored in the float accumulators.
-static inline double tf32_value(unsigned u) { return (double)__uint_as_float(u & ~0x1fffu); }
+// The tensor cores' products: one warp's m16n8k(8 * PER) product, PER elements a 32-bit word (1
+// for TF32, 2 for fp16 and bf16, the lower k in the low half). The lanes' fragment words are
+// gathered into A [16][K] and B [K][8] by PTX's layouts (lane 4 g + t holds A rows g and g + 8,
+// k = PER t.. and K / 2 + PER t..; B column g, the same k), and each lane's four accumulators
+// (rows g, g + 8; columns 2 t, 2 t + 1) take the sums, in double, stored as float.
+template <int PER, typename Element>
+static void warp_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                     Element element) {
+    constexpr int K = 8 * PER;
+    Warp& w = my_warp();
+    const int lane = my_lane();
+    for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
+    for (int i = 0; i < 2; ++i) w.b[lane][i] = b[i];
+    w.bar.arrive_and_wait();
+    double A[16][K], B[K][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, t = l % 4;
+        for (int e = 0; e < PER; ++e) {
+            const int k = PER * t + e;
+            A[g][k] = element(w.a[l][0], e);
+            A[g + 8][k] = element(w.a[l][1], e);
+            A[g][k + K / 2] = element(w.a[l][2], e);
+            A[g + 8][k + K / 2] = element(w.a[l][3], e);
+            B[k][g] = element(w.b[l][0], e);
+            B[k + K / 2][g] = element(w.b[l][1], e);
+        }
+    }
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + 8 * (i / 2), c = 2 * t + (i % 2);
+        double s = d[i];
+        for (int k = 0; k < K; ++k) s += A[r][k] * B[k][c];
+        d[i] = (float)s;
+    }
+    w.bar.arrive_and_wait();
+}
+
 template <typename T> struct tensor_core_mma;
-template <typename T> static inline double lo(unsigned w);
-template <> inline double lo<half_t>(unsigned w) { return half_to_float(w & 0xffff); }
-template <> inline double lo<bfloat16_t>(unsigned w) { return __uint_as_float(w << 16); }
-template <typename T> static inline double hi(unsigned w) { return lo<T>(w >> 16); }
-
-template <typename T> struct mma_16bit {
+template <> struct tensor_core_mma<float> {  // TF32: the hardware ignores the low 13 bits
     static void run(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-        Warp& w = my_warp();
-        const int lane = my_lane();
-        for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
-        for (int i = 0; i < 2; ++i) w.b[lane][i] = b[i];
-        w.bar.arrive_and_wait();
-        double A[16][16], B[16][8];
-        for (int l = 0; l < 32; ++l) {
-            const int g = l / 4, t = l % 4;
-            const unsigned* x = w.a[l];
-            A[g][2 * t] = lo<T>(x[0]); A[g][2 * t + 1] = hi<T>(x[0]);
-            A[g + 8][2 * t] = lo<T>(x[1]); A[g + 8][2 * t + 1] = hi<T>(x[1]);
-            A[g][2 * t + 8] = lo<T>(x[2]); A[g][2 * t + 9] = hi<T>(x[2]);
-            A[g + 8][2 * t + 8] = lo<T>(x[3]); A[g + 8][2 * t + 9] = hi<T>(x[3]);
-            B[2 * t][g] = lo<T>(w.b[l][0]); B[2 * t + 1][g] = hi<T>(w.b[l][0]);
-            B[2 * t + 8][g] = lo<T>(w.b[l][1]); B[2 * t + 9][g] = hi<T>(w.b[l][1]);
-        }
-        const int g = lane / 4, t = lane % 4;
-        for (int i = 0; i < 4; ++i) {
-            const int r = g + 8 * (i / 2), c = 2 * t + (i % 2);
-            double s = d[i];
-            for (int k = 0; k < 16; ++k) s += A[r][k] * B[k][c];
-            d[i] = (float)s;
-        }
-        w.bar.arrive_and_wait();
+        warp_mma<1>(d, a, b, [](unsigned w, int) { return (double)__uint_as_float(w & ~0x1fffu); });
     }
 };
-template <> struct tensor_core_mma<half_t> : mma_16bit<half_t> {};
-template <> struct tensor_core_mma<bfloat16_t> : mma_16bit<bfloat16_t> {};
-template <> struct tensor_core_mma<float> {
+template <> struct tensor_core_mma<half_t> {
     static void run(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-        Warp& w = my_warp();
-        const int lane = my_lane();
-        for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
-        for (int i = 0; i < 2; ++i) w.b[lane][i] = b[i];
-        w.bar.arrive_and_wait();
-        double A[16][8], B[8][8];
-        for (int l = 0; l < 32; ++l) {
-            const int g = l / 4, t = l % 4;
-            A[g][t] = tf32_value(w.a[l][0]); A[g + 8][t] = tf32_value(w.a[l][1]);
-            A[g][t + 4] = tf32_value(w.a[l][2]); A[g + 8][t + 4] = tf32_value(w.a[l][3]);
-            B[t][g] = tf32_value(w.b[l][0]); B[t + 4][g] = tf32_value(w.b[l][1]);
-        }
-        const int g = lane / 4, t = lane % 4;
-        for (int i = 0; i < 4; ++i) {
-            const int r = g + 8 * (i / 2), c = 2 * t + (i % 2);
-            double s = d[i];
-            for (int k = 0; k < 8; ++k) s += A[r][k] * B[k][c];
-            d[i] = (float)s;
-        }
-        w.bar.arrive_and_wait();
+        warp_mma<2>(d, a, b, [](unsigned w, int e) {
+            return (double)half_to_float(e ? w >> 16 : w & 0xffff);
+        });
+    }
+};
+template <> struct tensor_core_mma<bfloat16_t> {
+    static void run(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+        warp_mma<2>(d, a, b, [](unsigned w, int e) {
+            return (double)__uint_as_float(e ? w & 0xffff0000u : w << 16);
+        });
     }
 };
 

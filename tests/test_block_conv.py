@@ -109,19 +109,32 @@ def test_sparse_res_block_fused_equals_dense(rng, dtype, channels, bottleneck, b
                                              inplace):
     _poison_pool()
     shape = (2, 41, 53)
-    x = (random_array(rng, shape + (channels,), numpy.float32) / 8).astype(dtype)
-    folded, ours = _folded(cupy, rng, channels, bottleneck, dtype)
-    params = sbnet_cupy.calc_block_params_res_block(
-        shape[1:], tuple(b + 2 for b in bsize_out), [(1, 1), (3, 3), (1, 1)])
-    indices, count = _block_list(rng, shape[0], params.bcount, 4, 2)
+    x, folded, ours, params, indices, count = _res_unit_inputs(
+        cupy, rng, dtype, channels, bottleneck, bsize_out, shape, 4)
     x_d = cupy.asarray(x)
     y = to_numpy(sbnet_cupy.sparse_res_block_bottleneck(
         x_d, cupy.asarray(count), cupy.asarray(indices), params, ours, inplace=inplace,
         method="fused"))
     if inplace:
         assert numpy.array_equal(to_numpy(x_d), y)
+    _check_res_unit(y, x, folded, indices, count, params, dtype)
+
+
+def _res_unit_inputs(xp, rng, dtype, channels, bottleneck, bsize_out, shape, n_blocks):
+    """x, the folded unit (float64, and ours on xp), its block geometry and a block list of
+    n_blocks blocks, bad rows and two padding rows."""
+    x = (random_array(rng, shape + (channels,), numpy.float32) / 8).astype(dtype)
+    folded, ours = _folded(xp, rng, channels, bottleneck, dtype)
+    params = sbnet_cupy.calc_block_params_res_block(
+        shape[1:], tuple(b + 2 for b in bsize_out), [(1, 1), (3, 3), (1, 1)])
+    indices, count = _block_list(rng, shape[0], params.bcount, n_blocks, 2)
+    return x, folded, ours, params, indices, count
+
+
+def _check_res_unit(y, x, folded, indices, count, params, dtype):
+    """y is the dense unit on the counted blocks' output pixels and x elsewhere."""
     dense = sbnet_cupy.res_block_bottleneck(x.astype(numpy.float64), folded)
-    written = _written(indices, int(count[0]), shape, params.bsize_out)
+    written = _written(indices, int(count[0]), x.shape[:3], params.bsize_out)
     assert written.any() and not written.all()
     _assert_close(y[written].astype(numpy.float64), dense[written],
                   3e-3 if dtype == numpy.float32 else 1e-2)

@@ -11,7 +11,8 @@ import cuda_emulation
 import reference
 from axes import random_array
 from sbnet_cupy import block_conv
-from test_block_conv import TOLERANCE, _assert_close, _block_list, _folded, _written
+from test_block_conv import (TOLERANCE, _assert_close, _block_list, _check_res_unit,
+                             _res_unit_inputs, _written)
 
 pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
 
@@ -160,14 +161,8 @@ def test_count_zero_and_past_the_rows(rng, launched, count):
 def test_res_unit_equals_dense(rng, launched, dtype, channels, bottleneck, bsize_out):
     """SBNet's bottleneck unit as its three launches (launch_res_unit): the bn1 prologue and the
     out-of-image zeros into a stack, the 3x3 from stack to stack, the last 1x1 added into x."""
-    import sbnet_cupy
-
-    shape = (1, 29, 31)
-    x = (random_array(rng, shape + (channels,), numpy.float32) / 8).astype(dtype)
-    folded, ours = _folded(numpy, rng, channels, bottleneck, dtype)
-    params = sbnet_cupy.calc_block_params_res_block(
-        shape[1:], tuple(b + 2 for b in bsize_out), [(1, 1), (3, 3), (1, 1)])
-    indices, count = _block_list(rng, shape[0], params.bcount, 3, 2)
+    x, folded, ours, params, indices, count = _res_unit_inputs(
+        numpy, rng, dtype, channels, bottleneck, bsize_out, (1, 29, 31), 3)
     (bh, bw), (oh, ow) = params.bsize, params.bsize_out
     stacks = (numpy.full((len(indices), bh, bw, bottleneck), numpy.nan, dtype),
               numpy.full((len(indices), oh, ow, bottleneck), numpy.nan, dtype))
@@ -180,9 +175,4 @@ def test_res_unit_equals_dense(rng, launched, dtype, channels, bottleneck, bsize
                                count.ctypes.data, len(indices), x.shape, bottleneck, params,
                                tuple(a.ctypes.data for a in stacks))
     assert len(launched) == 3
-    dense = sbnet_cupy.res_block_bottleneck(x.astype(numpy.float64), folded)
-    written = _written(indices, int(count[0]), shape, params.bsize_out)
-    assert written.any() and not written.all()
-    _assert_close(y[written].astype(numpy.float64), dense[written],
-                  3e-3 if dtype == numpy.float32 else 1e-2)
-    numpy.testing.assert_array_equal(y[~written], x[~written])
+    _check_res_unit(y, x, folded, indices, count, params, dtype)
