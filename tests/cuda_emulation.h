@@ -31,6 +31,7 @@ using std::min;
 using std::max;
 
 struct dim3_ { unsigned x = 0, y = 0, z = 0; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
 thread_local dim3_ threadIdx, blockIdx;
 thread_local dim3_ blockDim, gridDim;
 

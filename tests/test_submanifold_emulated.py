@@ -1,6 +1,9 @@
-"""The fused submanifold convolution (kernels/submanifold.cu, submanifold_fused and the split
-sum after it) run on the CPU through tests/cuda_emulation, against the definition: so CI, which
-has no GPU, checks what the kernel computes; test_submanifold.py runs it on a GPU."""
+"""kernels/submanifold.cu run on the CPU through tests/cuda_emulation: the rulebook kernels (the
+hash table, the submanifold query, the strided bitmap, its ranks and scatter) against the NumPy
+backend, and the fused convolution (with the split sum after it) against the definition. So CI,
+which has no GPU, checks what the kernels compute; test_submanifold.py runs them on a GPU."""
+
+import ctypes
 
 import numpy
 import pytest
@@ -8,25 +11,126 @@ import pytest
 import cuda_emulation
 from axes import random_array
 from sbnet_cupy import submanifold
+from test_submanifold import CASES, colliding_keys, random_sites
 
 pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
 
 
+ARGUMENTS = {"submanifold_fused": "FusedArgs", "split_sum": "SplitSumArgs",
+             "submanifold_gather": "GatherArgs"}
+
+
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
-    fused = {name: "FusedArgs" if name.startswith("submanifold_fused") else "SplitSumArgs"
-             for name in submanifold.instantiations()
-             if name.startswith(("submanifold_fused", "split_sum"))}
-    return cuda_emulation.build("submanifold", fused, tmp_path_factory.mktemp("emulated"))
+    return cuda_emulation.build(
+        "submanifold", {name: ARGUMENTS.get(name.split("<")[0], "RuleArgs")
+                        for name in submanifold.instantiations()},
+        tmp_path_factory.mktemp("emulated"))
 
 
 @pytest.fixture
 def launched(monkeypatch, kernels):
     """Launches go to the emulated kernels on a GPU of 2 SMs (few sites then split the taps
-    over CTAs); the plans made for it are dropped after the test."""
+    over CTAs), grid-stride loops over 2 CTAs at most (fewer threads to start); device memory
+    is NumPy's (build_raw's memsets and reads of device ints go to it); the plans made for it
+    are dropped after the test."""
+    monkeypatch.setattr(submanifold, "_MAX_BLOCKS", 2)
+    monkeypatch.setattr(submanifold, "_device_call", lambda device, fn, *args: fn(*args))
+    monkeypatch.setattr(submanifold, "_memset",
+                        lambda address, value, size, stream: ctypes.memset(address, value, size))
+
+    def read_into(host, addresses, stream):
+        host[:] = [ctypes.c_int32.from_address(a).value for a in addresses]
+        return host
+
+    monkeypatch.setattr(submanifold, "_read_into", read_into)
     submanifold._fused_plan.cache_clear()
     yield cuda_emulation.install(monkeypatch, kernels, sms=2)
     submanifold._fused_plan.cache_clear()
+
+
+class _NumpyAlloc:
+    """build_raw's device arrays (int32) as NumPy arrays, filled with 0xab bytes (not zeros:
+    the kernels must write or clear what they read)."""
+
+    @staticmethod
+    def empty(shape, dtype):
+        a = numpy.full(shape, -0x54545455, dtype)
+        return a, a.ctypes.data
+
+    @staticmethod
+    def host(a):
+        return a
+
+
+def _built(coords, shape, batch, kernel, stride, padding, dilation, subm):
+    """The emulated kernels' rulebook (build_raw's Built), the coordinates checked."""
+    geometry = submanifold.rulebook_geometry(coords, shape, batch, kernel, stride, padding,
+                                             dilation, subm)
+    return submanifold.build_raw(_NumpyAlloc(), 0, 0, coords, coords.ctypes.data, *geometry,
+                                 True)
+
+
+def _rulebooks(coords, shape, batch, kernel, stride, padding, dilation, subm):
+    """(the emulated kernels' Built, the NumPy backend's Rulebook) of the same geometry."""
+    built = _built(coords, shape, batch, kernel, stride, padding, dilation, subm)
+    if subm:
+        host = submanifold.submanifold_rulebook(coords, shape, batch, kernel, dilation)
+    else:
+        host = submanifold.strided_rulebook(coords, shape, batch, kernel, stride, padding,
+                                            dilation)
+    return built, host
+
+
+def _assert_same(built, host, subm):
+    numpy.testing.assert_array_equal(built.neighbors, host.neighbors)
+    numpy.testing.assert_array_equal(built.neighbors_t, host.neighbors_t)
+    if not subm:
+        numpy.testing.assert_array_equal(built.out_coords, host.out_coords)
+
+
+@pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rulebook_equals_numpy(rng, launched, case, subm):
+    """Submanifold and strided rulebooks, 1-D to 4-D, even and dilated kernels, one site, no
+    site, a full grid: the hash table's insert and query, and the strided bitmap's marks, ranks
+    and scatter."""
+    batch, shape, n, kernel, stride, padding, dilation = CASES[case]
+    coords = random_sites(rng, batch, shape, n)
+    _assert_same(*_rulebooks(coords, shape, batch, kernel, stride, padding, dilation, subm),
+                 subm)
+
+
+def test_adversarial_collisions(rng, launched):
+    """200 keys that all start probing at the same slot of the hash table (a submanifold
+    rulebook: a strided one on this grid takes the hash-and-sort path, CuPy's sort)."""
+    shape, n = (1000, 999, 998), 200
+    keys = colliding_keys(rng, n, submanifold.table_capacity(n), int(numpy.prod(shape)))
+    coords = numpy.stack(numpy.unravel_index(keys, (1, *shape)), axis=1).astype(numpy.int32)
+    _assert_same(*_rulebooks(coords, shape, 1, 3, 1, 1, 1, True), True)
+
+
+@pytest.mark.parametrize("out_shape, fraction", [((1, 31), 0.5), ((33, 1000), 0.3)],
+                         ids=["one-partial-word", "two-groups"])
+def test_strided_bitmap_ranks_across_words_and_groups(rng, launched, out_shape, fraction):
+    """A strided output grid of one partial bitmap word, and one of two rank_words groups
+    (1024 words each, the last CTA adding up the groups)."""
+    shape = tuple(2 * s for s in out_shape)
+    coords = random_sites(rng, 1, shape, int(fraction * numpy.prod(out_shape)))
+    _assert_same(*_rulebooks(coords, shape, 1, 3, 2, 1, 1, False), False)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([[0, 1, 1], [0, 2, 3], [0, 1, 1]], "duplicate rows, e.g. \\(0, 1, 1\\)"),
+    ([[0, 1, 1], [0, 4, 0]], "row 1 = \\(0, 4, 0\\) is outside"),
+    ([[0, 1, 1], [2, 0, 0]], "row 1 = \\(2, 0, 0\\) is outside")])
+@pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
+def test_bad_coords_rejected(launched, bad, message, subm):
+    """The insert kernel's flags: duplicates and sites outside the grid, raised by the host
+    as a ValueError naming the row."""
+    coords = numpy.array(bad, numpy.int32)
+    with pytest.raises(ValueError, match=message):
+        _built(coords, (4, 5), 2, 3, 2, 1, 1, subm)
 
 
 def _bits(a, dtype):
