@@ -178,3 +178,16 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
                                   atol=tolerance * scale)
     assert [name.split("<")[0] for name, *_ in launched] == (
         ["submanifold_fused", "split_sum"] if scratch else ["submanifold_fused"])
+
+
+@pytest.mark.parametrize("dtype, channels", [(numpy.float32, 5), (numpy.float16, 3),
+                                             (numpy.float16, 16), (numpy.float64, 7)])
+def test_gather_equals_numpy(rng, launched, dtype, channels):
+    """The gemm algorithm's gather: row o of the output is the taps' neighbour rows side by
+    side, zeros for absent ones; 16-, 8-, 4- and 2-byte words as the rows allow."""
+    features = random_array(rng, (40, channels), dtype)
+    neighbors = rng.integers(-1, 40, (9, 33)).astype(numpy.int32)
+    out = numpy.full((33, 9 * channels), numpy.nan, dtype)
+    submanifold.launch_gather(0, 0, features.ctypes.data, out.ctypes.data,
+                              neighbors.ctypes.data, 33, 9, channels * features.itemsize)
+    numpy.testing.assert_array_equal(out, submanifold.gather(features, neighbors))
