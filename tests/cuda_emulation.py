@@ -1,9 +1,9 @@
-"""Kernels of kernels/*.cu on the CPU (tests/cuda_emulation.h): their own source, built by g++
-with the CUDA features they use emulated, behind sbnet_cupy._launch, so that the host-side
-planning runs as it is (tile widths, warp groups, splits, shared memory) and each launch runs
-the emulated kernel on NumPy arrays. For CI, which has no GPU: what the kernels compute, on
-small inputs. The header stands in for kernels/common.cuh, except for split_sum, which is taken
-from it as it is."""
+"""The kernels of kernels/block_conv.cu and kernels/submanifold.cu on the CPU: their own source,
+built by g++ with the CUDA features those two files use emulated (tests/cuda_emulation.h),
+behind sbnet_cupy._launch, so that the host-side planning runs as it is (tile widths, warp
+groups, splits, shared memory) and each launch runs the emulated kernel on NumPy arrays. For
+CI, which has no GPU: what the kernels compute, on small inputs. The header stands in for
+kernels/common.cuh, except for split_sum, which is taken from it as it is."""
 
 import ctypes
 import hashlib

@@ -9,6 +9,7 @@ import pytest
 
 import cuda_emulation
 import reference
+import sbnet_cupy
 from axes import random_array
 from sbnet_cupy import block_conv
 from test_block_conv import (TOLERANCE, _assert_close, _block_list, _check_res_unit,
@@ -67,8 +68,6 @@ def _conv(dtype, x, w, bias, indices, count, params, y, *, scale=None, shift=Non
 
 def _case(rng, dtype, cin, cout, kernel, bsize_out, shape, *, op="Assign", prologue=False,
           relu_out=False, n_blocks=4, padding_rows=2):
-    import sbnet_cupy
-
     kernel_dtype = numpy.float32 if dtype == "bfloat16" else numpy.dtype(dtype)
     store, load = _storage(dtype)
     x = random_array(rng, shape + (cin,), kernel_dtype)
@@ -82,10 +81,8 @@ def _case(rng, dtype, cin, cout, kernel, bsize_out, shape, *, op="Assign", prolo
                                           (kernel, kernel))
     indices, count = _block_list(rng, shape[0], params.bcount, n_blocks, padding_rows)
     base = random_array(rng, shape + (cout,), kernel_dtype)
-    y = store(base).copy() if op == "Add" else numpy.full(shape + (cout,), numpy.nan,
-                                                          kernel_dtype)
-    if dtype == "bfloat16" and op != "Add":
-        y = numpy.full(shape + (cout,), 0x7fc0, numpy.uint16)  # NaN
+    # Added into base, or written over NaN (which the pixels left unwritten keep).
+    y = store(base if op == "Add" else numpy.full(base.shape, numpy.nan, kernel_dtype)).copy()
     _conv(dtype, x, w, bias, indices, count, params, y, scale=scale, shift=shift,
           relu_out=relu_out, op=op)
     source = x.astype(numpy.float64)
@@ -99,8 +96,8 @@ def _case(rng, dtype, cin, cout, kernel, bsize_out, shape, *, op="Assign", prolo
     written = _written(indices, int(count[0]), shape, params.bsize_out)
     got = load(y)
     assert written.any()
-    _assert_close(got[written], want[written], TOLERANCE[numpy.dtype(kernel_dtype).type]
-                  if dtype != "bfloat16" else TOLERANCE["bfloat16"])
+    _assert_close(got[written], want[written],
+                  TOLERANCE["bfloat16" if dtype == "bfloat16" else numpy.dtype(dtype).type])
     if op == "Add":
         numpy.testing.assert_array_equal(got[~written], load(store(base))[~written])
     else:
@@ -141,8 +138,6 @@ def test_reduction_split_over_warp_groups(rng, launched):
 
 @pytest.mark.parametrize("count", [0, 9])
 def test_count_zero_and_past_the_rows(rng, launched, count):
-    import sbnet_cupy
-
     shape = (1, 20, 30)
     x = random_array(rng, shape + (8,), numpy.float32)
     w = random_array(rng, (3, 3, 8, 8), numpy.float32)
