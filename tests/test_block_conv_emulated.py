@@ -70,15 +70,16 @@ def _case(rng, dtype, cin, cout, kernel, bsize_out, shape, *, op="Assign", prolo
           relu_out=False, n_blocks=4, padding_rows=2):
     kernel_dtype = numpy.float32 if dtype == "bfloat16" else numpy.dtype(dtype)
     store, load = _storage(dtype)
+    kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
     x = random_array(rng, shape + (cin,), kernel_dtype)
-    w = random_array(rng, (kernel, kernel, cin, cout), kernel_dtype)
+    w = random_array(rng, (kh, kw, cin, cout), kernel_dtype)
     bias = random_array(rng, (cout,), numpy.float32)
     scale = shift = None
     if prologue:
         scale = random_array(rng, (cin,), numpy.float32) / 4
         shift = random_array(rng, (cin,), numpy.float32) / 4
-    params = sbnet_cupy.calc_block_params(shape[1:], tuple(b + kernel - 1 for b in bsize_out),
-                                          (kernel, kernel))
+    params = sbnet_cupy.calc_block_params(
+        shape[1:], (bsize_out[0] + kh - 1, bsize_out[1] + kw - 1), (kh, kw))
     indices, count = _block_list(rng, shape[0], params.bcount, n_blocks, padding_rows)
     base = random_array(rng, shape + (cout,), kernel_dtype)
     # Added into base, or written over NaN (which the pixels left unwritten keep).
@@ -114,6 +115,20 @@ def test_conv_equals_dense(rng, launched, dtype, cin, cout, kernel, bsize_out):
     outside the batch and padding rows past the count."""
     _case(rng, dtype, cin, cout, kernel, bsize_out, (2, 23, 37))
     assert launched and all(name.startswith("block_conv<") for name, *_ in launched)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_geometries(launched, seed):
+    """Seeded random convolutions: kernels 3x3, 5x5, 3x1, 1x3 and 3x5, output blocks 1 to 19
+    pixels a side, channel counts that are whole 16-byte vectors or not."""
+    rng = numpy.random.default_rng(seed)
+    dtype = ["float32", "float16"][seed % 2]
+    cin = int(rng.integers(1, 13)) * (4 if seed % 3 else 3)
+    kernel = [(3, 3), (5, 5), (3, 1), (1, 3), (3, 5)][seed % 5]
+    bsize_out = tuple(int(b) for b in rng.integers(1, 20, 2))
+    shape = (int(rng.integers(1, 3)), *(int(s) for s in rng.integers(4, 40, 2)))
+    _case(rng, dtype, cin, int(rng.integers(1, 80)), kernel, bsize_out, shape,
+          n_blocks=int(rng.integers(1, 6)), padding_rows=int(rng.integers(0, 3)))
 
 
 @pytest.mark.parametrize("op", ["Assign", "Add"])
