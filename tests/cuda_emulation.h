@@ -3,10 +3,10 @@
 // a grid one after another; __syncthreads and bar.sync as barriers; ldmatrix, mma.sync and
 // __ballot_sync by exchanging the lanes' registers within a warp, in PTX's fragment layouts;
 // cp.async copies made at their wait_group; a misaligned cp.async or ldmatrix address reported
-// as the GPU's fault would be. tests/cuda_emulation.py puts this in front of a kernel source in
-// place of kernels/common.cuh (whose split_sum it takes as it is). It checks what a kernel
-// computes, never how fast or how it schedules: races between warps are the GPU's
-// compute-sanitizer's to find.
+// as the GPU's fault would be. tests/cuda_emulation.py builds kernels/common.cuh and the kernel
+// file without their inline PTX: this file's first part goes before common.cuh, its second part
+// (what needs common.cuh's types) after it. It checks what a kernel computes, never how fast or
+// how it schedules: races between warps are the GPU's compute-sanitizer's to find.
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -45,7 +45,6 @@ struct Warp {
 // arrays may lie below it).
 alignas(16) static unsigned char dynamic_shared[256 * 1024];
 struct Cta {
-    unsigned char* smem;
     std::unique_ptr<std::barrier<>> all;
     std::vector<std::unique_ptr<std::barrier<>>> groups;  // bar.sync 1.. of 128 threads
     std::vector<std::unique_ptr<Warp>> warps;
@@ -84,67 +83,27 @@ template <typename T> static inline T atomicCAS(T* p, T expected, T desired) {
     __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     return expected;
 }
+template <typename T> static inline T atomic_add_float(T* p, T v) {  // float, double
+    T seen, sum;
+    __atomic_load(p, &seen, __ATOMIC_SEQ_CST);
+    do {
+        sum = seen + v;
+    } while (!__atomic_compare_exchange(p, &seen, &sum, false, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST));
+    return seen;
+}
+static inline float atomicAdd(float* p, float v) { return atomic_add_float(p, v); }
+static inline double atomicAdd(double* p, double v) { return atomic_add_float(p, v); }
 
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 
-typedef long long i64;
-struct half_t { unsigned short bits; };
-struct bfloat16_t { unsigned short bits; };
-template <typename T> struct acc_type { typedef float type; };
-template <> struct acc_type<double> { typedef double type; };
-
-static inline float half_to_float(unsigned short h) {
-    const unsigned sign = (h >> 15) & 1, exp = (h >> 10) & 31, man = h & 1023;
-    float v;
-    if (exp == 0) v = std::ldexp((float)man, -24);
-    else if (exp == 31) v = man ? NAN : INFINITY;
-    else v = std::ldexp((float)(man | 1024), (int)exp - 25);
-    return sign ? -v : v;
-}
-static inline unsigned short float_to_half(float f) {  // nearest, ties to even
-    if (std::isnan(f)) return 0x7e00;
-    const unsigned sign = std::signbit(f) ? 0x8000 : 0;
-    float a = std::fabs(f);
-    if (a >= 65520.f) return sign | 0x7c00;
-    if (a < std::ldexp(1.f, -14)) {  // subnormal
-        const unsigned m = (unsigned)std::nearbyint(a * std::ldexp(1.f, 24));
-        return sign | m;
-    }
-    int e;
-    std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
-    const float scaled = std::ldexp(a, 11 - e);  // in [1024, 2048)
-    unsigned m = (unsigned)std::nearbyint(scaled);
-    if (m == 2048) { m = 1024; ++e; }
-    return sign | ((unsigned)(e + 14) << 10) | (m & 1023);
-}
-
-template <typename T> static inline float to_acc(T v) { return (float)v; }
-static inline double to_acc(double v) { return v; }
-static inline float to_acc(half_t v) { return half_to_float(v.bits); }
-static inline float to_acc(bfloat16_t v) { return __uint_as_float((unsigned)v.bits << 16); }
-template <typename T> static inline T from_acc(typename acc_type<T>::type v) { return (T)v; }
-template <> inline half_t from_acc<half_t>(float v) { return {float_to_half(v)}; }
-template <> inline bfloat16_t from_acc<bfloat16_t>(float v) {
-    unsigned u = __float_as_uint(v);
-    u += 0x7fff + ((u >> 16) & 1);
-    return {(unsigned short)(u >> 16)};
-}
-
 static inline void wait_for_previous_kernel() {}
 static inline void allow_next_kernel() {}
 
-template <typename T, int V> struct alignas(sizeof(T) * V) vec_t { T v[V]; };
-struct Assign {};
-struct Add {};
-
-static inline unsigned to_tf32(float v) {
-    unsigned u = __float_as_uint(v);
-    return (u + 0x1000u) & ~0x1fffu;  // nearest, ties away (finite values)
-}
-
-static inline unsigned shared_address(const void* p) {
+// A shared-space address: the offset from the dynamic shared memory.
+static inline unsigned __cvta_generic_to_shared(const void* p) {
     return (unsigned)(int)((const unsigned char*)p - dynamic_shared);
 }
 // The first misaligned access of a launch, which the GPU would fault on: emu_run returns it.
@@ -158,9 +117,6 @@ static inline void copy_async16(unsigned dst, const void* src, bool valid) {
     check_aligned(dynamic_shared + (int)dst, "cp.async: shared address not 16-byte aligned");
     if (valid) check_aligned(src, "cp.async: global address not 16-byte aligned");
     open_group.push_back({dst, src, valid});
-}
-static inline void copy_async16(unsigned* dst, const void* src, bool valid) {
-    copy_async16(shared_address(dst), src, valid);
 }
 static inline void copy_async_commit() {
     copy_groups.push_back(std::move(open_group));
@@ -187,6 +143,75 @@ template <int N> static inline void load_matrices(unsigned (&r)[N], const unsign
     w.bar.arrive_and_wait();
     for (int j = 0; j < N; ++j) r[j] = ((const unsigned*)w.addr[j * 8 + lane / 4])[lane % 4];
     w.bar.arrive_and_wait();
+}
+
+// Run `kernel` on a grid of gx x gy x gz CTAs of `block` threads with `smem` bytes of dynamic
+// shared memory (filled with 0xff bytes: NaN where a kernel reads what no one wrote); returns
+// the first fault, or null.
+static const char* emu_run(int gx, int gy, int gz, int block, int smem,
+                           const std::function<void()>& kernel) {
+    if (smem > (int)sizeof dynamic_shared) return "more dynamic shared memory than emulated";
+    emu_fault = nullptr;
+    for (int b = 0; b < gx * gy * gz; ++b) {
+        Cta c;
+        std::memset(dynamic_shared, 0xff, smem);
+        c.all = std::make_unique<std::barrier<>>(block);
+        for (int g = 0; g < block / 128; ++g) c.groups.push_back(std::make_unique<std::barrier<>>(128));
+        for (int w = 0; w < block / 32; ++w) c.warps.push_back(std::make_unique<Warp>());
+        std::vector<std::thread> threads;
+        for (int t = 0; t < block; ++t) {
+            threads.emplace_back([&, t] {
+                cta = &c;
+                threadIdx.x = t;
+                blockDim.x = block;
+                blockIdx.x = b % gx, blockIdx.y = b / gx % gy, blockIdx.z = b / (gx * gy);
+                gridDim.x = gx, gridDim.y = gy, gridDim.z = gz;
+                copy_groups.clear(); open_group.clear();
+                kernel();
+            });
+        }
+        for (auto& th : threads) th.join();
+    }
+    return emu_fault.load();
+}
+
+// ---- after kernels/common.cuh ----
+// What needs common.cuh's types: its conversions and MMAs that are inline PTX there.
+static inline float half_to_float(unsigned short h) {
+    const unsigned sign = (h >> 15) & 1, exp = (h >> 10) & 31, man = h & 1023;
+    float v;
+    if (exp == 0) v = std::ldexp((float)man, -24);
+    else if (exp == 31) v = man ? NAN : INFINITY;
+    else v = std::ldexp((float)(man | 1024), (int)exp - 25);
+    return sign ? -v : v;
+}
+static inline unsigned short float_to_half(float f) {  // nearest, ties to even
+    if (std::isnan(f)) return 0x7e00;
+    const unsigned sign = std::signbit(f) ? 0x8000 : 0;
+    float a = std::fabs(f);
+    if (a >= 65520.f) return sign | 0x7c00;
+    if (a < std::ldexp(1.f, -14)) {  // subnormal
+        const unsigned m = (unsigned)std::nearbyint(a * std::ldexp(1.f, 24));
+        return sign | m;
+    }
+    int e;
+    std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+    const float scaled = std::ldexp(a, 11 - e);  // in [1024, 2048)
+    unsigned m = (unsigned)std::nearbyint(scaled);
+    if (m == 2048) { m = 1024; ++e; }
+    return sign | ((unsigned)(e + 14) << 10) | (m & 1023);
+}
+
+static inline float to_acc(half_t v) { return half_to_float(v.bits); }
+template <> inline half_t from_acc<half_t>(float v) { return {float_to_half(v)}; }
+template <> inline bfloat16_t from_acc<bfloat16_t>(float v) {  // nearest, ties to even
+    unsigned u = __float_as_uint(v);
+    u += 0x7fff + ((u >> 16) & 1);
+    return {(unsigned short)(u >> 16)};
+}
+static inline unsigned to_tf32(float v) {
+    unsigned u = __float_as_uint(v);
+    return (u + 0x1000u) & ~0x1fffu;  // nearest, ties away (finite values)
 }
 
 // The tensor cores' products: one warp's m16n8k(8 * PER) product, PER elements a 32-bit word (1
@@ -226,7 +251,6 @@ static void warp_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[
     w.bar.arrive_and_wait();
 }
 
-template <typename T> struct tensor_core_mma;
 template <> struct tensor_core_mma<float> {  // TF32: the hardware ignores the low 13 bits
     static void run(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
         warp_mma<1>(d, a, b, [](unsigned w, int) { return (double)__uint_as_float(w & ~0x1fffu); });
@@ -246,34 +270,3 @@ template <> struct tensor_core_mma<bfloat16_t> {
         });
     }
 };
-
-// Run `kernel` on a grid of gx x gy x gz CTAs of `block` threads with `smem` bytes of dynamic
-// shared memory (filled with 0xff bytes: NaN where a kernel reads what no one wrote); returns
-// the first fault, or null.
-static const char* emu_run(int gx, int gy, int gz, int block, int smem,
-                           const std::function<void()>& kernel) {
-    if (smem > (int)sizeof dynamic_shared) return "more dynamic shared memory than emulated";
-    emu_fault = nullptr;
-    for (int b = 0; b < gx * gy * gz; ++b) {
-        Cta c;
-        std::memset(dynamic_shared, 0xff, smem);
-        c.smem = dynamic_shared;
-        c.all = std::make_unique<std::barrier<>>(block);
-        for (int g = 0; g < block / 128; ++g) c.groups.push_back(std::make_unique<std::barrier<>>(128));
-        for (int w = 0; w < block / 32; ++w) c.warps.push_back(std::make_unique<Warp>());
-        std::vector<std::thread> threads;
-        for (int t = 0; t < block; ++t) {
-            threads.emplace_back([&, t] {
-                cta = &c;
-                threadIdx.x = t;
-                blockDim.x = block;
-                blockIdx.x = b % gx, blockIdx.y = b / gx % gy, blockIdx.z = b / (gx * gy);
-                gridDim.x = gx, gridDim.y = gy, gridDim.z = gz;
-                copy_groups.clear(); open_group.clear();
-                kernel();
-            });
-        }
-        for (auto& th : threads) th.join();
-    }
-    return emu_fault.load();
-}

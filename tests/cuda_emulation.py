@@ -2,18 +2,20 @@
 built by g++ with the CUDA features those two files use emulated (tests/cuda_emulation.h),
 behind sbnet_cupy._launch, so that the host-side planning runs as it is (tile widths, warp
 groups, splits, shared memory) and each launch runs the emulated kernel on NumPy arrays. For
-CI, which has no GPU: what the kernels compute, on small inputs. The header stands in for
-kernels/common.cuh, except for split_sum, which is taken from it as it is."""
+CI, which has no GPU: what the kernels compute, on small inputs. kernels/common.cuh is built
+as it is, less its inline PTX, which the header emulates."""
 
 import ctypes
 import hashlib
 import pathlib
+import re
 import shutil
 import subprocess
 
 from sbnet_cupy import _kernels, _launch
 
 HEADER = pathlib.Path(__file__).with_name("cuda_emulation.h")
+_AFTER_COMMON = "// ---- after kernels/common.cuh ----\n"  # the header's second part starts here
 SHARED_MEMORY_OPTIN = 232448  # an H100's, bytes a CTA may opt into
 
 
@@ -21,36 +23,56 @@ def available():
     return shutil.which("g++") is not None
 
 
-def _without(text, head):
-    """text without each top-level function that starts with `head` (up to its closing brace
-    at the start of a line)."""
-    while head in text:
-        start = text.index(head)
-        text = text[:start] + text[text.index("\n}\n", start) + 3:]
-    return text
+_LITERALS = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])\'|//.*')
+
+
+def _without_inline_ptx(text):
+    """text without its top-level definitions that hold inline PTX (`asm`), which the header
+    emulates. A definition ends at a line, outside braces, that ends with ';' or '}'; a
+    preprocessor line (with its continuations) or a blank line stands alone."""
+    kept, pending, depth = [], [], 0
+    lines = iter(text.split("\n"))
+
+    def flush():
+        chunk = "\n".join(pending)
+        if not re.search(r"\basm\b", _LITERALS.sub("", chunk)):
+            kept.append(chunk)
+        pending.clear()
+
+    for line in lines:
+        if depth == 0 and (line.lstrip().startswith("#") or not line.strip()):
+            flush()
+            pending.append(line)
+            while pending[-1].endswith("\\"):
+                pending.append(next(lines))
+            flush()
+            continue
+        pending.append(line)
+        code = _LITERALS.sub("", line).rstrip()
+        depth += code.count("{") - code.count("}")
+        if depth == 0 and code.endswith((";", "}")):
+            flush()
+    flush()
+    return "\n".join(kept)
 
 
 def _emulated_source(op, kernels):
-    """The header, common.cuh's split_sum, then kernels/<op>.cu with its dynamic shared memory
-    the emulated CTA's and its inline-PTX helpers dropped for the header's; then one C entry
-    point per kernel (name expression: argument struct)."""
+    """The header's CUDA features, kernels/common.cuh and kernels/<op>.cu without their inline
+    PTX (the header's emulations of it in between), the kernel's dynamic shared memory the
+    emulated one; then one C entry point per kernel (name expression: argument struct)."""
     folder = _kernels._source_dir()
-    common = (folder / "common.cuh").read_text()
-    split_sum = common[common.index("struct SplitSumArgs {"):]
-    split_sum = split_sum[:split_sum.index("\n}\n", split_sum.index("void split_sum(")) + 3]
-    text = (folder / f"{op}.cu").read_text()
+    features, emulations = HEADER.read_text().split(_AFTER_COMMON)
+    text = _without_inline_ptx((folder / f"{op}.cu").read_text())
     text = text.replace(f"extern __shared__ __align__(16) unsigned {op}_smem[];",
-                        f"unsigned* {op}_smem = (unsigned*)cta->smem;")
-    for head in ("static __device__ __forceinline__ void group_sync(int group)",
-                 "static __device__ __forceinline__ void load_matrices("):
-        text = _without(text, head)
+                        f"unsigned* {op}_smem = (unsigned*)dynamic_shared;")
     entries = "".join(
         f'extern "C" const char* entry_{i}(const void* args, int gx, int gy, int gz, int block,\n'
         f"                                 int shared) {{\n"
         f"    {struct} a;\n    std::memcpy(&a, args, sizeof a);\n"
         f"    return emu_run(gx, gy, gz, block, shared, [&] {{ {name}(a); }});\n}}\n"
         for i, (name, struct) in enumerate(kernels.items()))
-    return "\n".join([HEADER.read_text(), split_sum, text, entries])
+    return "\n".join([features, _without_inline_ptx((folder / "common.cuh").read_text()),
+                      emulations, text, entries])
 
 
 def build(op, kernels, folder):
