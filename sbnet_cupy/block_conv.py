@@ -17,7 +17,7 @@ from collections import namedtuple
 
 from . import _checks, _kernels, _launch
 
-# kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 4 ints.
+# kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 7 ints.
 BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i7i", 184)
 # As block_conv_tile in the kernel: threads of a warp group, output pixels a tile, words of the
 # reduction a stage, words a shared-memory tile row, stages a warp group keeps in shared memory.
