@@ -129,6 +129,90 @@ static __device__ __forceinline__ side_origin side_of(const BlockSide& s, int m,
     return {row[0], s.off_h + s.str_h * row[1], s.off_w + s.str_w * row[2]};
 }
 
+// Epilogue of a tile: bias, ReLU, the out-of-image zeros, and the write or add of its output
+// pixels. Accumulator (mt, nt, 2 * half + e) of the warp (wm, wn) and lane (g, t) is pixel p0 + wm
+// * 32 + mt * 16 + g + 8 * half, channel n0 + wn * BN / 2 + nt * 8 + 2 * t + e. The global reads
+// (the bias; the old outputs where Op adds, 2 * NT pixel pairs at a time) are issued before the
+// writes, which the compiler may not move reads past: one round trip each, not one for each
+// write.
+template <typename T, int BN, typename Op>
+static __device__ __forceinline__ void write_tile(const BlockConvArgs& a,
+                                                  const float (&acc)[2][BN / 16][4], int p0,
+                                                  int n0, const side_origin& in,
+                                                  const side_origin& out, int wm, int wn, int g,
+                                                  int t) {
+    constexpr int NT = BN / 16;
+    T* __restrict__ dst = static_cast<T*>(a.dst);
+    const int pixels = a.out_h * a.out_w;
+    float bias[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+            bias[nt][e] = a.bias != nullptr && co + e < a.cout ? a.bias[co + e] : 0.f;
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        T* pixel[2];  // null where the pixel is past the block or outside the image
+        bool zero[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int p = p0 + wm * 32 + mt * 16 + g + 8 * half;
+            const int ph = p / a.out_w, pw = p - ph * a.out_w;
+            const int dh = out.h + ph, dw = out.w + pw;
+            const int sh = in.h + ph, sw = in.w + pw;
+            pixel[half] =
+                p < pixels && dh >= 0 && dh < a.out.height && dw >= 0 && dw < a.out.width
+                    ? dst + ((out.n * a.out.height + dh) * a.out.width + dw) * a.cout
+                    : nullptr;
+            zero[half] = a.zero_outside &&
+                         (sh < 0 || sh >= a.in.height || sw < 0 || sw >= a.in.width);
+        }
+        vec_t<T, 2> old[2][NT] = {};
+        if constexpr (reads_destination<Op>::value) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+                    const T* at = pixel[half] + co;
+                    if (pixel[half] == nullptr || co >= a.cout) continue;
+                    if (a.paired) {
+                        old[half][nt] = *reinterpret_cast<const vec_t<T, 2>*>(at);
+                    } else {
+                        old[half][nt].v[0] = at[0];
+                        if (co + 1 < a.cout) old[half][nt].v[1] = at[1];
+                    }
+                }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            if (pixel[half] == nullptr) continue;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+                if (co >= a.cout) continue;
+                float v[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    v[e] = acc[mt][nt][2 * half + e] + bias[nt][e];
+                    if (a.relu_out) v[e] = fmaxf(v[e], 0.f);
+                    if (zero[half]) v[e] = 0.f;
+                    v[e] += to_acc(old[half][nt].v[e]);
+                }
+                T* at = pixel[half] + co;
+                if (a.paired) {
+                    *reinterpret_cast<vec_t<T, 2>*>(at) = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
+                } else {
+                    at[0] = from_acc<T>(v[0]);
+                    if (co + 1 < a.cout) at[1] = from_acc<T>(v[1]);
+                }
+            }
+        }
+    }
+}
+
 // Grid: a few CTAs an SM, each looping over the tiles (block, BM output pixels, BN output
 // channels) of the first *count listed blocks, so rows past the count cost nothing. A CTA is
 // k_groups warp groups of THREADS threads: group g reduces stages g, g + k_groups, ... of the
@@ -166,7 +250,6 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
 
     const T* __restrict__ src = static_cast<const T*>(a.src);
     const T* __restrict__ weight = static_cast<const T*>(a.weight);
-    T* __restrict__ dst = static_cast<T*>(a.dst);
     const int pixels = a.out_h * a.out_w;
     const int n_tiles = (a.cout + BN - 1) / BN;
     const int per_block = (pixels + BM - 1) / BM * n_tiles;
@@ -383,80 +466,173 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
                 }
             }
         }
-        if (group == 0) {
-            // Epilogue: accumulator (mt, nt, 2 * half + e) is pixel p0 + wm * 32 + mt * 16 + g +
-            // 8 * half, channel n0 + wn * BN / 2 + nt * 8 + 2 * t + e. The global reads (the
-            // bias; the old outputs where Op adds, 2 * NT pixel pairs at a time) are issued before
-            // the writes, which the compiler may not move reads past: one round trip each, not
-            // one for each write.
-            float bias[NT][2];
+        if (group == 0) write_tile<T, BN, Op>(a, acc, p0, n0, in, out, wm, wn, g, t);
+        __syncthreads();  // the next tile's loads reuse the shared memory
+    }
+}
+
+// block_conv_halo: block_conv's convolution for kernels wider than 1x1 on 16-byte vectors
+// without the prologue, with the reduction staged by channel chunk instead of by 32 words. A
+// tile's source pixels (its output rows plus the kernel's halo, whole rows of the block) and
+// every tap's weights for a chunk of BK channels are copied into shared memory in one batch;
+// each tap's A fragments are then read from the same pixels at the tap's shift (ldmatrix takes a
+// row address from each lane, so the shift costs one add a tap). One round trip of copies a
+// chunk instead of one a stage: T1 conv-2's 24 channels are one chunk where block_conv streams
+// seven stages, and no per-tap address work is left in the loop. Two slots: the next chunk's
+// copies fly during this chunk's MMAs. One warp group a CTA (THREADS threads, warps 2 x 2 as in
+// block_conv); the slot layout is halo_layout's, which sbnet_cupy/block_conv.py mirrors.
+struct halo_layout {
+    int chunk;        // channels a chunk: BK, or cin rounded up to the MMA's k step if smaller
+    int pitch;        // words a shared-memory row: the chunk's words + 4 (conflict-free ldmatrix)
+    int in_w;         // pixels a halo row
+    int pixels;       // halo pixels a tile may need: whole rows of the block, its rows and kh - 1
+    int slot_words;   // the halo, then the weights [taps][BN][pitch]
+
+    template <typename T, int BN>
+    __device__ __forceinline__ static halo_layout of(const BlockConvArgs& a) {
+        constexpr int PER_WORD = 4 / sizeof(T), KSTEP = 8 * PER_WORD;
+        halo_layout l;
+        l.chunk = min(block_conv_tile::WORDS * PER_WORD, (a.cin + KSTEP - 1) / KSTEP * KSTEP);
+        l.pitch = l.chunk / PER_WORD + 4;
+        l.in_w = a.out_w + a.kw - 1;
+        // A tile starts at a multiple of BM: at most out_w - gcd(BM, out_w) pixels into a row.
+        int x = block_conv_tile::BM, y = a.out_w;
+        while (y) {
+            const int r = x % y;
+            x = y;
+            y = r;
+        }
+        const int spanned = (a.out_w - x + block_conv_tile::BM - 1) / a.out_w + 1;
+        l.pixels = (min(a.out_h, spanned) + a.kh - 1) * l.in_w;
+        l.slot_words = (l.pixels + a.kh * a.kw * BN) * l.pitch;
+        return l;
+    }
+};
+
+template <typename T, int BN, typename Op>
+__global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv_halo(const BlockConvArgs a) {
+    using namespace block_conv_tile;
+    constexpr int PER_WORD = 4 / sizeof(T);
+    constexpr int V = 16 / sizeof(T);      // elements a copy
+    constexpr int COPIES = WORDS / 4;      // copies a full chunk row; a thread takes one column
+    constexpr int ROWS_PER_PASS = THREADS / COPIES;
+    constexpr int KSTEP = 8 * PER_WORD;    // elements of one MMA's k
+    constexpr int NT = BN / 16;
+    extern __shared__ __align__(16) unsigned block_conv_smem[];
+
+    const T* __restrict__ src = static_cast<const T*>(a.src);
+    const T* __restrict__ weight = static_cast<const T*>(a.weight);
+    const halo_layout l = halo_layout::of<T, BN>(a);
+    const int pixels = a.out_h * a.out_w;
+    const int n_tiles = (a.cout + BN - 1) / BN;
+    const int per_block = (pixels + BM - 1) / BM * n_tiles;
+    const int taps = a.kh * a.kw;
+    const int chunks = (a.cin + l.chunk - 1) / l.chunk;
+    wait_for_previous_kernel();
+    allow_next_kernel();
+    const int tiles = min(max(*a.count, 0), a.rows) * per_block;  // < 2**31: checked at launch
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
+    // This thread's copies: column `column` (V elements) of rows row0, row0 + ROWS_PER_PASS, ...
+    const int column = tid % COPIES, row0 = tid / COPIES;
+    const unsigned smem = shared_address(block_conv_smem);
+    // Each lane's B row of the ldmatrix loads within a tap's weights (as block_conv's b_lane).
+    const int b_lane = (wn * (BN / 2) + (lane & 7) + (lane >> 4) * 8) * l.pitch + (lane >> 3 & 1) * 4;
+
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m = tile / per_block, rest = tile % per_block;
+        const int p0 = rest / n_tiles * BM, n0 = rest % n_tiles * BN;
+        const int* row = a.indices + 3 * (i64)m;
+        if (row[0] < 0 || row[0] >= a.n_batch) continue;  // reads zeros, writes nothing
+        const side_origin in = side_of(a.in, m, row), out = side_of(a.out, m, row);
+        // The block rows of the tile's output pixels, and its halo's pixels.
+        const int r0 = p0 / a.out_w;
+        const int halo = (min(a.out_h - 1, (p0 + BM - 1) / a.out_w) - r0 + a.kh) * l.in_w;
+        // Each lane's A row of the ldmatrix loads at tap (0, 0): the halo pixel of output pixel
+        // p0 + wm * 32 + mt * 16 + lane % 16 (past the block: the tile's first, read and unused).
+        int a_lane[2];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    bias[nt][e] = a.bias != nullptr && co + e < a.cout ? a.bias[co + e] : 0.f;
+        for (int mt = 0; mt < 2; ++mt) {
+            int p = p0 + wm * 32 + mt * 16 + (lane & 15);
+            if (p >= pixels) p = p0;
+            const int ph = p / a.out_w;
+            a_lane[mt] = ((ph - r0) * l.in_w + p - ph * a.out_w) * l.pitch + (lane >> 4) * 4;
+        }
+
+        // Chunk c's halo pixels and weights into slot `slot`; columns past cin read as zeros.
+        auto copy = [&](int c, int slot) {
+            const int channel = c * l.chunk + column * V;
+            if (column * V >= l.chunk) return;
+            const bool live = channel < a.cin;
+            const unsigned base = smem + (slot * l.slot_words + column * 4) * 4;
+            int hr = row0 / l.in_w, hc = row0 - hr * l.in_w;
+            for (int q = row0; q < halo; q += ROWS_PER_PASS) {
+                const int h = in.h + r0 + hr, w = in.w + hc;
+                const bool valid = live && (unsigned)h < (unsigned)a.in.height &&
+                                   (unsigned)w < (unsigned)a.in.width;
+                copy_async16(base + q * l.pitch * 4,
+                             valid ? src + ((in.n * a.in.height + h) * a.in.width + w) * a.cin +
+                                             channel
+                                   : src,
+                             valid);
+                for (hc += ROWS_PER_PASS; hc >= l.in_w; hc -= l.in_w) ++hr;
             }
+            for (int r = row0; r < taps * BN; r += ROWS_PER_PASS) {
+                const int tap = r / BN, co = n0 + r % BN;
+                const bool valid = live && co < a.cout;
+                copy_async16(base + (l.pixels + r) * l.pitch * 4,
+                             valid ? weight + ((i64)co * taps + tap) * a.cin + channel : weight,
+                             valid);
+            }
+        };
+        float acc[2][NT][4] = {};
+        // Chunk c's MMAs from slot `slot`: every tap, the chunk's k steps (the last chunk's may
+        // be fewer).
+        auto multiply = [&](int c, int slot) {
+            const int ksteps = (min(l.chunk, a.cin - c * l.chunk) + KSTEP - 1) / KSTEP;
+            const unsigned* const base = block_conv_smem + slot * l.slot_words;
+            const unsigned* tb = base + l.pixels * l.pitch + b_lane;
+            for (int dy = 0; dy < a.kh; ++dy) {
+                for (int dx = 0; dx < a.kw; ++dx, tb += BN * l.pitch) {
+                    const int shift = (dy * l.in_w + dx) * l.pitch;
+                    const unsigned* ta = base + shift;
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                T* pixel[2];  // null where the pixel is past the block or outside the image
-                bool zero[2];
+                    for (int ks = 0; ks < WORDS / 8; ++ks) {
+                        if (ks >= ksteps) break;
+                        unsigned af[2][4], bf[NT][2];
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int p = p0 + wm * 32 + mt * 16 + g + 8 * half;
-                    const int ph = p / a.out_w, pw = p - ph * a.out_w;
-                    const int dh = out.h + ph, dw = out.w + pw;
-                    const int sh = in.h + ph, sw = in.w + pw;
-                    pixel[half] =
-                        p < pixels && dh >= 0 && dh < a.out.height && dw >= 0 && dw < a.out.width
-                            ? dst + ((out.n * a.out.height + dh) * a.out.width + dw) * a.cout
-                            : nullptr;
-                    zero[half] = a.zero_outside &&
-                                 (sh < 0 || sh >= a.in.height || sw < 0 || sw >= a.in.width);
-                }
-                vec_t<T, 2> old[2][NT] = {};
-                if constexpr (reads_destination<Op>::value) {
+                        for (int mt = 0; mt < 2; ++mt) load_matrices(af[mt], ta + a_lane[mt] + ks * 8);
 #pragma unroll
-                    for (int half = 0; half < 2; ++half)
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
-                            const T* at = pixel[half] + co;
-                            if (pixel[half] == nullptr || co >= a.cout) continue;
-                            if (a.paired) {
-                                old[half][nt] = *reinterpret_cast<const vec_t<T, 2>*>(at);
-                            } else {
-                                old[half][nt].v[0] = at[0];
-                                if (co + 1 < a.cout) old[half][nt].v[1] = at[1];
-                            }
+                        for (int nt = 0; nt + 1 < NT; nt += 2) {
+                            unsigned pair[4];
+                            load_matrices(pair, tb + nt * 8 * l.pitch + ks * 8);
+                            bf[nt][0] = pair[0];
+                            bf[nt][1] = pair[1];
+                            bf[nt + 1][0] = pair[2];
+                            bf[nt + 1][1] = pair[3];
                         }
-                }
+                        if constexpr (NT % 2 == 1)
+                            load_matrices(bf[NT - 1], tb + (NT - 1) * 8 * l.pitch + ks * 8);
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    if (pixel[half] == nullptr) continue;
+                        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
-                        if (co >= a.cout) continue;
-                        float v[2];
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            v[e] = acc[mt][nt][2 * half + e] + bias[nt][e];
-                            if (a.relu_out) v[e] = fmaxf(v[e], 0.f);
-                            if (zero[half]) v[e] = 0.f;
-                            v[e] += to_acc(old[half][nt].v[e]);
-                        }
-                        T* at = pixel[half] + co;
-                        if (a.paired) {
-                            *reinterpret_cast<vec_t<T, 2>*>(at) = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
-                        } else {
-                            at[0] = from_acc<T>(v[0]);
-                            if (co + 1 < a.cout) at[1] = from_acc<T>(v[1]);
-                        }
+                            for (int nt = 0; nt < NT; ++nt)
+                                tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
                     }
                 }
             }
+        };
+
+        copy(0, 0);
+        copy_async_commit();
+        for (int c = 0; c < chunks; ++c) {
+            if (c + 1 < chunks) copy(c + 1, (c + 1) & 1);
+            copy_async_commit();
+            copy_async_wait<1>();  // this thread's copies of chunk c have landed
+            __syncthreads();       // everyone's
+            multiply(c, c & 1);
+            __syncthreads();       // slot c & 1 takes chunk c + 2, or the next tile's chunk 0
         }
-        __syncthreads();  // the next tile's loads reuse the shared memory
+        write_tile<T, BN, Op>(a, acc, p0, n0, in, out, wm, wn, g, t);
     }
 }

@@ -60,15 +60,40 @@ def stride_one(block_params, kernel_size):
 
 
 def instantiations():
-    """Every block_conv<T, BN, V, Op> the plans can ask for."""
+    """Every block_conv<T, BN, V, Op> and block_conv_halo<T, BN, Op> the plans can ask for."""
     names = []
     for name in DTYPES:
-        itemsize = _kernels.ITEMSIZES[name]
+        itemsize, ctype = _kernels.ITEMSIZES[name], _kernels.ARITHMETIC_CTYPES[name]
         for bn in TILE_CHANNELS:
             for vector in (v for v in (1, 2, 4, 8) if v * itemsize <= 16):
-                names += [_kernels.name_expression(
-                    "block_conv", _kernels.ARITHMETIC_CTYPES[name], bn, vector, op) for op in OPS]
+                names += [_kernels.name_expression("block_conv", ctype, bn, vector, op)
+                          for op in OPS]
+            names += [_kernels.name_expression("block_conv_halo", ctype, bn, op) for op in OPS]
     return names
+
+
+# How the reduction reaches shared memory: "auto" (the rule in use_halo), or forced: "streamed"
+# (block_conv: 32-word stages of the flattened taps and channels) or "halo" (block_conv_halo,
+# where it applies).
+STAGING = "auto"
+HALO_SHARED_LIMIT = 96 * 1024  # bytes of a halo CTA's slots beyond which "auto" streams
+
+
+def halo_layout(itemsize, cin, kernel_size, out_size, width):
+    """kernels/block_conv.cu halo_layout: (channels a chunk, chunks, bytes of shared memory a
+    CTA) of block_conv_halo for this convolution with tiles of `width` output channels."""
+    (kh, kw), (oh, ow) = kernel_size, out_size
+    per_word = 4 // itemsize
+    kstep = 8 * per_word
+    chunk = min(TILE_WORDS * per_word, math.ceil(cin / kstep) * kstep)
+    pitch = chunk // per_word + 4
+    in_w = ow + kw - 1
+    # A tile starts at a multiple of TILE_PIXELS: at most ow - gcd(TILE_PIXELS, ow) into a row.
+    spanned = (ow - math.gcd(TILE_PIXELS, ow) + TILE_PIXELS - 1) // ow + 1
+    pixels = (min(oh, spanned) + kh - 1) * in_w
+    slot_words = (pixels + kh * kw * width) * pitch
+    chunks = math.ceil(cin / chunk)
+    return chunk, chunks, (2 if chunks > 1 else 1) * slot_words * 4
 
 
 def tile_channels(cout, rows, pixel_tiles, sms):
@@ -109,6 +134,30 @@ def _plan(device, dtype_name, cin, width, alignment, op):
     return BlockConvPlan(function, group_bytes, ctas)
 
 
+@functools.lru_cache(maxsize=1024)
+def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment, op, staging):
+    """(function, shared bytes, CTAs the GPU holds) of block_conv_halo for this convolution, or
+    None where block_conv streams it: 1x1 kernels, no channels, vectors narrower than 16 bytes,
+    or slots past the shared memory (HALO_SHARED_LIMIT under "auto")."""
+    itemsize = _kernels.ITEMSIZES[dtype_name]
+    vector = 16 // itemsize
+    if (staging == "streamed" or kernel_size == (1, 1) or cin == 0 or cin % vector
+            or alignment % 16):
+        return None
+    shared = halo_layout(itemsize, cin, kernel_size, out_size, width)[2]
+    runtime, driver = _launch.runtime, _launch.driver
+    limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
+    if shared > (limit if staging == "halo" else min(limit, HALO_SHARED_LIMIT)):
+        return None
+    function = _launch.function(device, "block_conv", "block_conv_halo",
+                                _kernels.ARITHMETIC_CTYPES[dtype_name], width, op)
+    driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            limit)
+    ctas = _launch.multiprocessors(device) * max(
+        1, driver.occupancyMaxActiveBlocksPerMultiprocessor(function, THREADS, shared))
+    return function, shared, ctas
+
+
 @functools.lru_cache(maxsize=4096)
 def _tile_channels(device, cout, rows, pixel_tiles):
     return tile_channels(cout, rows, pixel_tiles, _launch.multiprocessors(device))
@@ -139,13 +188,24 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
         return
     pixel_tiles = math.ceil(oh * ow / TILE_PIXELS)
     width = _tile_channels(device, cout, rows, pixel_tiles)
-    plan = _plan(device, dtype_name, cin, width, _checks.alignment(src, weight), op)
+    alignment = _checks.alignment(src, weight)
     per_block = pixel_tiles * math.ceil(cout / width)
     if rows * per_block >= 2**31:  # the kernels count tiles in int
         raise ValueError(f"active_block_indices has too many rows: {rows}")
     itemsize = _kernels.ITEMSIZES[dtype_name]
     paired = cout % 2 == 0 and _checks.alignment(dst) % (2 * itemsize) == 0
     tiles = rows * per_block
+    halo = None if scale else _halo_plan(device, dtype_name, cin, width, (kh, kw), (oh, ow),
+                                         alignment, op, STAGING)
+    if halo is not None:
+        function, shared, ctas = halo
+        _launch.launch(device, stream, function, (min(tiles, ctas), 1, 1), (THREADS, 1, 1),
+                       shared, BLOCK_CONV_ARGS,
+                       (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
+                        cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
+                        bool(zero_outside), paired, 1, 0, 0, 0), dependent=True)
+        return
+    plan = _plan(device, dtype_name, cin, width, alignment, op)
     stage = TILE_WORDS * 4 // itemsize  # reduction elements a stage
     groups = k_groups(tiles, math.ceil(kh * kw * cin / stage), plan.ctas)
     # A group's step from one of its stages to the next, in taps and channels.

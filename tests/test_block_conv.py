@@ -37,6 +37,14 @@ def _written(indices, count, shape, bsize_out):
     return mask
 
 
+@pytest.fixture(params=["streamed", "halo"])
+def staging(request, monkeypatch):
+    """Each way of staging the reduction, forced: block_conv's 32-word stages, and
+    block_conv_halo's channel chunks where it applies (3x3 and 5x5 on 16-byte vectors)."""
+    monkeypatch.setattr(sbnet_cupy.block_conv, "STAGING", request.param)
+    return request.param
+
+
 def _assert_close(got, want, rtol):
     scale = numpy.abs(want).max() if want.size else 1.0
     numpy.testing.assert_allclose(got, want, rtol=0, atol=rtol * max(scale, 1.0))
@@ -47,7 +55,7 @@ def _assert_close(got, want, rtol):
 @pytest.mark.parametrize("cin, cout", [(3, 5), (8, 16), (24, 24), (33, 40), (96, 64)])
 @pytest.mark.parametrize("kernel, bsize_out", [(3, (16, 16)), (1, (8, 8)), (3, (6, 10)),
                                                 (5, (7, 7)), (3, (32, 32)), (3, (34, 6))])
-def test_sparse_conv2d_fused_equals_dense(rng, dtype, cin, cout, kernel, bsize_out):
+def test_sparse_conv2d_fused_equals_dense(rng, staging, dtype, cin, cout, kernel, bsize_out):
     _poison_pool()
     shape = (2, 37, 53)
     x = random_array(rng, shape + (cin,), dtype)
@@ -105,8 +113,8 @@ def _folded(xp, rng, channels, bottleneck, dtype):
     (12, 4, (8, 8)), (9, 5, (6, 6)), (96, 24, (16, 16)), (33, 17, (10, 14)),
     (64, 64, (32, 32))])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_sparse_res_block_fused_equals_dense(rng, dtype, channels, bottleneck, bsize_out,
-                                             inplace):
+def test_sparse_res_block_fused_equals_dense(rng, staging, dtype, channels, bottleneck,
+                                             bsize_out, inplace):
     _poison_pool()
     shape = (2, 41, 53)
     x, folded, ours, params, indices, count = _res_unit_inputs(
@@ -253,12 +261,12 @@ def test_tile_channels_pad_least_and_fill_the_gpu():
 @requires_gpu
 @pytest.mark.parametrize("width", sbnet_cupy.block_conv.TILE_CHANNELS)
 @pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
-def test_every_tile_width(rng, monkeypatch, width, dtype):
+def test_every_tile_width(rng, monkeypatch, staging, width, dtype):
     """Each tile width the rule can pick, forced, on channel counts that leave a part tile."""
     monkeypatch.setattr(sbnet_cupy.block_conv, "TILE_CHANNELS", (width,))
     sbnet_cupy.block_conv._tile_channels.cache_clear()
     try:
-        test_sparse_res_block_fused_equals_dense(rng, dtype, 70, 40, (8, 8), False)
+        test_sparse_res_block_fused_equals_dense(rng, staging, dtype, 70, 40, (8, 8), False)
     finally:
         monkeypatch.undo()
         sbnet_cupy.block_conv._tile_channels.cache_clear()
@@ -288,3 +296,14 @@ def test_method_is_checked(rng):
             sbnet_cupy.sparse_conv2d(cupy.asarray(x, numpy.float64), cupy.asarray(w),
                                      *(cupy.asarray(a) for a in found[::-1]), params,
                                      method="fused")
+
+
+def test_halo_layout():
+    """block_conv_halo's shared memory, as kernels/block_conv.cu's halo_layout lays it out: T1
+    conv-2's 3x3 (24 channels, blocks of 16) is one chunk of 24 channels on 6 halo rows of 18
+    pixels; conv-5's 96 fp16 channels on blocks of 8 are two chunks of 64 in two slots."""
+    layout = sbnet_cupy.block_conv.halo_layout
+    assert layout(4, 24, (3, 3), (16, 16), 32) == (24, 1, (108 + 9 * 32) * 28 * 4)
+    assert layout(2, 96, (3, 3), (8, 8), 32) == (64, 2, 2 * (100 + 9 * 32) * 36 * 4)
+    assert layout(4, 8, (5, 5), (3, 40), 48) == (8, 1, (3 + 4) * 44 * (8 + 4) * 4
+                                                 + 25 * 48 * 12 * 4)
