@@ -38,7 +38,7 @@ import torch
 import torch_bridge as tb
 from bench import masks
 from bench._common import allow_tf32, events_ms, graph, read_csv, write_csv
-from sbnet_cupy import _launch
+from sbnet_cupy import _launch, block_conv
 
 # stage: (H, W, C, bottleneck K). T1 convolves K channels at H x W, T2 is the C/K unit.
 STAGES = {"conv-2": (400, 704, 96, 24), "conv-3": (200, 352, 192, 48),
@@ -65,6 +65,11 @@ def suites(names):
     if "fused" in names or "fused-dense" in names:  # every block active, best of blocks 8, 16
         rows += [("fused-dense", "T2", s, 1, p, "topleft", 0.0, b, m, None)
                  for s, p, b, m in itertools.product(STAGES, ("tf32", "fp16"), (8, 16), both)]
+    if "staging" in names:  # block_conv's two stagings forced, each stage's best block size
+        rows += [(st, t, s, 1, p, m, sp, BEST_BLOCK[p][s], "fused", None)
+                 for t, s, p, (m, sp), st in itertools.product(
+                     ("T2", "T1"), STAGES, ("tf32", "fp16"), (("topleft", 0.9), ("topleft", 0.0)),
+                     ("staging-streamed", "staging-halo"))]
     if "dependent" in names:
         rows += [(d, t, s, 1, p, "topleft", 0.9, BEST_BLOCK[p][s], "fused", None)
                  for t, s, p, d in itertools.product(("T2", "T1"), STAGES, ("tf32", "fp16"),
@@ -396,10 +401,12 @@ def main(argv=None):
     rows, started = [], time.time()
     name = "res_blocks_" + "_".join(args.suite) + f"_{slug}"
     dependent = _launch.DEPENDENT_LAUNCH
+    staging = block_conv.STAGING
     for i, (suite, test, stage, batch, precision, mask_kind, sparsity, bsize, method,
             capacity) in enumerate(todo):
         rng = numpy.random.default_rng(i)
         _launch.DEPENDENT_LAUNCH = dependent and suite != "dependent-off"
+        block_conv.STAGING = suite.split("-")[1] if suite.startswith("staging-") else staging
         row = run_blocks(test, stage, batch, precision, mask_kind, sparsity, bsize,
                          args.repeats, rng, method, capacity)
         if suite == "spconv":
