@@ -37,6 +37,7 @@ struct BlockConvArgs {
     // A group's step from one of its stages to the next, k_groups stages of the reduction, as
     // taps (step_taps_y rows and step_taps_x columns of the kernel) and channels.
     int step_taps_y, step_taps_x, step_channels;
+    int halo_chunk;         // block_conv_halo: channels a chunk (a multiple of the MMA's k)
 };
 static_assert(sizeof(BlockConvArgs) == 184, "BlockConvArgs must match sbnet_cupy/block_conv.py");
 
@@ -482,7 +483,7 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
 // copies fly during this chunk's MMAs. One warp group a CTA (THREADS threads, warps 2 x 2 as in
 // block_conv); the slot layout is halo_layout's, which sbnet_cupy/block_conv.py mirrors.
 struct halo_layout {
-    int chunk;        // channels a chunk: BK, or cin rounded up to the MMA's k step if smaller
+    int chunk;        // channels a chunk (the launch's; at most BK)
     int pitch;        // words a shared-memory row: the chunk's words + 4 (conflict-free ldmatrix)
     int in_w;         // pixels a halo row
     int pixels;       // halo pixels a tile may need: whole rows of the block, its rows and kh - 1
@@ -490,9 +491,9 @@ struct halo_layout {
 
     template <typename T, int BN>
     __device__ __forceinline__ static halo_layout of(const BlockConvArgs& a) {
-        constexpr int PER_WORD = 4 / sizeof(T), KSTEP = 8 * PER_WORD;
+        constexpr int PER_WORD = 4 / sizeof(T);
         halo_layout l;
-        l.chunk = min(block_conv_tile::WORDS * PER_WORD, (a.cin + KSTEP - 1) / KSTEP * KSTEP);
+        l.chunk = a.halo_chunk;
         l.pitch = l.chunk / PER_WORD + 4;
         l.in_w = a.out_w + a.kw - 1;
         // A tile starts at a multiple of BM: at most out_w - gcd(BM, out_w) pixels into a row.

@@ -17,8 +17,8 @@ from collections import namedtuple
 
 from . import _checks, _kernels, _launch
 
-# kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 7 ints.
-BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i7i", 184)
+# kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 8 ints.
+BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i8i", 184)
 # As block_conv_tile in the kernel: threads of a warp group, output pixels a tile, words of the
 # reduction a stage, words a shared-memory tile row, stages a warp group keeps in shared memory.
 THREADS, TILE_PIXELS, TILE_WORDS, PITCH, SLOTS = 128, 64, 32, 36, 3
@@ -72,28 +72,39 @@ def instantiations():
     return names
 
 
-# How the reduction reaches shared memory: "auto" (the rule in use_halo), or forced: "streamed"
+# How the reduction reaches shared memory: "auto" (the rule in _halo_plan), or forced: "streamed"
 # (block_conv: 32-word stages of the flattened taps and channels) or "halo" (block_conv_halo,
 # where it applies).
 STAGING = "auto"
 HALO_SHARED_LIMIT = 96 * 1024  # bytes of a halo CTA's slots beyond which "auto" streams
 
 
-def halo_layout(itemsize, cin, kernel_size, out_size, width):
-    """kernels/block_conv.cu halo_layout: (channels a chunk, chunks, bytes of shared memory a
-    CTA) of block_conv_halo for this convolution with tiles of `width` output channels."""
+def halo_layout(itemsize, cin, kernel_size, out_size, width, chunk):
+    """kernels/block_conv.cu halo_layout: (chunks, bytes of shared memory a CTA) of
+    block_conv_halo for this convolution with tiles of `width` output channels and `chunk`
+    channels a chunk."""
     (kh, kw), (oh, ow) = kernel_size, out_size
-    per_word = 4 // itemsize
-    kstep = 8 * per_word
-    chunk = min(TILE_WORDS * per_word, math.ceil(cin / kstep) * kstep)
-    pitch = chunk // per_word + 4
+    pitch = chunk * itemsize // 4 + 4
     in_w = ow + kw - 1
     # A tile starts at a multiple of TILE_PIXELS: at most ow - gcd(TILE_PIXELS, ow) into a row.
     spanned = (ow - math.gcd(TILE_PIXELS, ow) + TILE_PIXELS - 1) // ow + 1
     pixels = (min(oh, spanned) + kh - 1) * in_w
     slot_words = (pixels + kh * kw * width) * pitch
     chunks = math.ceil(cin / chunk)
-    return chunk, chunks, (2 if chunks > 1 else 1) * slot_words * 4
+    return chunks, (2 if chunks > 1 else 1) * slot_words * 4
+
+
+def halo_chunk(itemsize, cin, kernel_size, out_size, width, limit):
+    """Channels a chunk for block_conv_halo (a multiple of the MMA's k), or None where none fits
+    in `limit` bytes: the fewest chunks of at most 32, 16 or 8 words whose slots fit, the
+    channels split evenly between them (48 as two of 24, not 32 and 16)."""
+    kstep = 32 // itemsize
+    for words in (TILE_WORDS, TILE_WORDS // 2, TILE_WORDS // 4):
+        chunks = math.ceil(cin / (words * 4 // itemsize))
+        chunk = math.ceil(math.ceil(cin / chunks) / kstep) * kstep
+        if halo_layout(itemsize, cin, kernel_size, out_size, width, chunk)[1] <= limit:
+            return chunk
+    return None
 
 
 def tile_channels(cout, rows, pixel_tiles, sms):
@@ -136,7 +147,8 @@ def _plan(device, dtype_name, cin, width, alignment, op):
 
 @functools.lru_cache(maxsize=1024)
 def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment, op, staging):
-    """(function, shared bytes, CTAs the GPU holds) of block_conv_halo for this convolution, or
+    """(function, channels a chunk, shared bytes, CTAs the GPU holds) of block_conv_halo for
+    this convolution, or
     None where block_conv streams it: 1x1 kernels, no channels, vectors narrower than 16 bytes,
     or slots past the shared memory (HALO_SHARED_LIMIT under "auto")."""
     itemsize = _kernels.ITEMSIZES[dtype_name]
@@ -144,18 +156,20 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
     if (staging == "streamed" or kernel_size == (1, 1) or cin == 0 or cin % vector
             or alignment % 16):
         return None
-    shared = halo_layout(itemsize, cin, kernel_size, out_size, width)[2]
     runtime, driver = _launch.runtime, _launch.driver
     limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
-    if shared > (limit if staging == "halo" else min(limit, HALO_SHARED_LIMIT)):
+    chunk = halo_chunk(itemsize, cin, kernel_size, out_size, width,
+                       limit if staging == "halo" else min(limit, HALO_SHARED_LIMIT))
+    if chunk is None:
         return None
+    shared = halo_layout(itemsize, cin, kernel_size, out_size, width, chunk)[1]
     function = _launch.function(device, "block_conv", "block_conv_halo",
                                 _kernels.ARITHMETIC_CTYPES[dtype_name], width, op)
     driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             limit)
     ctas = _launch.multiprocessors(device) * max(
         1, driver.occupancyMaxActiveBlocksPerMultiprocessor(function, THREADS, shared))
-    return function, shared, ctas
+    return function, chunk, shared, ctas
 
 
 @functools.lru_cache(maxsize=4096)
@@ -198,12 +212,12 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
     halo = None if scale else _halo_plan(device, dtype_name, cin, width, (kh, kw), (oh, ow),
                                          alignment, op, STAGING)
     if halo is not None:
-        function, shared, ctas = halo
+        function, chunk, shared, ctas = halo
         _launch.launch(device, stream, function, (min(tiles, ctas), 1, 1), (THREADS, 1, 1),
                        shared, BLOCK_CONV_ARGS,
                        (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
                         cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
-                        bool(zero_outside), paired, 1, 0, 0, 0), dependent=True)
+                        bool(zero_outside), paired, 1, 0, 0, 0, chunk), dependent=True)
         return
     plan = _plan(device, dtype_name, cin, width, alignment, op)
     stage = TILE_WORDS * 4 // itemsize  # reduction elements a stage
@@ -214,7 +228,7 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
                    (THREADS * groups, 1, 1), groups * plan.group_bytes, BLOCK_CONV_ARGS,
                    (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
                     cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
-                    bool(zero_outside), paired, groups, *divmod(step_taps, kw), step_channels),
+                    bool(zero_outside), paired, groups, *divmod(step_taps, kw), step_channels, 0),
                    dependent=True)
 
 

@@ -298,12 +298,17 @@ def test_method_is_checked(rng):
                                      method="fused")
 
 
-def test_halo_layout():
-    """block_conv_halo's shared memory, as kernels/block_conv.cu's halo_layout lays it out: T1
-    conv-2's 3x3 (24 channels, blocks of 16) is one chunk of 24 channels on 6 halo rows of 18
-    pixels; conv-5's 96 fp16 channels on blocks of 8 are two chunks of 64 in two slots."""
-    layout = sbnet_cupy.block_conv.halo_layout
-    assert layout(4, 24, (3, 3), (16, 16), 32) == (24, 1, (108 + 9 * 32) * 28 * 4)
-    assert layout(2, 96, (3, 3), (8, 8), 32) == (64, 2, 2 * (100 + 9 * 32) * 36 * 4)
-    assert layout(4, 8, (5, 5), (3, 40), 48) == (8, 1, (3 + 4) * 44 * (8 + 4) * 4
-                                                 + 25 * 48 * 12 * 4)
+def test_halo_layout_and_chunks():
+    """block_conv_halo's shared memory, as kernels/block_conv.cu's halo_layout lays it out, and
+    the chunks the launch picks: T1 conv-2's 3x3 (24 channels, blocks of 16) is one chunk on 6
+    halo rows of 18 pixels; 48 channels on blocks of 8 are two chunks of 24 unless the slots must
+    fit 96 KB (then three of 16); no chunk fits where even 8 words a row do not."""
+    layout, chunk = sbnet_cupy.block_conv.halo_layout, sbnet_cupy.block_conv.halo_chunk
+    assert layout(4, 24, (3, 3), (16, 16), 32, 24) == (1, (108 + 9 * 32) * 28 * 4)
+    assert layout(2, 96, (3, 3), (8, 8), 32, 48) == (2, 2 * (100 + 9 * 32) * 28 * 4)
+    assert layout(4, 8, (5, 5), (3, 40), 48, 8) == (1, ((3 + 4) * 44 + 25 * 48) * 12 * 4)
+    assert chunk(4, 24, (3, 3), (16, 16), 32, 96 * 1024) == 24
+    assert chunk(2, 96, (3, 3), (8, 8), 32, 228 * 1024) == 48
+    assert chunk(4, 48, (3, 3), (8, 8), 48, 228 * 1024) == 24
+    assert chunk(4, 48, (3, 3), (8, 8), 48, 96 * 1024) == 16
+    assert chunk(4, 8, (5, 5), (3, 200), 64, 16 * 1024) is None
