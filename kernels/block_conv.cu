@@ -475,13 +475,14 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
 // block_conv_halo: block_conv's convolution for kernels wider than 1x1 on 16-byte vectors
 // without the prologue, with the reduction staged by channel chunk instead of by 32 words. A
 // tile's source pixels (its output rows plus the kernel's halo, whole rows of the block) and
-// every tap's weights for a chunk of BK channels are copied into shared memory in one batch;
-// each tap's A fragments are then read from the same pixels at the tap's shift (ldmatrix takes a
-// row address from each lane, so the shift costs one add a tap). One round trip of copies a
-// chunk instead of one a stage: T1 conv-2's 24 channels are one chunk where block_conv streams
-// seven stages, and no per-tap address work is left in the loop. Two slots: the next chunk's
-// copies fly during this chunk's MMAs. One warp group a CTA (THREADS threads, warps 2 x 2 as in
-// block_conv); the slot layout is halo_layout's, which sbnet_cupy/block_conv.py mirrors.
+// every tap's weights for a chunk of channels (at most BK: the launch's halo_chunk) are copied
+// into shared memory in one batch; each tap's A fragments are then read from the same pixels at
+// the tap's shift (ldmatrix takes a row address from each lane, so the shift costs one add a
+// tap). One round trip of copies a chunk instead of one a stage: T1 conv-2's 24 channels are one
+// chunk where block_conv streams seven stages, and no per-tap address work is left in the loop.
+// Two slots where there are several chunks: the next chunk's copies fly during this chunk's
+// MMAs. One warp group a CTA (THREADS threads, warps 2 x 2 as in block_conv); the slot layout is
+// halo_layout's, which sbnet_cupy/block_conv.py mirrors.
 struct halo_layout {
     int chunk;        // channels a chunk (the launch's; at most BK)
     int pitch;        // words a shared-memory row: the chunk's words + 4 (conflict-free ldmatrix)
