@@ -130,6 +130,53 @@ static __device__ __forceinline__ side_origin side_of(const BlockSide& s, int m,
     return {row[0], s.off_h + s.str_h * row[1], s.off_w + s.str_w * row[2]};
 }
 
+// One k step (8 words) of a warp's MMAs: A fragments of m-tiles 0 and 1 from this lane's
+// ldmatrix rows a0 and a1, B fragments of the NT n-tiles from its row b of the first pair (pairs
+// 16 rows of `pitch` words apart; an odd last n-tile through an x2 load).
+template <typename T, int NT>
+static __device__ __forceinline__ void mma_step(float (&acc)[2][NT][4], const unsigned* a0,
+                                                const unsigned* a1, const unsigned* b,
+                                                int pitch) {
+    unsigned af[2][4], bf[NT][2];
+    load_matrices(af[0], a0);
+    load_matrices(af[1], a1);
+#pragma unroll
+    for (int nt = 0; nt + 1 < NT; nt += 2) {
+        unsigned pair[4];
+        load_matrices(pair, b + nt * 8 * pitch);
+        bf[nt][0] = pair[0];
+        bf[nt][1] = pair[1];
+        bf[nt + 1][0] = pair[2];
+        bf[nt + 1][1] = pair[3];
+    }
+    if constexpr (NT % 2 == 1) load_matrices(bf[NT - 1], b + (NT - 1) * 8 * pitch);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
+}
+
+// Where tile `tile` of a launch sits: its block-list row m, first output pixel p0 and channel n0
+// (tiles run over rows, then pixel tiles of BM, then channel tiles of BN), and the block's
+// origins. False for a row outside the batch, which reads zeros and writes nothing.
+struct tile_place {
+    int m, p0, n0;
+    side_origin in, out;
+
+    __device__ __forceinline__ bool find(const BlockConvArgs& a, int tile, int per_block,
+                                         int n_tiles, int bn) {
+        m = tile / per_block;
+        const int rest = tile % per_block;
+        p0 = rest / n_tiles * block_conv_tile::BM;
+        n0 = rest % n_tiles * bn;
+        const int* row = a.indices + 3 * (i64)m;
+        if (row[0] < 0 || row[0] >= a.n_batch) return false;
+        in = side_of(a.in, m, row);
+        out = side_of(a.out, m, row);
+        return true;
+    }
+};
+
 // Epilogue of a tile: bias, ReLU, the out-of-image zeros, and the write or add of its output
 // pixels. Accumulator (mt, nt, 2 * half + e) of the warp (wm, wn) and lane (g, t) is pixel p0 + wm
 // * 32 + mt * 16 + g + 8 * half, channel n0 + wn * BN / 2 + nt * 8 + 2 * t + e. The global reads
@@ -278,11 +325,10 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     const int step = a.k_groups * BK;
 
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m = tile / per_block, rest = tile % per_block;
-        const int p0 = rest / n_tiles * BM, n0 = rest % n_tiles * BN;
-        const int* row = a.indices + 3 * (i64)m;
-        if (row[0] < 0 || row[0] >= a.n_batch) continue;  // reads zeros, writes nothing
-        const side_origin in = side_of(a.in, m, row), out = side_of(a.out, m, row);
+        tile_place at_tile;
+        if (!at_tile.find(a, tile, per_block, n_tiles, BN)) continue;
+        const int p0 = at_tile.p0, n0 = at_tile.n0;
+        const side_origin &in = at_tile.in, &out = at_tile.out;
 
         // For each tile row this thread loads: the source pixel of the top-left tap, and its
         // element offset in src (the taps add (dy * width + dx) * cin).
@@ -398,27 +444,8 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
             const unsigned* ta = slots + buffer * SLOT_WORDS + a_lane;
             const unsigned* tb = slots + buffer * SLOT_WORDS + BM * PITCH + b_lane;
 #pragma unroll
-            for (int ks = 0; ks < WORDS / 8; ++ks) {
-                unsigned af[2][4], bf[NT][2];
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) load_matrices(af[mt], ta + mt * 16 * PITCH + ks * 8);
-#pragma unroll
-                for (int nt = 0; nt + 1 < NT; nt += 2) {
-                    unsigned pair[4];
-                    load_matrices(pair, tb + nt * 8 * PITCH + ks * 8);
-                    bf[nt][0] = pair[0];
-                    bf[nt][1] = pair[1];
-                    bf[nt + 1][0] = pair[2];
-                    bf[nt + 1][1] = pair[3];
-                }
-                if constexpr (NT % 2 == 1)
-                    load_matrices(bf[NT - 1], tb + (NT - 1) * 8 * PITCH + ks * 8);
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
-            }
+            for (int ks = 0; ks < WORDS / 8; ++ks)
+                mma_step<T, NT>(acc, ta + ks * 8, ta + 16 * PITCH + ks * 8, tb + ks * 8, PITCH);
         };
 
         // This group's stages: group, group + k_groups, ...
@@ -542,11 +569,10 @@ __global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv_halo(cons
     const int b_lane = (wn * (BN / 2) + (lane & 7) + (lane >> 4) * 8) * l.pitch + (lane >> 3 & 1) * 4;
 
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m = tile / per_block, rest = tile % per_block;
-        const int p0 = rest / n_tiles * BM, n0 = rest % n_tiles * BN;
-        const int* row = a.indices + 3 * (i64)m;
-        if (row[0] < 0 || row[0] >= a.n_batch) continue;  // reads zeros, writes nothing
-        const side_origin in = side_of(a.in, m, row), out = side_of(a.out, m, row);
+        tile_place at_tile;
+        if (!at_tile.find(a, tile, per_block, n_tiles, BN)) continue;
+        const int p0 = at_tile.p0, n0 = at_tile.n0;
+        const side_origin &in = at_tile.in, &out = at_tile.out;
         // The block rows of the tile's output pixels, and its halo's pixels.
         const int r0 = p0 / a.out_w;
         const int halo = (min(a.out_h - 1, (p0 + BM - 1) / a.out_w) - r0 + a.kh) * l.in_w;
@@ -601,25 +627,8 @@ __global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv_halo(cons
 #pragma unroll
                     for (int ks = 0; ks < WORDS / 8; ++ks) {
                         if (ks >= ksteps) break;
-                        unsigned af[2][4], bf[NT][2];
-#pragma unroll
-                        for (int mt = 0; mt < 2; ++mt) load_matrices(af[mt], ta + a_lane[mt] + ks * 8);
-#pragma unroll
-                        for (int nt = 0; nt + 1 < NT; nt += 2) {
-                            unsigned pair[4];
-                            load_matrices(pair, tb + nt * 8 * l.pitch + ks * 8);
-                            bf[nt][0] = pair[0];
-                            bf[nt][1] = pair[1];
-                            bf[nt + 1][0] = pair[2];
-                            bf[nt + 1][1] = pair[3];
-                        }
-                        if constexpr (NT % 2 == 1)
-                            load_matrices(bf[NT - 1], tb + (NT - 1) * 8 * l.pitch + ks * 8);
-#pragma unroll
-                        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                            for (int nt = 0; nt < NT; ++nt)
-                                tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
+                        mma_step<T, NT>(acc, ta + a_lane[0] + ks * 8, ta + a_lane[1] + ks * 8,
+                                        tb + ks * 8, l.pitch);
                     }
                 }
             }
