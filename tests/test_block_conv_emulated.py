@@ -32,7 +32,7 @@ def launched(monkeypatch, kernels):
     """Launches go to the emulated kernels on a GPU of 3 SMs (few CTAs: each loops over several
     tiles, and few tiles split their reduction over warp groups); the plans made for it are
     dropped after the test."""
-    caches = (block_conv._plan, block_conv._tile_channels)
+    caches = (block_conv._plan, block_conv._halo_plan, block_conv._tile_channels)
     for cache in caches:
         cache.cache_clear()
     yield cuda_emulation.install(monkeypatch, kernels, sms=3)
@@ -105,16 +105,22 @@ def _case(rng, dtype, cin, cout, kernel, bsize_out, shape, *, op="Assign", prolo
         assert numpy.isnan(got[~written]).all()
 
 
+@pytest.mark.parametrize("staging", ["streamed", "halo"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("cin, cout, kernel, bsize_out", [
     (3, 5, 3, (16, 16)), (8, 16, 3, (6, 10)), (24, 24, 3, (16, 16)), (33, 40, 5, (7, 7)),
-    (96, 64, 3, (34, 6)), (6, 70, 1, (8, 8))])
-def test_conv_equals_dense(rng, launched, dtype, cin, cout, kernel, bsize_out):
+    (48, 40, 5, (7, 7)), (96, 64, 3, (34, 6)), (6, 70, 1, (8, 8))])
+def test_conv_equals_dense(rng, launched, monkeypatch, staging, dtype, cin, cout, kernel,
+                           bsize_out):
     """Every kind of launch: 16-byte vectors through cp.async and narrower ones through
     registers, 1x1 / 3x3 / 5x5, odd channel counts, part tiles of pixels and channels, rows
-    outside the batch and padding rows past the count."""
+    outside the batch and padding rows past the count; each staging forced (the halo's where
+    it applies: wider than 1x1 on 16-byte vectors, here in one to three chunks)."""
+    monkeypatch.setattr(block_conv, "STAGING", staging)
     _case(rng, dtype, cin, cout, kernel, bsize_out, (2, 23, 37))
-    assert launched and all(name.startswith("block_conv<") for name, *_ in launched)
+    halo = staging == "halo" and kernel > 1 and cin % (16 // numpy.dtype(dtype).itemsize) == 0
+    assert launched and all(name.startswith("block_conv_halo<" if halo else "block_conv<")
+                            for name, *_ in launched)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -143,9 +149,10 @@ def test_bfloat16(rng, launched):
     _case(rng, "bfloat16", 16, 24, 3, (8, 8), (1, 19, 21))
 
 
-def test_reduction_split_over_warp_groups(rng, launched):
-    """Two blocks of one tile each on 3 SMs: the launch splits the 3x3's 432-element reduction
-    over warp groups, whose sums group 0 adds."""
+def test_reduction_split_over_warp_groups(rng, launched, monkeypatch):
+    """Two blocks of one tile each on 3 SMs: the streamed launch splits the 3x3's 432-element
+    reduction over warp groups, whose sums group 0 adds."""
+    monkeypatch.setattr(block_conv, "STAGING", "streamed")
     _case(rng, "float32", 48, 32, 3, (8, 8), (1, 16, 16), n_blocks=2, padding_rows=0)
     (name, grid, block, shared), = launched
     assert block > block_conv.THREADS
