@@ -58,21 +58,6 @@ static __device__ __forceinline__ void group_sync(int group) {
     asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(block_conv_tile::THREADS) : "memory");
 }
 
-// Four (x4) or two (x2) 8 x 4-word matrices of shared memory into registers: lane l gives the
-// address of row l % 8 of matrix l / 8 and receives word l % 4 of row l / 4 of each matrix, the
-// mma.sync fragment layout of a [row][k] tile for TF32 and 16-bit types alike. One instruction a
-// fragment instead of one a word.
-static __device__ __forceinline__ void load_matrices(unsigned (&r)[4], const unsigned* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
-}
-static __device__ __forceinline__ void load_matrices(unsigned (&r)[2], const unsigned* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
-                 : "=r"(r[0]), "=r"(r[1])
-                 : "r"(shared_address(row)));
-}
-
 // Where a thread's vector sits in the reduction: tap (dy, dx), channel, and r = (dy * kw + dx) *
 // cin + channel. From one of its group's stages to the next without dividing (the step's taps
 // and channels are the launch's).

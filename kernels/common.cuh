@@ -304,6 +304,21 @@ static __device__ __forceinline__ unsigned shared_address(const void* p) {
 static __device__ __forceinline__ void copy_async16(unsigned* dst, const void* src, bool valid) {
     copy_async16(shared_address(dst), src, valid);
 }
+
+// Four (x4) or two (x2) 8 x 4-word matrices of shared memory into registers: lane l gives the
+// address of row l % 8 of matrix l / 8 and receives word l % 4 of row l / 4 of each matrix, the
+// mma.sync fragment layout of a [row][k] tile for TF32 and 16-bit types alike. One instruction a
+// fragment instead of one a word.
+static __device__ __forceinline__ void load_matrices(unsigned (&r)[4], const unsigned* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+static __device__ __forceinline__ void load_matrices(unsigned (&r)[2], const unsigned* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(shared_address(row)));
+}
 static __device__ __forceinline__ void copy_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }

@@ -485,19 +485,28 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
             copy_async_commit();
             const unsigned* as = slots + s % FUSED_SLOTS * SLOT_WORDS;
             const unsigned* bs = as + FUSED_BM * FUSED_PITCH;
+            // Fragments through ldmatrix (load_matrices, common.cuh): each lane gives one row
+            // address, A rows wm + mt * 16 + lane % 16 at word lane / 16 * 4; B rows of n-tile
+            // pair (nt, nt + 1): wn + nt * 8 + lane % 8 (+ 8 from lane 16) at word lane / 8 % 2
+            // * 4.
             unsigned b[4][2];
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const unsigned* col = bs + (wn + nt * 8 + gid) * FUSED_PITCH + tig;
-                b[nt][0] = fused_operand<T>(col[0]);
-                b[nt][1] = fused_operand<T>(col[4]);
+            for (int nt = 0; nt < 4; nt += 2) {
+                unsigned pair[4];
+                load_matrices(pair, bs + (wn + nt * 8 + (lane & 7) + (lane >> 4) * 8) *
+                                             FUSED_PITCH + (lane >> 3 & 1) * 4);
+                b[nt][0] = fused_operand<T>(pair[0]);
+                b[nt][1] = fused_operand<T>(pair[1]);
+                b[nt + 1][0] = fused_operand<T>(pair[2]);
+                b[nt + 1][1] = fused_operand<T>(pair[3]);
             }
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
-                const unsigned* row = as + (wm + mt * 16 + gid) * FUSED_PITCH + tig;
-                const unsigned frag[4] = {
-                    fused_operand<T>(row[0]), fused_operand<T>(row[8 * FUSED_PITCH]),
-                    fused_operand<T>(row[4]), fused_operand<T>(row[8 * FUSED_PITCH + 4])};
+                unsigned frag[4];
+                load_matrices(frag, as + (wm + mt * 16 + (lane & 15)) * FUSED_PITCH +
+                                        (lane >> 4) * 4);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) frag[i] = fused_operand<T>(frag[i]);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) tensor_core_mma<T>::run(acc[mt][nt], frag, b[nt]);
             }
