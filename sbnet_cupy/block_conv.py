@@ -76,7 +76,10 @@ def instantiations():
 # (block_conv: 32-word stages of the flattened taps and channels) or "halo" (block_conv_halo,
 # where it applies).
 STAGING = "auto"
-HALO_SHARED_LIMIT = 96 * 1024  # bytes of a halo CTA's slots beyond which "auto" streams
+# "auto" takes the halo for float32 (TF32) channels that are one chunk of at most this many,
+# with no padding channels: where it was faster on an H100 (bench/README.md, "Staging"); more
+# channels, or fp16 and bf16, streamed as fast or faster.
+HALO_AUTO_CHANNELS = 24
 
 
 def halo_layout(itemsize, cin, kernel_size, out_size, width, chunk):
@@ -148,9 +151,9 @@ def _plan(device, dtype_name, cin, width, alignment, op):
 @functools.lru_cache(maxsize=1024)
 def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment, op, staging):
     """(function, channels a chunk, shared bytes, CTAs the GPU holds) of block_conv_halo for
-    this convolution, or
-    None where block_conv streams it: 1x1 kernels, no channels, vectors narrower than 16 bytes,
-    or slots past the shared memory (HALO_SHARED_LIMIT under "auto")."""
+    this convolution, or None where block_conv streams it: 1x1 kernels, no channels, vectors
+    narrower than 16 bytes, slots past the shared memory, or (under "auto") other than float32
+    channels in one unpadded chunk of at most HALO_AUTO_CHANNELS."""
     itemsize = _kernels.ITEMSIZES[dtype_name]
     vector = 16 // itemsize
     if (staging == "streamed" or kernel_size == (1, 1) or cin == 0 or cin % vector
@@ -158,9 +161,9 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
         return None
     runtime, driver = _launch.runtime, _launch.driver
     limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
-    chunk = halo_chunk(itemsize, cin, kernel_size, out_size, width,
-                       limit if staging == "halo" else min(limit, HALO_SHARED_LIMIT))
-    if chunk is None:
+    chunk = halo_chunk(itemsize, cin, kernel_size, out_size, width, limit)
+    if chunk is None or staging == "auto" and not (
+            dtype_name == "float32" and chunk == cin <= HALO_AUTO_CHANNELS):
         return None
     shared = halo_layout(itemsize, cin, kernel_size, out_size, width, chunk)[1]
     function = _launch.function(device, "block_conv", "block_conv_halo",

@@ -123,6 +123,17 @@ def test_conv_equals_dense(rng, launched, monkeypatch, staging, dtype, cin, cout
                             for name, *_ in launched)
 
 
+@pytest.mark.parametrize("dtype, cin, halo", [("float32", 24, True), ("float32", 16, True),
+                                               ("float32", 48, False), ("float16", 24, False),
+                                               ("float16", 48, False)])
+def test_auto_staging(rng, launched, dtype, cin, halo):
+    """"auto" stages by halo only float32 channels that are one unpadded chunk of at most
+    HALO_AUTO_CHANNELS (where the halo was faster on an H100), and streams the rest."""
+    _case(rng, dtype, cin, 8, 3, (6, 6), (1, 13, 14))
+    assert launched and all(name.startswith("block_conv_halo<" if halo else "block_conv<")
+                            for name, *_ in launched)
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_random_geometries(launched, seed):
     """Seeded random convolutions: kernels 3x3, 5x5, 3x1, 1x3 and 3x5, output blocks 1 to 19
