@@ -492,15 +492,18 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
 // the tap's shift (ldmatrix takes a row address from each lane, so the shift costs one add a
 // tap). One round trip of copies a chunk instead of one a stage: T1 conv-2's 24 channels are one
 // chunk where block_conv streams seven stages, and no per-tap address work is left in the loop.
-// Two slots where there are several chunks: the next chunk's copies fly during this chunk's
-// MMAs. One warp group a CTA (THREADS threads, warps 2 x 2 as in block_conv); the slot layout is
-// halo_layout's, which sbnet_cupy/block_conv.py mirrors.
+// k_groups warp groups of THREADS threads (warps 2 x 2 as in block_conv) split the chunks: group
+// g reduces chunks g, g + k_groups, ... into its own accumulators, summed by group 0 before the
+// epilogue, so that a few tiles of a deep layer keep several chunks in flight at once. Each group
+// has its own slots, two where it takes several chunks (the next chunk's copies fly during this
+// chunk's MMAs); the layout is halo_layout's, which sbnet_cupy/block_conv.py mirrors.
 struct halo_layout {
     int chunk;        // channels a chunk (the launch's; at most BK)
     int pitch;        // words a shared-memory row: the chunk's words + 4 (conflict-free ldmatrix)
     int in_w;         // pixels a halo row
     int pixels;       // halo pixels a tile may need: whole rows of the block, its rows and kh - 1
     int slot_words;   // the halo, then the weights [taps][BN][pitch]
+    int group_words;  // a warp group's slots: two where it takes several chunks, else one
 
     template <typename T, int BN>
     __device__ __forceinline__ static halo_layout of(const BlockConvArgs& a) {
@@ -519,12 +522,15 @@ struct halo_layout {
         const int spanned = (a.out_w - x + block_conv_tile::BM - 1) / a.out_w + 1;
         l.pixels = (min(a.out_h, spanned) + a.kh - 1) * l.in_w;
         l.slot_words = (l.pixels + a.kh * a.kw * BN) * l.pitch;
+        const int chunks = (a.cin + l.chunk - 1) / l.chunk;
+        l.group_words = (chunks > a.k_groups ? 2 : 1) * l.slot_words;
         return l;
     }
 };
 
 template <typename T, int BN, typename Op>
-__global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv_halo(const BlockConvArgs a) {
+__global__ void __launch_bounds__(4 * block_conv_tile::THREADS)
+block_conv_halo(const BlockConvArgs a) {
     using namespace block_conv_tile;
     constexpr int PER_WORD = 4 / sizeof(T);
     constexpr int V = 16 / sizeof(T);      // elements a copy
@@ -532,6 +538,7 @@ __global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv_halo(cons
     constexpr int ROWS_PER_PASS = THREADS / COPIES;
     constexpr int KSTEP = 8 * PER_WORD;    // elements of one MMA's k
     constexpr int NT = BN / 16;
+    constexpr int ACC = 2 * NT * 4;        // accumulators a thread
     extern __shared__ __align__(16) unsigned block_conv_smem[];
 
     const T* __restrict__ src = static_cast<const T*>(a.src);
@@ -545,11 +552,13 @@ __global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv_halo(cons
     wait_for_previous_kernel();
     allow_next_kernel();
     const int tiles = min(max(*a.count, 0), a.rows) * per_block;  // < 2**31: checked at launch
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int group = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
+    const int lane = tid & 31, warp = tid >> 5;
     const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
     // This thread's copies: column `column` (V elements) of rows row0, row0 + ROWS_PER_PASS, ...
     const int column = tid % COPIES, row0 = tid / COPIES;
-    const unsigned smem = shared_address(block_conv_smem);
+    unsigned* const slots = block_conv_smem + group * l.group_words;
+    const unsigned smem = shared_address(slots);
     // Each lane's B row of the ldmatrix loads within a tap's weights (as block_conv's b_lane).
     const int b_lane = (wn * (BN / 2) + (lane & 7) + (lane >> 4) * 8) * l.pitch + (lane >> 3 & 1) * 4;
 
@@ -603,7 +612,7 @@ __global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv_halo(cons
         // be fewer).
         auto multiply = [&](int c, int slot) {
             const int ksteps = (min(l.chunk, a.cin - c * l.chunk) + KSTEP - 1) / KSTEP;
-            const unsigned* const base = block_conv_smem + slot * l.slot_words;
+            const unsigned* const base = slots + slot * l.slot_words;
             const unsigned* tb = base + l.pixels * l.pitch + b_lane;
             for (int dy = 0; dy < a.kh; ++dy) {
                 for (int dx = 0; dx < a.kw; ++dx, tb += BN * l.pitch) {
@@ -619,16 +628,37 @@ __global__ void __launch_bounds__(block_conv_tile::THREADS) block_conv_halo(cons
             }
         };
 
-        copy(0, 0);
+        // This group's chunks: group, group + k_groups, ... (the i-th in slot i & 1).
+        const int step = a.k_groups;
+        if (group < chunks) copy(group, 0);
         copy_async_commit();
-        for (int c = 0; c < chunks; ++c) {
-            if (c + 1 < chunks) copy(c + 1, (c + 1) & 1);
+        for (int c = group, i = 0; c < chunks; c += step, ++i) {
+            if (c + step < chunks) copy(c + step, (i + 1) & 1);
             copy_async_commit();
             copy_async_wait<1>();  // this thread's copies of chunk c have landed
-            __syncthreads();       // everyone's
-            multiply(c, c & 1);
-            __syncthreads();       // slot c & 1 takes chunk c + 2, or the next tile's chunk 0
+            group_sync(group);     // the group's
+            multiply(c, i & 1);
+            group_sync(group);     // slot i & 1 takes the chunk after next
         }
-        write_tile<T, BN, Op>(a, acc, p0, n0, in, out, wm, wn, g, t);
+        __syncthreads();  // every group is done with its slots: they hold the partial sums now
+        if (a.k_groups > 1) {
+            float* partial = reinterpret_cast<float*>(block_conv_smem);
+            float* flat = &acc[0][0][0];
+            if (group > 0) {
+#pragma unroll
+                for (int j = 0; j < ACC; ++j)
+                    partial[((group - 1) * ACC + j) * THREADS + tid] = flat[j];
+            }
+            __syncthreads();
+            if (group == 0) {
+                for (int other = 1; other < a.k_groups; ++other) {
+#pragma unroll
+                    for (int j = 0; j < ACC; ++j)
+                        flat[j] += partial[((other - 1) * ACC + j) * THREADS + tid];
+                }
+            }
+        }
+        if (group == 0) write_tile<T, BN, Op>(a, acc, p0, n0, in, out, wm, wn, g, t);
+        __syncthreads();  // the next tile's copies reuse the shared memory
     }
 }

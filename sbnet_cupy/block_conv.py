@@ -76,16 +76,18 @@ def instantiations():
 # (block_conv: 32-word stages of the flattened taps and channels) or "halo" (block_conv_halo,
 # where it applies).
 STAGING = "auto"
-# "auto" takes the halo for float32 (TF32) channels that are one chunk of at most this many,
-# with no padding channels: where it was faster on an H100 (bench/README.md, "Staging"); more
-# channels, or fp16 and bf16, streamed as fast or faster.
+# "auto" takes the halo for float32 (TF32) where its channels are one chunk of at most
+# HALO_AUTO_CHANNELS, or where the launch splits its chunks over at least HALO_AUTO_GROUPS warp
+# groups: where it was faster on an H100 (bench/README.md, "Staging"). Two groups were level with
+# the streamed stages (faster in T1, slower in T2); fp16 and bf16 stream.
 HALO_AUTO_CHANNELS = 24
+HALO_AUTO_GROUPS = 3
 
 
-def halo_layout(itemsize, cin, kernel_size, out_size, width, chunk):
+def halo_layout(itemsize, cin, kernel_size, out_size, width, chunk, groups=1):
     """kernels/block_conv.cu halo_layout: (chunks, bytes of shared memory a CTA) of
-    block_conv_halo for this convolution with tiles of `width` output channels and `chunk`
-    channels a chunk."""
+    block_conv_halo for this convolution with tiles of `width` output channels, `chunk`
+    channels a chunk and `groups` warp groups splitting the chunks."""
     (kh, kw), (oh, ow) = kernel_size, out_size
     pitch = chunk * itemsize // 4 + 4
     in_w = ow + kw - 1
@@ -94,7 +96,10 @@ def halo_layout(itemsize, cin, kernel_size, out_size, width, chunk):
     pixels = (min(oh, spanned) + kh - 1) * in_w
     slot_words = (pixels + kh * kw * width) * pitch
     chunks = math.ceil(cin / chunk)
-    return chunks, (2 if chunks > 1 else 1) * slot_words * 4
+    group_words = (2 if chunks > groups else 1) * slot_words
+    # Groups past the first leave their float sums (2 * width / 16 * 4 a thread) in the slots.
+    partial_words = (groups - 1) * width // 2 * THREADS
+    return chunks, max(groups * group_words, partial_words) * 4
 
 
 def halo_chunk(itemsize, cin, kernel_size, out_size, width, limit):
@@ -150,10 +155,10 @@ def _plan(device, dtype_name, cin, width, alignment, op):
 
 @functools.lru_cache(maxsize=1024)
 def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment, op, staging):
-    """(function, channels a chunk, shared bytes, CTAs the GPU holds) of block_conv_halo for
-    this convolution, or None where block_conv streams it: 1x1 kernels, no channels, vectors
-    narrower than 16 bytes, slots past the shared memory, or (under "auto") other than float32
-    channels in one unpadded chunk of at most HALO_AUTO_CHANNELS."""
+    """(function, channels a chunk, chunks, shared bytes by group count, CTAs the GPU holds by
+    group count) of block_conv_halo for this convolution, or None where block_conv streams it:
+    1x1 kernels, no channels, vectors narrower than 16 bytes, slots past the shared memory, or
+    (under "auto") other than float32."""
     itemsize = _kernels.ITEMSIZES[dtype_name]
     vector = 16 // itemsize
     if (staging == "streamed" or kernel_size == (1, 1) or cin == 0 or cin % vector
@@ -162,17 +167,22 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
     runtime, driver = _launch.runtime, _launch.driver
     limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
     chunk = halo_chunk(itemsize, cin, kernel_size, out_size, width, limit)
-    if chunk is None or staging == "auto" and not (
-            dtype_name == "float32" and chunk == cin <= HALO_AUTO_CHANNELS):
+    if chunk is None or staging == "auto" and dtype_name != "float32":
         return None
-    shared = halo_layout(itemsize, cin, kernel_size, out_size, width, chunk)[1]
+    chunks = math.ceil(cin / chunk)
+    # By group count: shared bytes, or 0 where they do not fit (groups that take two chunks
+    # need two slots each, so 3 groups on 3 chunks may fit where 2 do not).
+    shared = [halo_layout(itemsize, cin, kernel_size, out_size, width, chunk, groups)[1]
+              for groups in range(1, min(MAX_K_GROUPS, chunks) + 1)]
+    shared = tuple(b if b <= limit else 0 for b in shared)
     function = _launch.function(device, "block_conv", "block_conv_halo",
                                 _kernels.ARITHMETIC_CTYPES[dtype_name], width, op)
     driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             limit)
-    ctas = _launch.multiprocessors(device) * max(
-        1, driver.occupancyMaxActiveBlocksPerMultiprocessor(function, THREADS, shared))
-    return function, chunk, shared, ctas
+    sms = _launch.multiprocessors(device)
+    ctas = tuple(bytes_ and sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        function, THREADS * groups, bytes_)) for groups, bytes_ in enumerate(shared, 1))
+    return function, chunk, chunks, shared, ctas
 
 
 @functools.lru_cache(maxsize=4096)
@@ -186,6 +196,20 @@ def k_groups(tiles, stages, ctas):
     groups = 1
     while groups < min(len(ctas), stages) and tiles * groups < ctas[0] // 2:
         groups += 1
+    return groups
+
+
+def _halo_groups(device, plan, tiles, cin):
+    """Warp groups of a block_conv_halo launch (_halo_plan's `plan`) of `tiles` tiles, or 0
+    where "auto" streams it instead. The chunks are split until the tiles' groups give each SM
+    four (halo CTAs with their large slots are often one an SM, where the streamed kernel's are
+    four); then the group count nearest that whose slots fit, the larger of two."""
+    _, chunk, chunks, shared, _ = plan
+    wanted = k_groups(tiles, chunks, (8 * _launch.multiprocessors(device),) * len(shared))
+    groups = min((g for g, bytes_ in enumerate(shared, 1) if bytes_),
+                 key=lambda g: (abs(g - wanted), -g))
+    if STAGING == "auto" and groups < HALO_AUTO_GROUPS and not chunk == cin <= HALO_AUTO_CHANNELS:
+        return 0
     return groups
 
 
@@ -214,13 +238,14 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
     tiles = rows * per_block
     halo = None if scale else _halo_plan(device, dtype_name, cin, width, (kh, kw), (oh, ow),
                                          alignment, op, STAGING)
-    if halo is not None:
-        function, chunk, shared, ctas = halo
-        _launch.launch(device, stream, function, (min(tiles, ctas), 1, 1), (THREADS, 1, 1),
-                       shared, BLOCK_CONV_ARGS,
+    groups = halo and _halo_groups(device, halo, tiles, cin)
+    if groups:
+        function, chunk, _, shared, ctas = halo
+        _launch.launch(device, stream, function, (min(tiles, ctas[groups - 1]), 1, 1),
+                       (THREADS * groups, 1, 1), shared[groups - 1], BLOCK_CONV_ARGS,
                        (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
                         cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
-                        bool(zero_outside), paired, 1, 0, 0, 0, chunk), dependent=True)
+                        bool(zero_outside), paired, groups, 0, 0, 0, chunk), dependent=True)
         return
     plan = _plan(device, dtype_name, cin, width, alignment, op)
     stage = TILE_WORDS * 4 // itemsize  # reduction elements a stage

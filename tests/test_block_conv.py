@@ -312,3 +312,10 @@ def test_halo_layout_and_chunks():
     assert chunk(4, 48, (3, 3), (8, 8), 48, 228 * 1024) == 24
     assert chunk(4, 48, (3, 3), (8, 8), 48, 96 * 1024) == 16
     assert chunk(4, 8, (5, 5), (3, 200), 64, 16 * 1024) is None
+    # Warp groups splitting the chunks: two slots each where a group takes several chunks, one
+    # where it takes one; at least room for the partial sums of the groups past the first.
+    slot = (100 + 9 * 32) * 36 * 4
+    assert layout(4, 96, (3, 3), (8, 8), 32, 32, 2) == (3, 2 * 2 * slot)
+    assert layout(4, 96, (3, 3), (8, 8), 32, 32, 3) == (3, 3 * slot)
+    assert layout(4, 8, (3, 1), (1, 1), 64, 8, 1) == (1, (3 + 3 * 64) * 12 * 4)
+    assert layout(4, 32, (3, 1), (1, 1), 32, 8, 4) == (4, 3 * 16 * 128 * 4)

@@ -123,15 +123,21 @@ def test_conv_equals_dense(rng, launched, monkeypatch, staging, dtype, cin, cout
                             for name, *_ in launched)
 
 
-@pytest.mark.parametrize("dtype, cin, halo", [("float32", 24, True), ("float32", 16, True),
-                                               ("float32", 48, False), ("float16", 24, False),
-                                               ("float16", 48, False)])
-def test_auto_staging(rng, launched, dtype, cin, halo):
-    """"auto" stages by halo only float32 channels that are one unpadded chunk of at most
-    HALO_AUTO_CHANNELS (where the halo was faster on an H100), and streams the rest."""
-    _case(rng, dtype, cin, 8, 3, (6, 6), (1, 13, 14))
-    assert launched and all(name.startswith("block_conv_halo<" if halo else "block_conv<")
-                            for name, *_ in launched)
+@pytest.mark.parametrize("dtype, cin, rows, groups", [
+    ("float32", 24, "few", 1), ("float32", 16, "many", 1), ("float32", 48, "few", 0),
+    ("float32", 96, "few", 3), ("float32", 96, "many", 0), ("float16", 24, "few", 0),
+    ("float16", 192, "few", 0)])
+def test_auto_staging(rng, launched, dtype, cin, rows, groups):
+    """"auto" stages float32 by halo where the channels are one unpadded chunk of at most
+    HALO_AUTO_CHANNELS, or where few tiles (5 rows of one tile each on 3 SMs) split the chunks
+    over at least HALO_AUTO_GROUPS warp groups (96 channels: three chunks; 48 are two); with
+    more tiles (26 rows) they stream, as fp16 always does (groups 0: the streamed kernel)."""
+    n_blocks, padding_rows = {"few": (1, 0), "many": (20, 2)}[rows]
+    _case(rng, dtype, cin, 8, 3, (6, 6), (2, 30, 30), n_blocks=n_blocks,
+          padding_rows=padding_rows)
+    (name, grid, block, shared), = launched
+    assert name.startswith("block_conv_halo<" if groups else "block_conv<")
+    assert not groups or block == groups * block_conv.THREADS
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -167,6 +173,22 @@ def test_reduction_split_over_warp_groups(rng, launched, monkeypatch):
     _case(rng, "float32", 48, 32, 3, (8, 8), (1, 16, 16), n_blocks=2, padding_rows=0)
     (name, grid, block, shared), = launched
     assert block > block_conv.THREADS
+
+
+@pytest.mark.parametrize("dtype, cin, cout, groups", [
+    ("float32", 96, 32, 2), ("float32", 80, 32, 2), ("float16", 160, 32, 2),
+    ("float32", 200, 32, 2), ("float32", 96, 40, 3)])
+def test_halo_chunks_split_over_warp_groups(rng, launched, monkeypatch, dtype, cin, cout,
+                                            groups):
+    """Six block-list rows of one tile each on 3 SMs: the halo launch splits its chunks (of 32
+    words; the last one part-full where cin is not a multiple) over two warp groups, which take
+    two and one chunks (four and three of 200 channels' seven), or over three, one chunk each,
+    where two groups' two slots each would not fit (tiles of 48 channels); group 0 adds the
+    other groups' sums."""
+    monkeypatch.setattr(block_conv, "STAGING", "halo")
+    _case(rng, dtype, cin, cout, 3, (8, 8), (1, 16, 16), n_blocks=2, padding_rows=0)
+    (name, grid, block, shared), = launched
+    assert name.startswith("block_conv_halo<") and block == groups * block_conv.THREADS
 
 
 @pytest.mark.parametrize("count", [0, 9])
