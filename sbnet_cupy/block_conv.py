@@ -33,6 +33,9 @@ OPS = ("Assign", "Add")
 # ctas[g - 1]: CTAs of g warp groups that the GPU holds at once (as many entries as the shared
 # memory allows groups).
 BlockConvPlan = namedtuple("BlockConvPlan", ["function", "group_bytes", "ctas"])
+# block_conv_halo's: channels a chunk and chunks; by group count (1, 2, ...) the shared bytes (0
+# where they do not fit) and the CTAs the GPU holds; the GPU's SMs.
+HaloPlan = namedtuple("HaloPlan", ["function", "chunk", "chunks", "shared", "ctas", "sms"])
 
 
 def image_side(height, width, boffset, bstride):
@@ -155,8 +158,7 @@ def _plan(device, dtype_name, cin, width, alignment, op):
 
 @functools.lru_cache(maxsize=1024)
 def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment, op, staging):
-    """(function, channels a chunk, chunks, shared bytes by group count, CTAs the GPU holds by
-    group count) of block_conv_halo for this convolution, or None where block_conv streams it:
+    """The HaloPlan of block_conv_halo for this convolution, or None where block_conv streams it:
     1x1 kernels, no channels, vectors narrower than 16 bytes, slots past the shared memory, or
     (under "auto") other than float32."""
     itemsize = _kernels.ITEMSIZES[dtype_name]
@@ -182,7 +184,7 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
     sms = _launch.multiprocessors(device)
     ctas = tuple(bytes_ and sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
         function, THREADS * groups, bytes_)) for groups, bytes_ in enumerate(shared, 1))
-    return function, chunk, chunks, shared, ctas
+    return HaloPlan(function, chunk, chunks, shared, ctas, sms)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -199,16 +201,16 @@ def k_groups(tiles, stages, ctas):
     return groups
 
 
-def _halo_groups(device, plan, tiles, cin):
+def _halo_groups(plan, tiles, cin):
     """Warp groups of a block_conv_halo launch (_halo_plan's `plan`) of `tiles` tiles, or 0
     where "auto" streams it instead. The chunks are split until the tiles' groups give each SM
     four (halo CTAs with their large slots are often one an SM, where the streamed kernel's are
     four); then the group count nearest that whose slots fit, the larger of two."""
-    _, chunk, chunks, shared, _ = plan
-    wanted = k_groups(tiles, chunks, (8 * _launch.multiprocessors(device),) * len(shared))
-    groups = min((g for g, bytes_ in enumerate(shared, 1) if bytes_),
+    wanted = k_groups(tiles, plan.chunks, (8 * plan.sms,) * len(plan.shared))
+    groups = min((g for g, bytes_ in enumerate(plan.shared, 1) if bytes_),
                  key=lambda g: (abs(g - wanted), -g))
-    if STAGING == "auto" and groups < HALO_AUTO_GROUPS and not chunk == cin <= HALO_AUTO_CHANNELS:
+    if (STAGING == "auto" and groups < HALO_AUTO_GROUPS
+            and not plan.chunk == cin <= HALO_AUTO_CHANNELS):
         return 0
     return groups
 
@@ -238,14 +240,13 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
     tiles = rows * per_block
     halo = None if scale else _halo_plan(device, dtype_name, cin, width, (kh, kw), (oh, ow),
                                          alignment, op, STAGING)
-    groups = halo and _halo_groups(device, halo, tiles, cin)
+    groups = halo and _halo_groups(halo, tiles, cin)
     if groups:
-        function, chunk, _, shared, ctas = halo
-        _launch.launch(device, stream, function, (min(tiles, ctas[groups - 1]), 1, 1),
-                       (THREADS * groups, 1, 1), shared[groups - 1], BLOCK_CONV_ARGS,
+        _launch.launch(device, stream, halo.function, (min(tiles, halo.ctas[groups - 1]), 1, 1),
+                       (THREADS * groups, 1, 1), halo.shared[groups - 1], BLOCK_CONV_ARGS,
                        (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
                         cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
-                        bool(zero_outside), paired, groups, 0, 0, 0, chunk), dependent=True)
+                        bool(zero_outside), paired, groups, 0, 0, 0, halo.chunk), dependent=True)
         return
     plan = _plan(device, dtype_name, cin, width, alignment, op)
     stage = TILE_WORDS * 4 // itemsize  # reduction elements a stage
