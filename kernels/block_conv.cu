@@ -141,6 +141,47 @@ static __device__ __forceinline__ void mma_step(float (&acc)[2][NT][4], const un
         for (int nt = 0; nt < NT; ++nt) tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
 }
 
+// A launch's tiles: pixels a block, channel tiles of BN, tiles a block, and the tiles of the
+// listed blocks up to the count, read once the kernel before is done (launched as a dependent,
+// launch_block_conv: the block list, src and dst may all be the previous kernel's).
+struct tile_grid {
+    int pixels, n_tiles, per_block, tiles;
+
+    template <int BN>
+    __device__ __forceinline__ static tile_grid of(const BlockConvArgs& a) {
+        tile_grid t;
+        t.pixels = a.out_h * a.out_w;
+        t.n_tiles = (a.cout + BN - 1) / BN;
+        t.per_block = (t.pixels + block_conv_tile::BM - 1) / block_conv_tile::BM * t.n_tiles;
+        wait_for_previous_kernel();
+        allow_next_kernel();
+        t.tiles = min(max(*a.count, 0), a.rows) * t.per_block;  // < 2**31: checked at launch
+        return t;
+    }
+};
+
+// Group 0's ACC accumulators plus the other groups' partial sums, in group order: group g > 0
+// leaves its sums at partial + (g - 1) * stride, THREADS words apart. Called by the whole CTA
+// once every group is done with its slots.
+template <int ACC>
+static __device__ __forceinline__ void sum_groups(float* flat, float* partial, int stride,
+                                                  int group, int k_groups, int tid) {
+    using block_conv_tile::THREADS;
+    if (k_groups == 1) return;
+    if (group > 0) {
+#pragma unroll
+        for (int i = 0; i < ACC; ++i) partial[(group - 1) * stride + i * THREADS + tid] = flat[i];
+    }
+    __syncthreads();
+    if (group == 0) {
+        for (int other = 1; other < k_groups; ++other) {
+#pragma unroll
+            for (int i = 0; i < ACC; ++i)
+                flat[i] += partial[(other - 1) * stride + i * THREADS + tid];
+        }
+    }
+}
+
 // Where tile `tile` of a launch sits: its block-list row m, first output pixel p0 and channel n0
 // (tiles run over rows, then pixel tiles of BM, then channel tiles of BN), and the block's
 // origins. False for a row outside the batch, which reads zeros and writes nothing.
@@ -148,12 +189,12 @@ struct tile_place {
     int m, p0, n0;
     side_origin in, out;
 
-    __device__ __forceinline__ bool find(const BlockConvArgs& a, int tile, int per_block,
-                                         int n_tiles, int bn) {
-        m = tile / per_block;
-        const int rest = tile % per_block;
-        p0 = rest / n_tiles * block_conv_tile::BM;
-        n0 = rest % n_tiles * bn;
+    __device__ __forceinline__ bool find(const BlockConvArgs& a, int tile, const tile_grid& grid,
+                                         int bn) {
+        m = tile / grid.per_block;
+        const int rest = tile % grid.per_block;
+        p0 = rest / grid.n_tiles * block_conv_tile::BM;
+        n0 = rest % grid.n_tiles * bn;
         const int* row = a.indices + 3 * (i64)m;
         if (row[0] < 0 || row[0] >= a.n_batch) return false;
         in = side_of(a.in, m, row);
@@ -283,16 +324,10 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
 
     const T* __restrict__ src = static_cast<const T*>(a.src);
     const T* __restrict__ weight = static_cast<const T*>(a.weight);
-    const int pixels = a.out_h * a.out_w;
-    const int n_tiles = (a.cout + BN - 1) / BN;
-    const int per_block = (pixels + BM - 1) / BM * n_tiles;
     const int ktotal = a.kh * a.kw * a.cin;
     const int stages = (ktotal + BK - 1) / BK;
-    // Launched as a dependent (launch_block_conv): the block list, src and dst may all be the
-    // previous kernel's.
-    wait_for_previous_kernel();
-    allow_next_kernel();
-    const int tiles = min(max(*a.count, 0), a.rows) * per_block;  // < 2**31: checked at launch
+    const tile_grid grid = tile_grid::of<BN>(a);
+    const int pixels = grid.pixels;
     const int group = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
     const int lane = tid & 31, warp = tid >> 5;
     const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
@@ -309,9 +344,9 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     const reduction_cursor first(group * BK + vec * V, a.cin, a.kw);
     const int step = a.k_groups * BK;
 
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int tile = blockIdx.x; tile < grid.tiles; tile += gridDim.x) {
         tile_place at_tile;
-        if (!at_tile.find(a, tile, per_block, n_tiles, BN)) continue;
+        if (!at_tile.find(a, tile, grid, BN)) continue;
         const int p0 = at_tile.p0, n0 = at_tile.n0;
         const side_origin &in = at_tile.in, &out = at_tile.out;
 
@@ -462,23 +497,8 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
             }
         }
         __syncthreads();  // every group is done with its tiles: they hold the partial sums now
-        if (a.k_groups > 1) {
-            float* partial = reinterpret_cast<float*>(block_conv_smem);
-            float* flat = &acc[0][0][0];
-            if (group > 0) {
-#pragma unroll
-                for (int i = 0; i < ACC; ++i)
-                    partial[(group - 1) * GROUP_WORDS + i * THREADS + tid] = flat[i];
-            }
-            __syncthreads();
-            if (group == 0) {
-                for (int other = 1; other < a.k_groups; ++other) {
-#pragma unroll
-                    for (int i = 0; i < ACC; ++i)
-                        flat[i] += partial[(other - 1) * GROUP_WORDS + i * THREADS + tid];
-                }
-            }
-        }
+        sum_groups<ACC>(&acc[0][0][0], reinterpret_cast<float*>(block_conv_smem), GROUP_WORDS,
+                        group, a.k_groups, tid);
         if (group == 0) write_tile<T, BN, Op>(a, acc, p0, n0, in, out, wm, wn, g, t);
         __syncthreads();  // the next tile's loads reuse the shared memory
     }
@@ -544,14 +564,10 @@ block_conv_halo(const BlockConvArgs a) {
     const T* __restrict__ src = static_cast<const T*>(a.src);
     const T* __restrict__ weight = static_cast<const T*>(a.weight);
     const halo_layout l = halo_layout::of<T, BN>(a);
-    const int pixels = a.out_h * a.out_w;
-    const int n_tiles = (a.cout + BN - 1) / BN;
-    const int per_block = (pixels + BM - 1) / BM * n_tiles;
     const int taps = a.kh * a.kw;
     const int chunks = (a.cin + l.chunk - 1) / l.chunk;
-    wait_for_previous_kernel();
-    allow_next_kernel();
-    const int tiles = min(max(*a.count, 0), a.rows) * per_block;  // < 2**31: checked at launch
+    const tile_grid grid = tile_grid::of<BN>(a);
+    const int pixels = grid.pixels;
     const int group = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
     const int lane = tid & 31, warp = tid >> 5;
     const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
@@ -562,9 +578,9 @@ block_conv_halo(const BlockConvArgs a) {
     // Each lane's B row of the ldmatrix loads within a tap's weights (as block_conv's b_lane).
     const int b_lane = (wn * (BN / 2) + (lane & 7) + (lane >> 4) * 8) * l.pitch + (lane >> 3 & 1) * 4;
 
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int tile = blockIdx.x; tile < grid.tiles; tile += gridDim.x) {
         tile_place at_tile;
-        if (!at_tile.find(a, tile, per_block, n_tiles, BN)) continue;
+        if (!at_tile.find(a, tile, grid, BN)) continue;
         const int p0 = at_tile.p0, n0 = at_tile.n0;
         const side_origin &in = at_tile.in, &out = at_tile.out;
         // The block rows of the tile's output pixels, and its halo's pixels.
@@ -641,23 +657,8 @@ block_conv_halo(const BlockConvArgs a) {
             group_sync(group);     // slot i & 1 takes the chunk after next
         }
         __syncthreads();  // every group is done with its slots: they hold the partial sums now
-        if (a.k_groups > 1) {
-            float* partial = reinterpret_cast<float*>(block_conv_smem);
-            float* flat = &acc[0][0][0];
-            if (group > 0) {
-#pragma unroll
-                for (int j = 0; j < ACC; ++j)
-                    partial[((group - 1) * ACC + j) * THREADS + tid] = flat[j];
-            }
-            __syncthreads();
-            if (group == 0) {
-                for (int other = 1; other < a.k_groups; ++other) {
-#pragma unroll
-                    for (int j = 0; j < ACC; ++j)
-                        flat[j] += partial[((other - 1) * ACC + j) * THREADS + tid];
-                }
-            }
-        }
+        sum_groups<ACC>(&acc[0][0][0], reinterpret_cast<float*>(block_conv_smem), ACC * THREADS,
+                        group, a.k_groups, tid);
         if (group == 0) write_tile<T, BN, Op>(a, acc, p0, n0, in, out, wm, wn, g, t);
         __syncthreads();  // the next tile's copies reuse the shared memory
     }
