@@ -2,13 +2,19 @@
 T1/T2 benchmark) on the paper's stage sizes, and against submanifold sparse convolution.
 
     python -m bench.res_blocks [--suite topleft blocksize batch fp32 road spconv modes fused
-                                fused-capacity fused-dense dependent]
+                                fused-capacity fused-dense dependent floor]
                                [--out DIR]
 
 The `modes` suite runs one unit and a stage of 3 units sharing one reduce_mask
 (torch_bridge.SparseResStage) the ways a PyTorch user can: eagerly, torch.compile in the default
 mode and in mode="reduce-overhead", and CapacityGraphs; with the compile times. Eager runs are
 timed first, before anything is compiled. It writes <out>/res_blocks_modes_<device>.csv and .md.
+
+The `floor` suite times where a graph's time goes, T1 and T2 at 90% (top-left mask, the
+stage's best block size): reduce_mask, the block convolutions, both, and cuDNN's dense side, each
+as a graph of its own (what the other suites time) and per call in a graph of 20 calls back to
+back (the kernels' own time plus the gaps between them), beside a one-element add, the floor of
+any graph. It writes <out>/res_blocks_floor_<device>.csv.
 
 Dense baseline: the same module run densely with cuDNN, channels_last, cudnn.benchmark, BN
 folded into the convolutions, measured in the same run. Sparse: reduce_mask (inside the timed
@@ -298,6 +304,59 @@ def run_modes(stage, precision, units, repeats, rng):
     return row
 
 
+def run_floor(test, stage, precision, repeats, rng):
+    """T1 or T2 at 90% (top-left mask), batch 1, the stage's best block size: reduce_mask, the
+    convolutions on its blocks, both, and dense, each timed as a graph of its own (graph_us)
+    and per call in a graph of 20 calls (chain_us). test "add": a one-element add instead."""
+    def times(run, calls):
+        def many():
+            for _ in range(calls):
+                run()
+        return events_ms(graph(many).replay, repeats) * 1000 / calls
+
+    if test == "add":
+        one = torch.zeros(1, device="cuda")
+        return dict(test="add", add_graph_us=times(lambda: one.add_(1), 1),
+                    add_chain_us=times(lambda: one.add_(1), 20))
+    height, width, channels, bottleneck = STAGES[stage]
+    dtype, tf32 = PRECISIONS[precision]
+    allow_tf32(tf32)
+    bsize = BEST_BLOCK[precision][stage]
+    if test == "T2":
+        module = tb.SparseResBlockBottleneck(channels, bottleneck, bsize_out=bsize)
+        _randomise(module, rng)
+        module.fold_batchnorm()
+    else:
+        channels = bottleneck
+        module = tb.SparseConv2d(channels, channels, bsize_out=bsize, bias=False)
+    module = module.cuda().to(dtype).eval()
+    mask = torch.tensor(masks.top_left(1, height, width, 0.9), device="cuda")
+    x = torch.randn(1, height, width, channels, device="cuda", dtype=dtype)
+    y = x.clone()
+    row = dict(test=test, stage=stage, precision=precision, bsize=bsize)
+    with torch.no_grad():
+        active = int(module.reduce_mask(mask).bin_counts[0])
+        capacity = tb.capacity_bucket(active)
+        found = module.reduce_mask(mask, capacity=capacity)
+        row.update(active_blocks=active, capacity=capacity)
+
+        def convolve():
+            if test == "T2":
+                module(x, found, inplace=True)
+            else:
+                module(x, found, base=y, inplace=True)
+
+        def reduce():
+            module.reduce_mask(mask, capacity=capacity)
+
+        for name, run in (("reduce_mask", reduce), ("conv", convolve),
+                          ("whole", lambda: (reduce(), convolve())),
+                          ("dense", lambda: module.dense(x))):
+            row[f"{name}_graph_us"] = times(run, 1)
+            row[f"{name}_chain_us"] = times(run, 20)
+    return row
+
+
 def _modes_table(rows, device):
     lines = [f"# T2 units at 90% (top-left mask), batch 1, by how they run: {device}, "
              f"torch {torch.__version__}", "",
@@ -395,6 +454,18 @@ def main(argv=None):
             write_csv(rows, args.out / f"res_blocks_modes_{slug}.csv")
             (args.out / f"res_blocks_modes_{slug}.md").write_text(_modes_table(rows, device))
         args.suite = [s for s in args.suite if s != "modes"]
+        if not args.suite:
+            return 0
+    if "floor" in args.suite:
+        rows = [run_floor("add", None, None, args.repeats, None)]
+        for test, stage, precision in itertools.product(("T1", "T2"), args.stages,
+                                                        ("tf32", "fp16")):
+            rows.append(run_floor(test, stage, precision, args.repeats,
+                                  numpy.random.default_rng(len(rows))))
+            print("floor", {k: round(v, 2) if isinstance(v, float) else v
+                            for k, v in rows[-1].items()}, flush=True)
+            write_csv(rows, args.out / f"res_blocks_floor_{slug}.csv")
+        args.suite = [s for s in args.suite if s != "floor"]
         if not args.suite:
             return 0
     todo = [r for r in suites(args.suite) if r[2] in args.stages]

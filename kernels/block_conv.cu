@@ -58,6 +58,17 @@ static __device__ __forceinline__ void group_sync(int group) {
     asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(block_conv_tile::THREADS) : "memory");
 }
 
+// A thread's place in a CTA of warp groups: its group, its thread of the group and lane, its
+// warp (wm, wn) of the tile's 2 x 2, and its row g and column t of the MMA fragments.
+struct fragment_place {
+    int group, tid, lane, wm, wn, g, t;
+
+    __device__ __forceinline__ fragment_place()
+        : group(threadIdx.x / block_conv_tile::THREADS),
+          tid(threadIdx.x % block_conv_tile::THREADS), lane(tid & 31), wm(tid >> 5 & 1),
+          wn(tid >> 6), g(lane >> 2), t(lane & 3) {}
+};
+
 // Where a thread's vector sits in the reduction: tap (dy, dx), channel, and r = (dy * kw + dx) *
 // cin + channel. From one of its group's stages to the next without dividing (the step's taps
 // and channels are the launch's).
@@ -287,9 +298,9 @@ static __device__ __forceinline__ void write_tile(const BlockConvArgs& a,
     }
 }
 
-// Grid: a few CTAs an SM, each looping over the tiles (block, BM output pixels, BN output
-// channels) of the first *count listed blocks, so rows past the count cost nothing. A CTA is
-// k_groups warp groups of THREADS threads: group g reduces stages g, g + k_groups, ... of the
+// block_conv's grid: a few CTAs an SM, each looping over the tiles (block, BM output pixels, BN
+// output channels) of the first *count listed blocks, so rows past the count cost nothing. A CTA
+// is k_groups warp groups of THREADS threads: group g reduces stages g, g + k_groups, ... of the
 // tile into its own accumulators, which group 0 sums before the epilogue, so that few tiles with
 // a long reduction (deep layers, few blocks) still keep many loads in flight. A group's stages
 // stream through SLOTS shared-memory slots with cp.async (16-byte vectors, no prologue: SLOTS - 1
@@ -297,10 +308,12 @@ static __device__ __forceinline__ void write_tile(const BlockConvArgs& a,
 // narrower vectors: one stage in flight). TF32 MMAs read the float32 bits as they are (the
 // tensor cores ignore the low mantissa bits) on the cp.async path and rounded ones on the other.
 // Dynamic shared memory: k_groups * SLOTS * (BM + BN) * PITCH words. T is float (TF32), half_t or
-// bfloat16_t; V elements (dividing cin, pointers aligned to them) are read as one access; Op
-// (common.cuh) writes or adds the output.
-template <typename T, int BN, int V, typename Op>
-__global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const BlockConvArgs a) {
+// bfloat16_t; V elements (dividing cin, pointers aligned to them) are read as one access. Each
+// tile, once group 0 holds its sums, goes to finish(its tile_place, the sums, the thread's
+// fragment_place), called by the whole CTA (block_conv writes it; block_conv_pair multiplies it
+// on).
+template <typename T, int BN, int V, typename Finish>
+static __device__ __forceinline__ void stream_tiles(const BlockConvArgs& a, Finish finish) {
     using namespace block_conv_tile;
     constexpr int PER_WORD = 4 / sizeof(T);
     constexpr int BK = WORDS * PER_WORD;  // reduction elements a stage
@@ -328,9 +341,8 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
     const int stages = (ktotal + BK - 1) / BK;
     const tile_grid grid = tile_grid::of<BN>(a);
     const int pixels = grid.pixels;
-    const int group = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
-    const int lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
+    const fragment_place th;
+    const int group = th.group, tid = th.tid, lane = th.lane, wm = th.wm, wn = th.wn;
     const int vec = tid % VECTORS, row0 = tid / VECTORS;
     // Slot i of this group: the A tile [BM][PITCH], then the B tile [BN][PITCH].
     unsigned* const slots = block_conv_smem + group * GROUP_WORDS;
@@ -348,7 +360,7 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
         tile_place at_tile;
         if (!at_tile.find(a, tile, grid, BN)) continue;
         const int p0 = at_tile.p0, n0 = at_tile.n0;
-        const side_origin &in = at_tile.in, &out = at_tile.out;
+        const side_origin& in = at_tile.in;
 
         // For each tile row this thread loads: the source pixel of the top-left tap, and its
         // element offset in src (the taps add (dy * width + dx) * cin).
@@ -499,9 +511,19 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
         __syncthreads();  // every group is done with its tiles: they hold the partial sums now
         sum_groups<ACC>(&acc[0][0][0], reinterpret_cast<float*>(block_conv_smem), GROUP_WORDS,
                         group, a.k_groups, tid);
-        if (group == 0) write_tile<T, BN, Op>(a, acc, p0, n0, in, out, wm, wn, g, t);
+        finish(at_tile, acc, th);
         __syncthreads();  // the next tile's loads reuse the shared memory
     }
+}
+
+// block_conv: stream_tiles, each tile written or added (Op, common.cuh) by group 0.
+template <typename T, int BN, int V, typename Op>
+__global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const BlockConvArgs a) {
+    stream_tiles<T, BN, V>(a, [&](const tile_place& at, const float (&acc)[2][BN / 16][4],
+                                  const fragment_place& th) {
+        if (th.group == 0) write_tile<T, BN, Op>(a, acc, at.p0, at.n0, at.in, at.out, th.wm, th.wn,
+                                                 th.g, th.t);
+    });
 }
 
 // block_conv_halo: block_conv's convolution for kernels wider than 1x1 on 16-byte vectors
@@ -568,9 +590,8 @@ block_conv_halo(const BlockConvArgs a) {
     const int chunks = (a.cin + l.chunk - 1) / l.chunk;
     const tile_grid grid = tile_grid::of<BN>(a);
     const int pixels = grid.pixels;
-    const int group = threadIdx.x / THREADS, tid = threadIdx.x % THREADS;
-    const int lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 1, wn = warp >> 1, g = lane >> 2, t = lane & 3;
+    const fragment_place th;
+    const int group = th.group, tid = th.tid, lane = th.lane, wm = th.wm, wn = th.wn;
     // This thread's copies: column `column` (V elements) of rows row0, row0 + ROWS_PER_PASS, ...
     const int column = tid % COPIES, row0 = tid / COPIES;
     unsigned* const slots = block_conv_smem + group * l.group_words;
@@ -659,7 +680,110 @@ block_conv_halo(const BlockConvArgs a) {
         __syncthreads();  // every group is done with its slots: they hold the partial sums now
         sum_groups<ACC>(&acc[0][0][0], reinterpret_cast<float*>(block_conv_smem), ACC * THREADS,
                         group, a.k_groups, tid);
-        if (group == 0) write_tile<T, BN, Op>(a, acc, p0, n0, in, out, wm, wn, g, t);
+        if (group == 0) write_tile<T, BN, Op>(a, acc, p0, n0, in, out, wm, wn, th.g, th.t);
         __syncthreads();  // the next tile's copies reuse the shared memory
     }
+}
+
+// block_conv_pair: a bottleneck unit's 3x3 and the 1x1 after it in one launch. `conv` is the 3x3
+// (stack to stack, as block_conv takes it, with a tile as wide as its output channels: BN >=
+// conv.cout, so one tile holds every channel of its pixels). Each tile is streamed as block_conv
+// streams it; its epilogue (bias, ReLU) goes into shared memory instead of the stack, as the A
+// operand of the 1x1 (K = BN channels, those past conv.cout zero); then the CTA's warp groups
+// take the 1x1's tiles of BN2 output channels in turn (group g: tiles g, g + k_groups, ...),
+// each copying its weights [BN2][K] into its own slot, and add them into dst2 through the block
+// list (no bias, no ReLU: the unit's residual add). This saves the second stack's round trip
+// through memory and a launch. Dynamic shared memory: the larger of stream_tiles' and (BM +
+// k_groups * BN2) rows of K words + 4.
+struct BlockConvPairArgs {
+    BlockConvArgs conv;
+    void* dst2;             // the 1x1's destination (an NHWC image through the block list)
+    const void* weight2;    // [cout2, 1, 1, conv.cout] (OHWI), in T
+    int cout2;
+    BlockSide out2;
+    int paired2;            // cout2 even and dst2 aligned: two channels written as one access
+};
+static_assert(sizeof(BlockConvPairArgs) == 240, "BlockConvPairArgs must match sbnet_cupy/block_conv.py");
+
+template <typename T, int BN, int BN2>
+__global__ void __launch_bounds__(4 * block_conv_tile::THREADS)
+block_conv_pair(const BlockConvPairArgs p) {
+    using namespace block_conv_tile;
+    constexpr int PER_WORD = 4 / sizeof(T);
+    constexpr int V = 16 / sizeof(T);           // elements a copy
+    constexpr int K_WORDS = BN / PER_WORD;      // words of a row of the 1x1's operands
+    constexpr int PITCH2 = K_WORDS + 4;         // padded: conflict-free ldmatrix
+    constexpr int COPIES = K_WORDS / 4;         // copies a weight row
+    constexpr int NT = BN / 16, NT2 = BN2 / 16;
+    static_assert(K_WORDS % 8 == 0, "the 1x1's reduction is whole MMA steps");
+    extern __shared__ __align__(16) unsigned block_conv_smem[];
+    const BlockConvArgs& a = p.conv;
+    // The 1x1 as block_conv's arguments, for its epilogue: added into dst2, nothing else.
+    BlockConvArgs second = a;
+    second.dst = p.dst2;
+    second.bias = nullptr;
+    second.cout = p.cout2;
+    second.out = p.out2;
+    second.relu_out = second.zero_outside = 0;
+    second.paired = p.paired2;
+    const T* __restrict__ weight2 = static_cast<const T*>(p.weight2);
+    unsigned* const z = block_conv_smem;  // [BM][PITCH2]: the 3x3's tile, the 1x1's A
+    const int n2_tiles = (p.cout2 + BN2 - 1) / BN2;
+
+    stream_tiles<T, BN, V>(a, [&](const tile_place& at, const float (&acc)[2][NT][4],
+                                  const fragment_place& th) {
+        __syncthreads();  // group 0's sums are read: z may take their place
+        if (th.group == 0) {  // bias and ReLU, then the tile into z as the 1x1's A operand
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int co = th.wn * (BN / 2) + nt * 8 + 2 * th.t;
+                float bias[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    bias[e] = a.bias != nullptr && co + e < a.cout ? a.bias[co + e] : 0.f;
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        vec_t<T, 2> v;
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            float x = acc[mt][nt][2 * half + e] + bias[e];
+                            if (a.relu_out) x = fmaxf(x, 0.f);
+                            v.v[e] = from_acc<T>(x);
+                        }
+                        const int row = th.wm * 32 + mt * 16 + th.g + 8 * half;
+                        store_tile<T, 2>(z + row * PITCH2, co, v);
+                    }
+            }
+        }
+        __syncthreads();  // z is whole
+        const side_origin out2 = side_of(second.out, at.m, a.indices + 3 * (i64)at.m);
+        unsigned* const w = z + BM * PITCH2 + th.group * BN2 * PITCH2;  // this group's weights
+        const unsigned copy_base = shared_address(w);
+        const int a_lane = (th.wm * 32 + (th.lane & 15)) * PITCH2 + (th.lane >> 4) * 4;
+        const int b_lane = (th.wn * (BN2 / 2) + (th.lane & 7) + (th.lane >> 4) * 8) * PITCH2 +
+                           (th.lane >> 3 & 1) * 4;
+        for (int n2 = th.group; n2 < n2_tiles; n2 += a.k_groups) {
+            // Weight rows n2 * BN2 ... of the 1x1, K columns: zeros past cout2 and conv.cout.
+            for (int c = th.tid; c < BN2 * COPIES; c += THREADS) {
+                const int r = c / COPIES, column = c % COPIES;
+                const int co = n2 * BN2 + r, k = column * V;
+                const bool valid = co < p.cout2 && k < a.cout;
+                copy_async16(copy_base + (r * PITCH2 + column * 4) * 4,
+                             valid ? weight2 + (i64)co * a.cout + k : weight2, valid);
+            }
+            copy_async_commit();
+            copy_async_wait<0>();
+            group_sync(th.group);
+            float acc2[2][NT2][4] = {};
+#pragma unroll
+            for (int ks = 0; ks < K_WORDS / 8; ++ks)
+                mma_step<T, NT2>(acc2, z + a_lane + ks * 8, z + a_lane + 16 * PITCH2 + ks * 8,
+                                 w + b_lane + ks * 8, PITCH2);
+            write_tile<T, BN2, Add>(second, acc2, at.p0, n2 * BN2, at.in, out2, th.wm, th.wn,
+                                    th.g, th.t);
+            group_sync(th.group);  // the group's slot takes its next tile's weights
+        }
+    });
 }

@@ -13,7 +13,7 @@ through ctypes: CuPy exposes no launch with attributes) on GPUs of compute capab
 later, on streams other than the legacy default stream: the kernel may be scheduled while the
 previous kernel on its stream still runs, and waits for it in the kernel
 (wait_for_previous_kernel, kernels/common.cuh), so that a chain of short kernels (a bottleneck
-unit's three block convolutions, the fused submanifold convolution and its split sum) does not
+unit's block convolutions, the fused submanifold convolution and its split sum) does not
 pay a full launch gap between each two. SBNET_DEPENDENT_LAUNCH=0 (or DEPENDENT_LAUNCH = False)
 launches them as the others.
 """

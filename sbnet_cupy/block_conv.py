@@ -6,8 +6,9 @@ One launch convolves every listed block: it reads the block and its halo from th
 image through the block list, or a stack of per-block intermediates), multiplies on tensor
 cores (TF32 for float32, fp16, bf16; fp32 accumulation) and writes or adds the output pixels
 into the destination. The kernels read the block count from the device and loop over the tiles
-of the counted blocks only, so a generous capacity costs nothing. A bottleneck unit is three
-launches (1x1 into a stack, 3x3 stack to stack, 1x1 added into the image).
+of the counted blocks only, so a generous capacity costs nothing. A bottleneck unit is two
+launches (1x1 into a stack, then block_conv_pair: the 3x3 from the stack, each tile kept in
+shared memory for the 1x1 added into the image), or three where the pair does not apply.
 """
 
 import functools
@@ -19,6 +20,8 @@ from . import _checks, _kernels, _launch
 
 # kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 8 ints.
 BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i8i", 184)
+# BlockConvPairArgs: BlockConvArgs, then dst2, weight2, cout2, a BlockSide, paired2.
+BLOCK_CONV_PAIR_ARGS = _launch.layout("8P8i7i7i8i2Pi7ii", 240)
 # As block_conv_tile in the kernel: threads of a warp group, output pixels a tile, words of the
 # reduction a stage, words a shared-memory tile row, stages a warp group keeps in shared memory.
 THREADS, TILE_PIXELS, TILE_WORDS, PITCH, SLOTS = 128, 64, 32, 36, 3
@@ -63,7 +66,8 @@ def stride_one(block_params, kernel_size):
 
 
 def instantiations():
-    """Every block_conv<T, BN, V, Op> and block_conv_halo<T, BN, Op> the plans can ask for."""
+    """Every block_conv<T, BN, V, Op>, block_conv_halo<T, BN, Op> and block_conv_pair<T, BN,
+    BN2> the plans can ask for."""
     names = []
     for name in DTYPES:
         itemsize, ctype = _kernels.ITEMSIZES[name], _kernels.ARITHMETIC_CTYPES[name]
@@ -72,6 +76,8 @@ def instantiations():
                 names += [_kernels.name_expression("block_conv", ctype, bn, vector, op)
                           for op in OPS]
             names += [_kernels.name_expression("block_conv_halo", ctype, bn, op) for op in OPS]
+            names += [_kernels.name_expression("block_conv_pair", ctype, bn, bn2)
+                      for bn2 in TILE_CHANNELS]
     return names
 
 
@@ -231,34 +237,94 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
         return
     pixel_tiles = math.ceil(oh * ow / TILE_PIXELS)
     width = _tile_channels(device, cout, rows, pixel_tiles)
+    tiles = _tiles(rows, pixel_tiles, cout, width)
     alignment = _checks.alignment(src, weight)
-    per_block = pixel_tiles * math.ceil(cout / width)
-    if rows * per_block >= 2**31:  # the kernels count tiles in int
-        raise ValueError(f"active_block_indices has too many rows: {rows}")
-    itemsize = _kernels.ITEMSIZES[dtype_name]
-    paired = cout % 2 == 0 and _checks.alignment(dst) % (2 * itemsize) == 0
-    tiles = rows * per_block
+    arguments = (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin, cout,
+                 kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out), bool(zero_outside),
+                 _paired(dtype_name, cout, dst))
     halo = None if scale else _halo_plan(device, dtype_name, cin, width, (kh, kw), (oh, ow),
                                          alignment, op, STAGING)
     groups = halo and _halo_groups(halo, tiles, cin)
     if groups:
         _launch.launch(device, stream, halo.function, (min(tiles, halo.ctas[groups - 1]), 1, 1),
                        (THREADS * groups, 1, 1), halo.shared[groups - 1], BLOCK_CONV_ARGS,
-                       (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
-                        cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
-                        bool(zero_outside), paired, groups, 0, 0, 0, halo.chunk), dependent=True)
+                       (*arguments, groups, 0, 0, 0, halo.chunk), dependent=True)
         return
     plan = _plan(device, dtype_name, cin, width, alignment, op)
-    stage = TILE_WORDS * 4 // itemsize  # reduction elements a stage
-    groups = k_groups(tiles, math.ceil(kh * kw * cin / stage), plan.ctas)
-    # A group's step from one of its stages to the next, in taps and channels.
-    step_taps, step_channels = divmod(groups * stage, cin) if cin else (0, 0)
+    groups, steps = _streamed_groups(dtype_name, cin, kernel_size, tiles, plan.ctas)
     _launch.launch(device, stream, plan.function, (min(tiles, plan.ctas[groups - 1]), 1, 1),
                    (THREADS * groups, 1, 1), groups * plan.group_bytes, BLOCK_CONV_ARGS,
-                   (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
-                    cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out),
-                    bool(zero_outside), paired, groups, *divmod(step_taps, kw), step_channels, 0),
-                   dependent=True)
+                   (*arguments, groups, *steps, 0), dependent=True)
+
+
+def _tiles(rows, pixel_tiles, cout, width):
+    tiles = rows * pixel_tiles * math.ceil(cout / width)
+    if tiles >= 2**31:  # the kernels count tiles in int
+        raise ValueError(f"active_block_indices has too many rows: {rows}")
+    return tiles
+
+
+def _paired(dtype_name, cout, dst):
+    """Whether the epilogue writes two channels as one access."""
+    return cout % 2 == 0 and _checks.alignment(dst) % (2 * _kernels.ITEMSIZES[dtype_name]) == 0
+
+
+def _streamed_groups(dtype_name, cin, kernel_size, tiles, ctas):
+    """Warp groups of a streamed launch, and each group's step from one of its stages to the
+    next: (taps down, taps across, channels)."""
+    stage = TILE_WORDS * 4 // _kernels.ITEMSIZES[dtype_name]  # reduction elements a stage
+    groups = k_groups(tiles, math.ceil(kernel_size[0] * kernel_size[1] * cin / stage), ctas)
+    step_taps, step_channels = divmod(groups * stage, cin) if cin else (0, 0)
+    return groups, (*divmod(step_taps, kernel_size[1]), step_channels)
+
+
+# Whether a unit's 3x3 and last 1x1 run as one launch (block_conv_pair) where they can.
+PAIR = True
+
+
+def pair_width(bottleneck, channels, dtype_name, alignment):
+    """(BN, BN2) of block_conv_pair for a unit's 3x3 (bottleneck channels, 16-byte vectors) and
+    last 1x1 (bottleneck -> channels), or None where it does not apply: a 3x3 tile must hold
+    every bottleneck channel, and each weight row of the 1x1 whole 16-byte copies. BN2: the
+    widest of the widths that pad channels least (a CTA takes the 1x1's tiles in turn)."""
+    itemsize = _kernels.ITEMSIZES[dtype_name]
+    if (bottleneck == 0 or bottleneck > max(TILE_CHANNELS) or bottleneck * itemsize % 16
+            or alignment % 16):
+        return None
+    padded = {bn: math.ceil(channels / bn) * bn for bn in TILE_CHANNELS}
+    return (min(bn for bn in TILE_CHANNELS if bn >= bottleneck),
+            max(bn for bn in TILE_CHANNELS if padded[bn] == min(padded.values())))
+
+
+@functools.lru_cache(maxsize=1024)
+def _pair_plan(device, dtype_name, bn, bn2):
+    """block_conv_pair's function, and by group count (1, 2, ...) its shared bytes and the CTAs
+    the GPU holds."""
+    itemsize = _kernels.ITEMSIZES[dtype_name]
+    function = _launch.function(device, "block_conv", "block_conv_pair",
+                                _kernels.ARITHMETIC_CTYPES[dtype_name], bn, bn2)
+    driver, runtime = _launch.driver, _launch.runtime
+    limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
+    pitch2 = bn * itemsize // 4 + 4
+    shared = tuple(max(groups * SLOTS * (TILE_PIXELS + bn) * PITCH,
+                       (TILE_PIXELS + groups * bn2) * pitch2) * 4
+                   for groups in range(1, MAX_K_GROUPS + 1))
+    shared = tuple(b for b in shared if b <= limit)
+    driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            shared[-1])
+    sms = _launch.multiprocessors(device)
+    ctas = tuple(sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        function, THREADS * groups, bytes_)) for groups, bytes_ in enumerate(shared, 1))
+    return function, shared, ctas
+
+
+def _streams(device, dtype_name, cin, cout, rows, kernel_size, out_size, alignment):
+    """Whether launch_block_conv streams this convolution (no prologue): not the halo."""
+    pixel_tiles = math.ceil(out_size[0] * out_size[1] / TILE_PIXELS)
+    width = _tile_channels(device, cout, rows, pixel_tiles)
+    halo = _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment, "Assign",
+                      STAGING)
+    return not (halo and _halo_groups(halo, _tiles(rows, pixel_tiles, cout, width), cin))
 
 
 def launch_conv(device, stream, dtype_name, x, y, weight, bias, indices, counts, rows, x_shape,
@@ -278,8 +344,10 @@ def launch_res_unit(device, stream, dtype_name, x, y, weights, indices, counts, 
     """SBNet's bottleneck unit on the listed blocks, added into y (x itself, or a copy of it):
     1x1 (bn1 and ReLU on load, bias and ReLU, zero outside the image) into stacks[0]
     [rows, bh, bw, K], 3x3 (bias, ReLU) into stacks[1] [rows, bh - 2, bw - 2, K], 1x1 added
-    into y. weights: addresses of (scale, shift, w1, b1, w2, b2, w3), convolutions OHWI in
-    dtype_name, the rest float32. block_params: calc_block_params_res_block's, stride 1."""
+    into y; the 3x3 and the last 1x1 as one block_conv_pair launch (stacks[1] unused) where
+    PAIR and pair_width allow it and the 3x3 streams. weights: addresses of (scale, shift, w1,
+    b1, w2, b2, w3), convolutions OHWI in dtype_name, the rest float32. block_params:
+    calc_block_params_res_block's, stride 1."""
     n, height, width, channels = x_shape
     scale, shift, w1, b1, w2, b2, w3 = weights
     (bh, bw), (oh, ow) = block_params.bsize, block_params.bsize_out
@@ -289,9 +357,24 @@ def launch_res_unit(device, stream, dtype_name, x, y, weights, indices, counts, 
     launch_block_conv(*common, x, first, w1, indices, counts, rows, n, channels, bottleneck,
                       (1, 1), (bh, bw), image_in, stack_side(bh, bw), bias=b1, scale=scale,
                       shift=shift, relu_out=True, zero_outside=True)
+    image_out = image_side(height, width, (0, 0), block_params.bsize_out)
+    alignment = _checks.alignment(first, w2, w3)
+    widths = PAIR and pair_width(bottleneck, channels, dtype_name, alignment)
+    if widths and _streams(device, dtype_name, bottleneck, bottleneck, rows, (3, 3), (oh, ow),
+                           alignment):
+        bn, bn2 = widths
+        function, shared, ctas = _pair_plan(device, dtype_name, bn, bn2)
+        tiles = _tiles(rows, math.ceil(oh * ow / TILE_PIXELS), bottleneck, bn)
+        groups, steps = _streamed_groups(dtype_name, bottleneck, (3, 3), tiles, ctas)
+        _launch.launch(device, stream, function, (min(tiles, ctas[groups - 1]), 1, 1),
+                       (THREADS * groups, 1, 1), shared[groups - 1], BLOCK_CONV_PAIR_ARGS,
+                       (first, middle, w2, b2, 0, 0, indices, counts, rows, n, bottleneck,
+                        bottleneck, 3, 3, oh, ow, *stack_side(bh, bw), *stack_side(oh, ow), True,
+                        False, False, groups, *steps, 0, y, w3, channels, *image_out,
+                        _paired(dtype_name, channels, y)), dependent=True)
+        return
     launch_block_conv(*common, first, middle, w2, indices, counts, rows, n, bottleneck,
                       bottleneck, (3, 3), (oh, ow), stack_side(bh, bw), stack_side(oh, ow),
                       bias=b2, relu_out=True)
     launch_block_conv(*common, middle, y, w3, indices, counts, rows, n, bottleneck, channels,
-                      (1, 1), (oh, ow), stack_side(oh, ow),
-                      image_side(height, width, (0, 0), block_params.bsize_out), op="Add")
+                      (1, 1), (oh, ow), stack_side(oh, ow), image_out, op="Add")

@@ -111,10 +111,14 @@ def _folded(xp, rng, channels, bottleneck, dtype):
 @pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
 @pytest.mark.parametrize("channels, bottleneck, bsize_out", [
     (12, 4, (8, 8)), (9, 5, (6, 6)), (96, 24, (16, 16)), (33, 17, (10, 14)),
-    (64, 64, (32, 32))])
+    (64, 64, (32, 32)), (130, 48, (8, 8))])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_sparse_res_block_fused_equals_dense(rng, staging, dtype, channels, bottleneck,
-                                             bsize_out, inplace):
+@pytest.mark.parametrize("pair", [True, False], ids=["pair", "three"])
+def test_sparse_res_block_fused_equals_dense(rng, monkeypatch, staging, dtype, channels,
+                                             bottleneck, bsize_out, inplace, pair):
+    """The unit in three launches, or with its 3x3 and last 1x1 as one (block_conv_pair, where
+    the 3x3 streams and its tile holds every bottleneck channel)."""
+    monkeypatch.setattr(sbnet_cupy.block_conv, "PAIR", pair)
     _poison_pool()
     shape = (2, 41, 53)
     x, folded, ours, params, indices, count = _res_unit_inputs(
@@ -266,7 +270,8 @@ def test_every_tile_width(rng, monkeypatch, staging, width, dtype):
     monkeypatch.setattr(sbnet_cupy.block_conv, "TILE_CHANNELS", (width,))
     sbnet_cupy.block_conv._tile_channels.cache_clear()
     try:
-        test_sparse_res_block_fused_equals_dense(rng, staging, dtype, 70, 40, (8, 8), False)
+        test_sparse_res_block_fused_equals_dense(rng, monkeypatch, staging, dtype, 70, 40, (8, 8),
+                                                False, True)
     finally:
         monkeypatch.undo()
         sbnet_cupy.block_conv._tile_channels.cache_clear()

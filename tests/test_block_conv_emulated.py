@@ -23,7 +23,8 @@ TOLERANCE = {**TOLERANCE, "bfloat16": 8e-3}
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     return cuda_emulation.build(
-        "block_conv", {name: "BlockConvArgs" for name in block_conv.instantiations()},
+        "block_conv", {name: "BlockConvPairArgs" if name.startswith("block_conv_pair")
+                       else "BlockConvArgs" for name in block_conv.instantiations()},
         tmp_path_factory.mktemp("emulated"))
 
 
@@ -32,7 +33,8 @@ def launched(monkeypatch, kernels):
     """Launches go to the emulated kernels on a GPU of 3 SMs (few CTAs: each loops over several
     tiles, and few tiles split their reduction over warp groups); the plans made for it are
     dropped after the test."""
-    caches = (block_conv._plan, block_conv._halo_plan, block_conv._tile_channels)
+    caches = (block_conv._plan, block_conv._halo_plan, block_conv._tile_channels,
+              block_conv._pair_plan)
     for cache in caches:
         cache.cache_clear()
     yield cuda_emulation.install(monkeypatch, kernels, sms=3)
@@ -205,14 +207,10 @@ def test_count_zero_and_past_the_rows(rng, launched, count):
     assert numpy.isnan(y[~written]).all()
 
 
-@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
-@pytest.mark.parametrize("channels, bottleneck, bsize_out", [
-    (12, 4, (8, 8)), (33, 17, (10, 14)), (96, 24, (16, 16))])
-def test_res_unit_equals_dense(rng, launched, dtype, channels, bottleneck, bsize_out):
-    """SBNet's bottleneck unit as its three launches (launch_res_unit): the bn1 prologue and the
-    out-of-image zeros into a stack, the 3x3 from stack to stack, the last 1x1 added into x."""
+def _res_unit(rng, dtype, channels, bottleneck, bsize_out, shape=(1, 29, 31), n_blocks=3):
+    """launch_res_unit on NumPy arrays, checked against the dense unit; its launches."""
     x, folded, ours, params, indices, count = _res_unit_inputs(
-        numpy, rng, dtype, channels, bottleneck, bsize_out, (1, 29, 31), 3)
+        numpy, rng, dtype, channels, bottleneck, bsize_out, shape, n_blocks)
     (bh, bw), (oh, ow) = params.bsize, params.bsize_out
     stacks = (numpy.full((len(indices), bh, bw, bottleneck), numpy.nan, dtype),
               numpy.full((len(indices), oh, ow, bottleneck), numpy.nan, dtype))
@@ -224,5 +222,33 @@ def test_res_unit_equals_dense(rng, launched, dtype, channels, bottleneck, bsize
                                tuple(a.ctypes.data for a in weights), indices.ctypes.data,
                                count.ctypes.data, len(indices), x.shape, bottleneck, params,
                                tuple(a.ctypes.data for a in stacks))
-    assert len(launched) == 3
     _check_res_unit(y, x, folded, indices, count, params, dtype)
+
+
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
+@pytest.mark.parametrize("channels, bottleneck, bsize_out", [
+    (12, 4, (8, 8)), (33, 17, (10, 14)), (96, 24, (16, 16))])
+def test_res_unit_equals_dense(rng, launched, monkeypatch, dtype, channels, bottleneck,
+                               bsize_out):
+    """SBNet's bottleneck unit as its three launches (launch_res_unit, the pair kernel off): the
+    bn1 prologue and the out-of-image zeros into a stack, the 3x3 from stack to stack, the last
+    1x1 added into x."""
+    monkeypatch.setattr(block_conv, "PAIR", False)
+    _res_unit(rng, dtype, channels, bottleneck, bsize_out)
+    assert len(launched) == 3
+
+
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
+@pytest.mark.parametrize("channels, bottleneck, bsize_out, n_blocks", [
+    (40, 8, (6, 10), 3),    # one tile of 32 channels holds 8; the 1x1's 40 as 48
+    (96, 24, (16, 16), 3),  # four pixel tiles a block; the 1x1 in two tiles of 48
+    (70, 48, (8, 8), 1),    # one tile, its 3x3 split over warp groups; 70 as two tiles of 48
+    (130, 64, (5, 7), 5)])  # 64 channels; the 1x1 in three tiles of 48 (144)
+def test_res_unit_pair_equals_dense(rng, launched, monkeypatch, dtype, channels, bottleneck,
+                                    bsize_out, n_blocks):
+    """The unit's 3x3 and last 1x1 as one block_conv_pair launch after the first 1x1: the 3x3's
+    tile kept in shared memory and multiplied on, tile by tile of the 1x1's channels."""
+    monkeypatch.setattr(block_conv, "STAGING", "streamed")
+    _res_unit(rng, dtype, channels, bottleneck, bsize_out, n_blocks=n_blocks)
+    names = [name for name, *_ in launched]
+    assert len(names) == 2 and names[1].startswith("block_conv_pair")

@@ -165,7 +165,7 @@ class SparseResBlockBottleneck(nn.Module):
     before them, and the first BN and its ReLU into the gather (not for bfloat16, which the
     unfused path serves). dense() is the same unit run densely, the baseline.
     method: "auto", "fused" or "gemm" (see the module's docstring); "fused" runs the folded unit
-    as three launches that read x and add into the output through the block list.
+    as two or three launches that read x and add into the output through the block list.
     """
 
     def __init__(self, channels, bottleneck, *, bsize_out=16, method="auto"):
