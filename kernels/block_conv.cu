@@ -703,7 +703,8 @@ struct BlockConvPairArgs {
     BlockSide out2;
     int paired2;            // cout2 even and dst2 aligned: two channels written as one access
 };
-static_assert(sizeof(BlockConvPairArgs) == 240, "BlockConvPairArgs must match sbnet_cupy/block_conv.py");
+static_assert(sizeof(BlockConvPairArgs) == 240,
+              "BlockConvPairArgs must match sbnet_cupy/block_conv.py");
 
 template <typename T, int BN, int BN2>
 __global__ void __launch_bounds__(4 * block_conv_tile::THREADS)
