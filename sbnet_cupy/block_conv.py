@@ -235,16 +235,12 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
     (oh, ow), (kh, kw) = out_size, kernel_size
     if rows == 0 or cout == 0 or oh * ow == 0:
         return
-    pixel_tiles = math.ceil(oh * ow / TILE_PIXELS)
-    width = _tile_channels(device, cout, rows, pixel_tiles)
-    tiles = _tiles(rows, pixel_tiles, cout, width)
     alignment = _checks.alignment(src, weight)
+    width, tiles, halo, groups = _tiling(device, dtype_name, cin, cout, rows, kernel_size,
+                                         out_size, alignment, op, prologue=bool(scale))
     arguments = (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin, cout,
                  kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out), bool(zero_outside),
                  _paired(dtype_name, cout, dst))
-    halo = None if scale else _halo_plan(device, dtype_name, cin, width, (kh, kw), (oh, ow),
-                                         alignment, op, STAGING)
-    groups = halo and _halo_groups(halo, tiles, cin)
     if groups:
         _launch.launch(device, stream, halo.function, (min(tiles, halo.ctas[groups - 1]), 1, 1),
                        (THREADS * groups, 1, 1), halo.shared[groups - 1], BLOCK_CONV_ARGS,
@@ -257,8 +253,21 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
                    (*arguments, groups, *steps, 0), dependent=True)
 
 
-def _tiles(rows, pixel_tiles, cout, width):
-    tiles = rows * pixel_tiles * math.ceil(cout / width)
+def _tiling(device, dtype_name, cin, cout, rows, kernel_size, out_size, alignment, op,
+            prologue=False):
+    """(tile width, tiles, HaloPlan, warp groups) of a launch: the halo's plan and groups where
+    block_conv_halo takes it, else None and 0 (block_conv streams it; always with a
+    prologue)."""
+    pixel_tiles = math.ceil(out_size[0] * out_size[1] / TILE_PIXELS)
+    width = _tile_channels(device, cout, rows, pixel_tiles)
+    tiles = _tile_count(rows, out_size, cout, width)
+    halo = None if prologue else _halo_plan(device, dtype_name, cin, width, kernel_size,
+                                            out_size, alignment, op, STAGING)
+    return width, tiles, halo, (halo and _halo_groups(halo, tiles, cin)) or 0
+
+
+def _tile_count(rows, out_size, cout, width):
+    tiles = rows * math.ceil(out_size[0] * out_size[1] / TILE_PIXELS) * math.ceil(cout / width)
     if tiles >= 2**31:  # the kernels count tiles in int
         raise ValueError(f"active_block_indices has too many rows: {rows}")
     return tiles
@@ -318,15 +327,6 @@ def _pair_plan(device, dtype_name, bn, bn2):
     return function, shared, ctas
 
 
-def _streams(device, dtype_name, cin, cout, rows, kernel_size, out_size, alignment):
-    """Whether launch_block_conv streams this convolution (no prologue): not the halo."""
-    pixel_tiles = math.ceil(out_size[0] * out_size[1] / TILE_PIXELS)
-    width = _tile_channels(device, cout, rows, pixel_tiles)
-    halo = _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment, "Assign",
-                      STAGING)
-    return not (halo and _halo_groups(halo, _tiles(rows, pixel_tiles, cout, width), cin))
-
-
 def launch_conv(device, stream, dtype_name, x, y, weight, bias, indices, counts, rows, x_shape,
                 y_shape, kernel_size, block_params):
     """A stride-1 convolution of x [N, H, W, cin] on the listed blocks into y [N, H', W', cout]
@@ -358,13 +358,14 @@ def launch_res_unit(device, stream, dtype_name, x, y, weights, indices, counts, 
                       (1, 1), (bh, bw), image_in, stack_side(bh, bw), bias=b1, scale=scale,
                       shift=shift, relu_out=True, zero_outside=True)
     image_out = image_side(height, width, (0, 0), block_params.bsize_out)
-    alignment = _checks.alignment(first, w2, w3)
-    widths = PAIR and pair_width(bottleneck, channels, dtype_name, alignment)
-    if widths and _streams(device, dtype_name, bottleneck, bottleneck, rows, (3, 3), (oh, ow),
-                           alignment):
+    widths = PAIR and pair_width(bottleneck, channels, dtype_name,
+                                 _checks.alignment(first, w2, w3))
+    # The pair where the 3x3 streams (block_conv_halo would take it as launch_block_conv plans).
+    if widths and not _tiling(device, dtype_name, bottleneck, bottleneck, rows, (3, 3), (oh, ow),
+                              _checks.alignment(first, w2), "Assign")[3]:
         bn, bn2 = widths
         function, shared, ctas = _pair_plan(device, dtype_name, bn, bn2)
-        tiles = _tiles(rows, math.ceil(oh * ow / TILE_PIXELS), bottleneck, bn)
+        tiles = _tile_count(rows, (oh, ow), bottleneck, bn)
         groups, steps = _streamed_groups(dtype_name, bottleneck, (3, 3), tiles, ctas)
         _launch.launch(device, stream, function, (min(tiles, ctas[groups - 1]), 1, 1),
                        (THREADS * groups, 1, 1), shared[groups - 1], BLOCK_CONV_PAIR_ARGS,
