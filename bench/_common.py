@@ -1,8 +1,37 @@
 """What the benchmarks share: CUDA-event timing, CUDA-graph capture, and their CSV files."""
 
 import csv
+import pathlib
 import statistics
 import sys
+
+# Where the benchmarks write unless given --out: bench/results in this clone, whatever the
+# current directory.
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def require_gpu(module, torch=True):
+    """Exit with one line instead of a traceback where no CUDA GPU is usable: the benchmarks
+    time GPU kernels. `module` names the benchmark in the message; `torch`: it also needs
+    PyTorch's CUDA build."""
+    why = None
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            why = "no CUDA device"
+    except ImportError:
+        why = "CuPy is not installed: pip install '.[cuda13]' or '.[cuda12]'"
+    except Exception as error:  # no driver, or one too old for this CUDA
+        why = str(error).split(':')[0] or type(error).__name__
+    if why is None and torch:
+        import torch as _torch
+
+        if not _torch.cuda.is_available():
+            why = f"PyTorch {_torch.__version__} sees no CUDA device"
+    if why is not None:
+        sys.exit(f"python -m {module} needs a CUDA GPU ({why}); "
+                 "bench/README.md has the results of an H100.")
 
 
 def events_ms(run, repeats, reset=None, warmup=3):

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 import torch_bridge as tb
 from sbnet_cupy.space_to_batch import dilated_conv_geometry
-from bench._common import events_ms, graph, read_csv, write_csv
+from bench._common import RESULTS, events_ms, graph, read_csv, require_gpu, write_csv
 from torch_bridge import dilated
 
 # (N, C_in, K, H = W, rate): the seed's runs (batch 128, 3 -> 128, scale 2), wider layers at
@@ -441,7 +441,8 @@ def plot(rows, reshape_rows, modes, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help="folder for the results (default: bench/results in this clone)")
     parser.add_argument("--quick", action="store_true",
                         help="three configurations and reshapes (the slowest kinds), few repeats")
     parser.add_argument("--modes", nargs="+", default=["eager", "graph"],
@@ -469,6 +470,7 @@ def main(argv=None):
         return 0
     if args.rescore:
         return rescore(args.rescore)
+    require_gpu("bench.dilated")
     dilated.CONV_CHANNELS_LAST = args.conv_layout == "auto"
     configs, reshapes = (QUICK_CONFIGS, QUICK_RESHAPES) if args.quick else (CONFIGS, RESHAPES)
     repeats = min(args.repeats, 5) if args.quick else args.repeats

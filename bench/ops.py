@@ -1,13 +1,15 @@
 """Time the sbnet_cupy ops on the GPU against the device-to-device copy bandwidth.
 
-    python -m bench.ops [--out bench/results] [--quick]
+    python -m bench.ops [--out DIR] [--quick]
 
 Each op runs on a CUDA graph of --calls back-to-back launches (so Python launch overhead stays
 out of the kernel numbers), each on its own block list and stack (so that the L2 cache does not
 hold the data between launches), timed with CUDA events: warm-up, then the median of --repeats
 replays. Effective bandwidth = bytes the op must read and write / time, reported as a fraction
 of a large copy's bandwidth measured in the same run. reduce_mask is timed per call, eagerly,
-as a user calls it. Results go to <out>/ops_<device>.csv and ops_<device>.md.
+as a user calls it. Results go to <out>/ops_<device>.csv and ops_<device>.md (--out: by
+default bench/results in this clone). Needs a CUDA GPU; runs from a clone (bench is not
+installed with the package).
 """
 
 import argparse
@@ -21,6 +23,7 @@ import sys
 import numpy
 
 import sbnet_cupy
+from bench._common import RESULTS, require_gpu
 
 
 def _events_ms(cupy, run, repeats, warmup=3):
@@ -181,7 +184,8 @@ def write_results(out, device, copy_gbs, op_rows, mask_rows, command):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help="folder for the results (default: bench/results in this clone)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--height", type=int, default=400)
     parser.add_argument("--width", type=int, default=704)
@@ -195,6 +199,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.channels, args.bsizes, args.active = [64], [16], [0.1]
+    require_gpu("bench.ops", torch=False)
     import cupy
 
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()

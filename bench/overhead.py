@@ -26,6 +26,7 @@ import torch
 
 import sbnet_cupy
 import torch_bridge as tb
+from bench._common import RESULTS, require_gpu
 
 GEOMETRY = dict(bsize=(10, 10), boffset=(-1, -1), bstride=(8, 8))
 
@@ -239,11 +240,13 @@ def profile(call, calls=2000, top=12):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help="folder for the results (default: bench/results in this clone)")
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
+    require_gpu("bench.overhead")
     inputs = _inputs()
     _check(*inputs)
     _check_later()

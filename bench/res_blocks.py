@@ -43,7 +43,7 @@ import torch
 
 import torch_bridge as tb
 from bench import masks
-from bench._common import allow_tf32, events_ms, graph, read_csv, write_csv
+from bench._common import RESULTS, allow_tf32, events_ms, graph, read_csv, require_gpu, write_csv
 from sbnet_cupy import _launch, block_conv
 
 # stage: (H, W, C, bottleneck K). T1 convolves K channels at H x W, T2 is the C/K unit.
@@ -428,7 +428,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", nargs="+", default=["topleft", "blocksize", "batch", "fp32",
                                                        "road", "spconv"])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help="folder for the results (default: bench/results in this clone)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--stages", nargs="+", default=list(STAGES))
     parser.add_argument("--replot", type=pathlib.Path, help="only redraw the plot of this CSV")
@@ -436,6 +437,7 @@ def main(argv=None):
     if args.replot:
         plot(read_csv(args.replot), args.replot.with_suffix(".png"))
         return 0
+    require_gpu("bench.res_blocks")
     torch.backends.cudnn.benchmark = True
     device = torch.cuda.get_device_name()
     slug = device.replace(" ", "_")

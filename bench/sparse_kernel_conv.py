@@ -41,7 +41,7 @@ import numpy
 
 import sbnet_cupy
 from sbnet_cupy import sparse_kernel_conv as skc
-from bench._common import read_csv, write_csv
+from bench._common import RESULTS, read_csv, require_gpu, write_csv
 from bench.ops import _graph_ms
 
 SIZE = (256, 512)
@@ -329,7 +329,8 @@ def plot(rows, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help="folder for the results (default: bench/results in this clone)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="a few cases, batch 1 (< 2 min)")
     parser.add_argument("--sweeps", nargs="+", choices=list(SWEEPS), default=list(SWEEPS))
@@ -344,6 +345,7 @@ def main(argv=None):
         return 0
     if args.rescore:
         return rescore(args.rescore)
+    require_gpu("bench.sparse_kernel_conv")
     import cupy
     import torch
 

@@ -57,7 +57,7 @@ import torch
 import torch_bridge.submanifold as ours
 from bench import lidar, masks, res_blocks
 from sbnet_cupy.submanifold import conv_output_shape
-from bench._common import allow_tf32, events_ms, graph, write_csv
+from bench._common import RESULTS, allow_tf32, events_ms, graph, require_gpu, write_csv
 
 PRECISIONS = {"tf32": (torch.float32, True), "fp16": (torch.float16, False)}
 TOLERANCE = {"tf32": 2e-2, "fp16": 2e-2, "float64": 1e-9}  # relative L2 error
@@ -527,7 +527,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="one stage, batch 1, few repeats, with the correctness checks")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help="folder for the results (default: bench/results in this clone)")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--workloads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--triton", choices=["none", "some", "all"], default="some",
@@ -539,6 +540,7 @@ def main(argv=None):
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS),
                         help="default: all (--quick: workload 1 in tf32)")
     args = parser.parse_args(argv)
+    require_gpu("bench.submanifold")
     repeats = args.repeats or (5 if args.quick else 20)
     torch.backends.cudnn.benchmark = True
     device = torch.cuda.get_device_name()

@@ -28,17 +28,20 @@ def lidar_like_mask(rng, height, width):
 
 
 def main():
+    why = "no CUDA device"
     try:
         import cupy
         on_gpu = cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        on_gpu = False
+    except ImportError:
+        on_gpu, why = False, "CuPy is not installed"
+    except Exception as error:  # no driver, or one too old for CuPy's CUDA (12 or 13)
+        on_gpu, why = False, str(error).split(':')[0] or type(error).__name__
     xp = cupy if on_gpu else numpy
     if on_gpu:
         name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
         print(f"backend: CuPy on {name}")
     else:
-        print("backend: NumPy (no CUDA GPU found; the same ops run on the CPU)")
+        print(f"backend: NumPy (no usable CUDA GPU: {why}; the same ops run on the CPU)")
 
     rng = numpy.random.default_rng(0)
     height, width, channels = 400, 704, 64

@@ -1,3 +1,4 @@
+import collections
 import importlib
 import os
 import zlib
@@ -65,3 +66,33 @@ def require(module):
     if os.environ.get("SBNET_REQUIRE_BRIDGES") == "1":
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The skipped tests as one line per reason, with counts (pyproject's addopts leave out
+    pytest's line per skipped test; `-rs` brings it back)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    reasons = collections.Counter()
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(
+            report.longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.write_sep("-", f"{len(skipped)} skipped")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:6d}  {reason}")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "emulated: runs kernels/*.cu on the CPU (tests/"
+                            "cuda_emulation) in a forked child, so that a fault fails the test")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("emulated") is None:
+        return None
+    import cuda_emulation
+    arguments = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    cuda_emulation.run_isolated(lambda: pyfuncitem.obj(**arguments))
+    return True
