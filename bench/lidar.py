@@ -35,26 +35,47 @@ def scene(rng, boxes=40):
     return numpy.array(out)
 
 
-def sweep(rng, beams=64, azimuths=1024, boxes=40):
-    """Hit points [P, 3] (x, y, z, metres) of one rotation against the ground and scene()."""
-    elevation = numpy.radians(numpy.linspace(-24.8, 2.0, beams))
+def sweep(rng, beams=64, azimuths=1024, boxes=40, elevations=(-24.8, 2.0),
+          height=SENSOR_HEIGHT):
+    """Hit points [P, 3] (x, y, z, metres, sensor at the origin) of one rotation against the
+    ground (`height` below the sensor) and scene(rng, boxes), or `boxes` itself where it is an
+    array [B, 2, 3] of boxes (min, max corners) in the sensor's frame; beams spread evenly over
+    `elevations` (degrees)."""
+    elevation = numpy.radians(numpy.linspace(*elevations, beams))
     azimuth = numpy.linspace(-numpy.pi, numpy.pi, azimuths, endpoint=False)
     el, az = numpy.meshgrid(elevation, azimuth, indexing="ij")
     directions = numpy.stack([numpy.cos(el) * numpy.cos(az), numpy.cos(el) * numpy.sin(az),
                               numpy.sin(el)], axis=-1).reshape(-1, 3)
     with numpy.errstate(divide="ignore", invalid="ignore"):
-        t = numpy.where(directions[:, 2] < 0, -SENSOR_HEIGHT / directions[:, 2], numpy.inf)
+        t = numpy.where(directions[:, 2] < 0, -height / directions[:, 2], numpy.inf)
         inverse = 1 / directions  # slab test against every box at once
-        for low, high in scene(rng, boxes):
-            t0, t1 = (low - 0) * inverse, (high - 0) * inverse
+        for low, high in (scene(rng, boxes) if numpy.ndim(boxes) == 0 else boxes):
+            rays = _facing(low, high, beams, azimuths)  # the rays that can reach the box
+            t0, t1 = (low - 0) * inverse[rays], (high - 0) * inverse[rays]
             near = numpy.nanmax(numpy.minimum(t0, t1), axis=1)
             far = numpy.nanmin(numpy.maximum(t0, t1), axis=1)
             hit = (near <= far) & (far > 0)
-            t = numpy.where(hit, numpy.minimum(t, numpy.maximum(near, 0)), t)
+            t[rays] = numpy.where(hit, numpy.minimum(t[rays], numpy.maximum(near, 0)), t[rays])
     t = numpy.where(t < 100, t, numpy.inf)
     hits = directions[numpy.isfinite(t)] * t[numpy.isfinite(t), None]
     hits += rng.normal(0, 0.01, hits.shape)  # range noise
     return hits
+
+
+def _facing(low, high, beams, azimuths):
+    """Indices of sweep()'s rays (beam-major) whose azimuth lies within the angle the box's
+    bounding circle (in x, y) spans from the sensor, one azimuth step to spare: the others miss
+    it. All rays (a slice) where the sensor is within that circle."""
+    centre, radius = (low[:2] + high[:2]) / 2, numpy.linalg.norm(high[:2] - low[:2]) / 2
+    distance = numpy.linalg.norm(centre)
+    if distance <= radius * 1.01:
+        return slice(None)
+    step = 2 * numpy.pi / azimuths
+    half = numpy.arcsin(radius / distance) + step
+    first = numpy.floor((numpy.arctan2(centre[1], centre[0]) - half + numpy.pi) / step)
+    columns = numpy.arange(int(first), int(first) + int(numpy.ceil(2 * half / step)) + 2)
+    columns = numpy.unique(columns % azimuths)
+    return (numpy.arange(beams)[:, None] * azimuths + columns[None, :]).ravel()
 
 
 def voxelise(points):
