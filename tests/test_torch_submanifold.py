@@ -102,7 +102,7 @@ def test_network_shares_rulebooks_and_inverts(rng, monkeypatch):
     ).double()
     built = []
     build = spconv.build_rulebook
-    monkeypatch.setattr(spconv, "build_rulebook",
+    monkeypatch.setattr(spconv.conv, "build_rulebook",
                         lambda *a, **k: built.append(k["check"]) or build(*a, **k))
     y = net(x)
     # subm1 once for two layers (the user's indices: checked), then down1 and subm2 on sites
@@ -144,7 +144,7 @@ def test_errors(rng):
 
     x = sparse_input(rng, 1, (6, 6), 10, 3)
     with pytest.raises(ValueError, match="needs the indice_key"):
-        spconv.SparseInverseConv2d(3, 3, 3)
+        spconv.SparseConvolution(2, 3, 3, 3, inverse=True)
     with pytest.raises(ValueError, match="indice_key 'nope' must name the rulebook"):
         spconv.SparseInverseConv2d(3, 3, 3, indice_key="nope").double()(x)
     with pytest.raises(ValueError, match="input has 3 channels, this layer takes 4"):
@@ -329,7 +329,7 @@ def test_reusable_table_needs_the_same_indices_grid_and_check():
     rulebook = spconv.Rulebook(None, None, other, indices, [7, 8, 9], [4, 5, 6], 2, [3] * 3,
                                [2] * 3, [1] * 3, [1] * 3, False)
     rulebook._tables = (None, table)
-    find = spconv._reusable_table
+    find = spconv.rulebook._reusable_table
     assert find([rulebook], indices, (4, 5, 6), 2, False) is table
     assert find([rulebook, "not a rulebook"], indices, (4, 5, 6), 2, False) is table
     assert find([rulebook], indices, (4, 5, 6), 2, True) is None  # unchecked sites

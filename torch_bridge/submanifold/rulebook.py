@@ -1,0 +1,415 @@
+"""The rulebooks and the differentiable convolution behind torch_bridge.submanifold's modules.
+
+Rulebooks (sbnet_cupy.submanifold) are built outside the differentiable op, once per active
+set: CUDA tensors build them with sbnet_cupy's hash-table kernels (through DLPack, on torch's
+current stream), CPU tensors with its NumPy backend; a transposed convolution's with torch ops
+(transposed_rulebook). The convolution is the op sbnet::submanifold_conv (registered as in
+_ops.py: CPU and CUDA kernels, fake kernels, autograd; called directly when eager). On CUDA it
+is a gather through the rulebook and one cuBLAS product (torch.addmm), or the fused kernel; on
+the CPU, one product per tap over the pairs that tap has (index_select, mm, index_add_: torch's
+threaded kernels, no NumPy), which skips the absent neighbours a dense gather would multiply.
+The gradient of the features is the same op through the transposed map, that of the weight one
+more product (a tap at a time on the CPU), so the backward is deterministic.
+"""
+
+import functools
+import math
+
+import torch
+
+from sbnet_cupy import _checks
+from sbnet_cupy import submanifold as _core
+
+from .._ops import (_call, _checked, _contiguous, _float_scratch, _raw_stream, _register,
+                    _same_device)
+
+
+# --- the op -------------------------------------------------------------------------------
+
+def _gathered(features, neighbors):
+    """[N_out, K * C]: the rows of CUDA features each output site reads (zeros for -1)."""
+    taps, n_out = neighbors.shape
+    out = features.new_empty((n_out, taps * features.shape[1]))
+    device = features.get_device()
+    _core.launch_gather(device, _raw_stream(device), features.data_ptr(), out.data_ptr(),
+                        neighbors.data_ptr(), n_out, taps,
+                        features.shape[1] * features.element_size())
+    return out
+
+
+_DENSE_MAX_ENTRIES = 4096  # maps of at most this many entries gather densely (call overhead)
+
+
+def _cpu_plan(neighbors):
+    """How the CPU multiplies through a map int32 [K, N_out]: ("dense", rows int64 [N_out, K],
+    the input row each entry reads, N_in for none) where at least half its entries are present
+    or it is small, else ("taps", per tap (out_rows, in_rows) int64 of its pairs, or None where
+    output site o reads input row o for every o: a submanifold kernel's centre). A dense
+    gather multiplies the absent entries' zeros; a tap at a time skips them at the cost of a
+    few calls a tap. Cached on the map tensor, which a Rulebook keeps while it is used."""
+    plan = getattr(neighbors, "_sbnet_cpu_plan", None)
+    if plan is None:
+        valid = neighbors >= 0
+        counts = valid.sum(1).tolist()
+        taps, n_out = neighbors.shape
+        if 2 * sum(counts) >= taps * n_out or taps * n_out <= _DENSE_MAX_ENTRIES:
+            plan = ("dense", neighbors.t().long())  # -1 indexes the zero row appended last
+        else:
+            out_rows = valid.nonzero()[:, 1].split(counts)  # row-major: grouped by tap
+            in_rows = neighbors[valid].long().split(counts)
+            plan = ("taps", [None if count == n_out and torch.equal(i, o) else (o, i)
+                             for count, o, i in zip(counts, out_rows, in_rows)])
+        neighbors._sbnet_cpu_plan = plan
+    return plan
+
+
+def _acc(t):
+    """The CPU arithmetic's dtype for t's: float64 stays, the rest computes in float32."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _gathered_cpu(x, rows):
+    """[N_out, K * C]: x's rows that rows [N_out, K] lists (-1: a zero row)."""
+    padded = torch.cat([x, x.new_zeros((1, x.shape[1]))])
+    return padded[rows].reshape(rows.shape[0], -1)
+
+
+def _conv_cpu(features, weight, bias, neighbors):
+    """y[o] = bias + sum over taps k of weight[:, k] @ features[neighbors[k, o]]."""
+    x, w, n_out = _acc(features), _acc(weight), neighbors.shape[1]
+    kind, plan = _cpu_plan(neighbors)
+    if kind == "dense":
+        g = _gathered_cpu(x, plan)
+        w = w.reshape(w.shape[0], -1).t()
+        return (g @ w if bias is None else torch.addmm(_acc(bias), g, w)).to(features.dtype)
+    taps = w.reshape(w.shape[0], -1, w.shape[-1]).permute(1, 2, 0)  # [K, Cin, Cout]
+    y = x.new_zeros((n_out, w.shape[0])) if bias is None else (
+        _acc(bias).expand(n_out, -1).clone())
+    for tap, pair in zip(taps, plan):
+        if pair is None:
+            y.addmm_(x[:n_out], tap)
+        elif pair[0].numel():
+            out_rows, in_rows = pair
+            y.index_add_(0, out_rows, x.index_select(0, in_rows) @ tap)
+    return y.to(features.dtype)
+
+
+def _grad_weight_cpu(features, dy, neighbors, weight_shape):
+    """dw[:, k] = dy[out_rows].T @ features[in_rows] over tap k's pairs."""
+    x, g = _acc(features), _acc(dy)
+    kind, plan = _cpu_plan(neighbors)
+    if kind == "dense":
+        return (g.t() @ _gathered_cpu(x, plan)).reshape(weight_shape).to(features.dtype)
+    dw = x.new_zeros((weight_shape[0], len(plan), weight_shape[-1]))
+    for k, pair in enumerate(plan):
+        if pair is None:
+            dw[:, k] = g.t() @ x[:dy.shape[0]]
+        elif pair[0].numel():
+            out_rows, in_rows = pair
+            dw[:, k] = g.index_select(0, out_rows).t() @ x.index_select(0, in_rows)
+    return dw.reshape(weight_shape).to(features.dtype)
+
+
+def _conv_impl(features, weight, bias, neighbors, neighbors_t, algo):
+    features, weight = _contiguous(features), _contiguous(weight)
+    if not features.is_cuda:
+        return _conv_cpu(features, weight, bias, neighbors)
+    if algo == "fused":
+        taps, n_out = neighbors.shape
+        out = features.new_empty((n_out, weight.shape[0]))
+        device = features.get_device()
+        _core.launch_fused(device, _raw_stream(device), features.data_ptr(), weight.data_ptr(),
+                           0 if bias is None else _contiguous(bias).data_ptr(),
+                           neighbors.data_ptr(), out.data_ptr(), n_out, features.shape[1],
+                           weight.shape[0], taps, _checks.dtype_name(features),
+                           functools.partial(_float_scratch, features.device))
+        return out
+    taps = weight.reshape(weight.shape[0], -1)
+    g = _gathered(features, neighbors)
+    return g @ taps.t() if bias is None else torch.addmm(bias, g, taps.t())
+
+
+def _conv_fake(features, weight, bias, neighbors, neighbors_t, algo):
+    return features.new_empty((neighbors.shape[1], weight.shape[0]))
+
+
+def _conv_setup(ctx, inputs, output):
+    features, weight, bias, neighbors, neighbors_t, ctx.algo = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(features, weight, neighbors, neighbors_t)
+
+
+def _conv_backward(ctx, grad):
+    features, weight, neighbors, neighbors_t = ctx.saved_tensors
+    grad = _contiguous(grad)
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:  # the dual op: the transposed map, the transposed weight
+        weight_t = weight.transpose(0, -1).contiguous()
+        dx = _call(_conv_op, _conv_autograd, _conv_impl,
+                   (grad, weight_t, None, neighbors_t, neighbors, ctx.algo),
+                   (grad, weight_t, neighbors_t, neighbors), (grad, weight_t))
+    if ctx.needs_input_grad[1]:
+        dw = _call(_grad_weight_op, None, _grad_weight_impl,
+                   (features, grad, neighbors, list(weight.shape)), (features, grad, neighbors))
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = grad.sum(0)
+    return dx, dw, db, None, None, None
+
+
+_conv_op, _conv_autograd = _register(
+    "submanifold_conv(Tensor features, Tensor weight, Tensor? bias, Tensor neighbors, "
+    "Tensor neighbors_t, str algo) -> Tensor",
+    _conv_impl, _conv_fake, _conv_setup, _conv_backward)
+
+
+def _grad_weight_impl(features, dy, neighbors, weight_shape):
+    features, dy = _contiguous(features), _contiguous(dy)
+    if not features.is_cuda:
+        return _grad_weight_cpu(features, dy, neighbors, weight_shape)
+    return (dy.t() @ _gathered(features, neighbors)).reshape(weight_shape)
+
+
+def _grad_weight_fake(features, dy, neighbors, weight_shape):
+    return features.new_empty(weight_shape)
+
+
+_grad_weight_op, _ = _register(
+    "submanifold_conv_grad_weight(Tensor features, Tensor dy, Tensor neighbors, "
+    "int[] weight_shape) -> Tensor",
+    _grad_weight_impl, _grad_weight_fake)
+
+
+# --- rulebooks ----------------------------------------------------------------------------
+
+class Rulebook(_core.Rulebook):
+    """sbnet_cupy.submanifold.Rulebook with torch tensors and spconv's names: neighbors int32
+    [K, N_out], neighbors_t int32 [K, N_in], in_indices int32 [N_in, 1 + D] and out_indices
+    int32 [N_out, 1 + D] (the core's in_coords and out_coords), in_shape and out_shape (lists
+    of D ints), batch_size, kernel_size, stride, padding, dilation (lists of D ints), subm,
+    inverted and transposed (a transposed convolution's: see transposed_rulebook). On CUDA it
+    carries the device tables of its sites that build_rulebook may reuse; inverse() swaps them
+    with the sites."""
+
+    def __init__(self, neighbors, neighbors_t, in_indices, out_indices, in_shape, out_shape,
+                 batch_size, kernel_size, stride, padding, dilation, subm, inverted=False,
+                 transposed=False):
+        """The core's arguments, with the sites under spconv's names (keywords included)."""
+        super().__init__(neighbors, neighbors_t, in_indices, out_indices, in_shape, out_shape,
+                         batch_size, kernel_size, stride, padding, dilation, subm, inverted)
+        self.transposed = transposed
+
+    @property
+    def in_indices(self):
+        return self.in_coords
+
+    @property
+    def out_indices(self):
+        return self.out_coords
+
+
+def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, padding=0,
+                   dilation=1, subm=False, *, check=True, reuse=()):
+    """The Rulebook of a submanifold (subm=True; stride and padding unused) or strided sparse
+    convolution on the sites `indices` (int32 [N, 1 + D], CPU or CUDA), on their device. Not
+    differentiable. A CUDA build syncs with the host to check the indices (unless check=False:
+    see sbnet_cupy.submanifold.submanifold_rulebook) and, if strided, to count its outputs
+    (one sync for both).
+
+    reuse: Rulebooks (a SparseConvTensor's indice_dict.values()) whose tables of these very
+    indices (the same tensor object, as a layer's output carries them) this build may reuse
+    instead of building its own: a submanifold rulebook on a strided one's output sites then
+    costs one kernel launch. The modules pass it."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    shape = [int(s) for s in spatial_shape]
+    indices = _contiguous(indices)
+    if indices.is_cuda:
+        shape_t, batch, geometry, out_shape = _core.rulebook_geometry(
+            indices, shape, batch_size, kernel_size, stride, padding, dilation, subm)
+        device = indices.get_device()
+        built = _core.build_raw(_TorchAlloc(indices.device), device, _raw_stream(device),
+                                indices, indices.data_ptr(), shape_t, batch, geometry,
+                                out_shape, check, _reusable_table(reuse, indices, shape_t,
+                                                                  batch, check))
+        if built is not None:
+            rulebook = Rulebook(built.neighbors, built.neighbors_t, indices,
+                                indices if subm else built.out_coords, list(shape_t),
+                                list(out_shape or shape_t), batch, *map(list, geometry), subm)
+            rulebook._tables = (built.in_table, built.out_table)
+            return rulebook
+        import cupy  # a strided output grid too large for a bitmap: CuPy's hash and sort
+
+        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(_raw_stream(device)):
+            result = _build(cupy.from_dlpack(indices), shape, batch_size, kernel_size, stride,
+                            padding, dilation, subm, check)
+        convert = torch.from_dlpack
+    else:
+        result = _build(indices.numpy(), shape, batch_size, kernel_size, stride, padding,
+                        dilation, subm, check)
+        convert = torch.from_numpy
+    out_indices = indices if subm else convert(result.out_coords)
+    return Rulebook(convert(result.neighbors), convert(result.neighbors_t), indices, out_indices,
+                    list(result.in_shape), list(result.out_shape), result.batch_size,
+                    list(result.kernel_size), list(result.stride), list(result.padding),
+                    list(result.dilation), subm)
+
+
+def deconv_output_shape(shape, kernel_size, stride, padding, output_padding):
+    """Spatial shape of a transposed convolution's output, spconv's: (in - 1) * stride -
+    2 * padding + kernel_size + output_padding (dilation does not enter, as in spconv)."""
+    out = [(s - 1) * st - 2 * p + k + op
+           for s, k, st, p, op in zip(shape, kernel_size, stride, padding, output_padding)]
+    if min(out) < 1:
+        raise ValueError(f"kernel_size {list(kernel_size)}, stride {list(stride)}, padding "
+                         f"{list(padding)} and output_padding {list(output_padding)} leave no "
+                         f"output of spatial_shape {list(shape)}")
+    return out
+
+
+def transposed_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, padding=0,
+                        dilation=1, output_padding=0, *, check=True):
+    """The Rulebook of a transposed sparse convolution (spconv's SparseConvTranspose): input
+    site i feeds, through tap k, output o = i * stride - padding + k * dilation wherever o lies
+    in deconv_output_shape; the output sites are every such o, sorted by (batch, coordinates).
+    Built with torch ops on the indices' device (a CUDA build syncs with the host to count the
+    sites, and once more with check). check: ValueError naming indices for duplicate or
+    out-of-range rows."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    indices = _contiguous(indices)
+    shape, batch, geometry, _ = _core.rulebook_geometry(
+        indices, spatial_shape, batch_size, kernel_size, stride, padding, dilation, False)
+    kernel, stride, padding, dilation = (list(v) for v in geometry)
+    output_padding = _core._ints("output_padding", output_padding, len(shape), 0)
+    out_shape = deconv_output_shape(shape, kernel, stride, padding, output_padding)
+    if check:
+        _check_sites(indices, shape, batch)
+    device = indices.device
+    taps = torch.from_numpy(_core._taps(kernel)).to(device)  # [K, D], row-major
+    sites = indices[:, 1:].long()
+    targets = (sites[None] * torch.tensor(stride, device=device)
+               - torch.tensor(padding, device=device)
+               + taps[:, None] * torch.tensor(dilation, device=device))  # [K, N, D]
+    limits = torch.tensor(out_shape, device=device)
+    valid = ((targets >= 0) & (targets < limits)).all(-1)
+    keys = _linear(indices[:, 0].long().expand(valid.shape)[valid], targets[valid], out_shape)
+    out_keys, out_rows = torch.unique(keys, sorted=True, return_inverse=True)
+    tap, row = valid.nonzero(as_tuple=True)
+    neighbors_t = torch.full(valid.shape, -1, dtype=torch.int32, device=device)
+    neighbors_t[valid] = out_rows.int()
+    # Each (output, tap) reads at most one input: (o + padding - k * dilation) / stride.
+    neighbors = torch.full((valid.shape[0], out_keys.shape[0]), -1, dtype=torch.int32,
+                           device=device)
+    neighbors[tap, out_rows] = row.int()
+    return Rulebook(neighbors, neighbors_t, indices, _decode(out_keys, out_shape), list(shape),
+                    out_shape, batch, kernel, stride, padding, dilation, False,
+                    transposed=True)
+
+
+def _linear(batch, coords, shape):
+    """int64 keys (b * S0 + c0) * S1 + c1 ... of coords [N, D] in batch x shape."""
+    keys = batch
+    for axis, size in enumerate(shape):
+        keys = keys * size + coords[:, axis]
+    return keys
+
+
+def _decode(keys, shape):
+    """int32 sites [N, 1 + D] of _linear's keys."""
+    columns = []
+    for size in reversed(shape):
+        columns.append(keys % size)
+        keys = keys // size
+    columns.append(keys)
+    return torch.stack(columns[::-1], dim=1).int()
+
+
+def _check_sites(indices, shape, batch):
+    """ValueError naming indices for rows outside batch x shape or repeated (a host sync on
+    CUDA)."""
+    limits = torch.tensor([batch, *shape], device=indices.device)
+    outside = ((indices < 0) | (indices >= limits)).any(1)
+    if outside.any():
+        row = int(outside.nonzero()[0, 0])
+        raise ValueError(f"indices row {row} = {tuple(indices[row].tolist())} is outside "
+                         f"batch_size x spatial_shape = {batch} x {tuple(shape)}")
+    keys = _linear(indices[:, 0].long(), indices[:, 1:].long(), shape)
+    ordered = torch.sort(keys).values
+    repeated = (ordered[1:] == ordered[:-1]).nonzero()
+    if repeated.numel():
+        site = _decode(ordered[repeated[0]], shape)[0]
+        raise ValueError(f"indices has duplicate rows, e.g. {tuple(site.tolist())}")
+
+
+class _TorchAlloc:
+    """sbnet_cupy.submanifold.build_raw's device arrays: torch tensors on `device` (its caching
+    allocator, on torch's current stream, where the kernels run)."""
+
+    _DTYPES = {"int32": torch.int32, "int64": torch.int64}
+
+    def __init__(self, device):
+        self.device = device
+
+    def empty(self, shape, dtype):
+        t = torch.empty(shape, dtype=self._DTYPES[dtype], device=self.device)
+        return t, t.data_ptr()
+
+    @staticmethod
+    def host(t):
+        return t.cpu().numpy()
+
+
+def _reusable_table(reuse, indices, shape, batch, check):
+    """A table of `indices` (this tensor object) on grid batch x shape that one of the
+    Rulebooks in `reuse` carries, checked if `check`; None if none does."""
+    for rulebook in reuse:
+        if not isinstance(rulebook, Rulebook):
+            continue
+        for table, sites in zip(rulebook._tables, (rulebook.in_indices, rulebook.out_indices)):
+            if (table is not None and sites is indices and table.shape == shape
+                    and table.batch == batch and (table.checked or not check)):
+                return table
+    return None
+
+
+def _build(coords, shape, batch_size, kernel_size, stride, padding, dilation, subm, check):
+    if subm:
+        return _core.submanifold_rulebook(coords, shape, batch_size, kernel_size, dilation,
+                                          check=check)
+    return _core.strided_rulebook(coords, shape, batch_size, kernel_size, stride, padding,
+                                  dilation, check=check)
+
+
+def _check_conv(features, weight, bias, neighbors, kernel_size, n_in, algo):
+    _core.check_operands(features, weight, bias, kernel_size, n_in)
+    if neighbors.dtype != torch.int32:
+        raise TypeError(f"the rulebook's maps must be int32, got {neighbors.dtype}")
+    _core.check_algo(algo, _checks.dtype_name(features))
+
+
+_CHECKS = {}
+
+
+def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
+    """sbnet_cupy.submanifold.rulebook_conv on tensors: features [N_in, Cin] through a Rulebook
+    (build_rulebook, or .inverse() of one), weight [Cout, *kernel_size, Cin], bias [Cout] or
+    None; returns [N_out, Cout]. Differentiable in features, weight and bias. algo: "gemm"
+    (gather, then torch.addmm: TF32 where torch allows it) or "fused" (float32 runs as TF32);
+    None: sbnet_cupy.submanifold.choose_algo's (TF32 allowed by
+    torch.backends.cuda.matmul.allow_tf32). CPU tensors multiply a tap at a time with torch's
+    ops (float16 and bfloat16 in float32 arithmetic); algo is then unused."""
+    if not isinstance(rulebook, Rulebook):
+        raise TypeError(f"rulebook must be a torch_bridge.submanifold.Rulebook, got "
+                        f"{type(rulebook).__name__}")
+    neighbors, neighbors_t = rulebook.neighbors, rulebook.neighbors_t
+    if algo is None:
+        algo = "gemm" if not features.is_cuda else _core.choose_algo(
+            _checks.dtype_name(features), torch.backends.cuda.matmul.allow_tf32)
+    _checked(_CHECKS, _check_conv, (features, weight, bias, neighbors,
+                                    tuple(rulebook.kernel_size), neighbors_t.shape[1], algo))
+    _same_device(features, weight, bias, neighbors, features=features, weight=weight, bias=bias,
+                 rulebook=neighbors)
+    args = (features, weight, bias, neighbors, neighbors_t, algo)
+    tensors = (features, weight, neighbors, neighbors_t) + (() if bias is None else (bias,))
+    differentiable = (features, weight) + (() if bias is None else (bias,))
+    return _call(_conv_op, _conv_autograd, _conv_impl, args, tensors, differentiable)
