@@ -102,9 +102,15 @@ static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f
 static inline void wait_for_previous_kernel() {}
 static inline void allow_next_kernel() {}
 
-// A shared-space address: the offset from the dynamic shared memory.
+// A shared-space address: the offset from the dynamic shared memory. The static __shared__
+// arrays are other objects, so the offset and its way back go through integers: pointer
+// arithmetic across objects is undefined, and _FORTIFY_SOURCE (on by default in Ubuntu's g++)
+// aborts a copy to a pointer it sees leave dynamic_shared.
 static inline unsigned __cvta_generic_to_shared(const void* p) {
-    return (unsigned)(int)((const unsigned char*)p - dynamic_shared);
+    return (unsigned)(int)((std::intptr_t)p - (std::intptr_t)dynamic_shared);
+}
+static inline unsigned char* shared_pointer(unsigned address) {
+    return (unsigned char*)((std::intptr_t)dynamic_shared + (int)address);
 }
 // The first misaligned access of a launch, which the GPU would fault on: emu_run returns it.
 static std::atomic<const char*> emu_fault{nullptr};
@@ -114,7 +120,7 @@ static inline void check_aligned(const void* p, const char* what) {
 }
 
 static inline void copy_async16(unsigned dst, const void* src, bool valid) {
-    check_aligned(dynamic_shared + (int)dst, "cp.async: shared address not 16-byte aligned");
+    check_aligned(shared_pointer(dst), "cp.async: shared address not 16-byte aligned");
     if (valid) check_aligned(src, "cp.async: global address not 16-byte aligned");
     open_group.push_back({dst, src, valid});
 }
@@ -125,7 +131,7 @@ static inline void copy_async_commit() {
 template <int PENDING> static inline void copy_async_wait() {
     while ((int)copy_groups.size() > PENDING) {
         for (const PendingCopy& c : copy_groups.front()) {
-            unsigned char* to = dynamic_shared + (int)c.dst;
+            unsigned char* to = shared_pointer(c.dst);
             if (c.valid) std::memcpy(to, c.src, 16);
             else std::memset(to, 0, 16);
         }

@@ -7,10 +7,15 @@ as it is, less its inline PTX, which the header emulates."""
 
 import ctypes
 import hashlib
+import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
+import traceback
+
+import pytest
 
 from sbnet_cupy import _kernels, _launch
 
@@ -85,7 +90,7 @@ def build(op, kernels, folder):
         cpp = library.with_suffix(".cpp")
         cpp.write_text(source)
         subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
-                        "-Wno-unknown-pragmas", "-o", str(library), str(cpp)], check=True)
+                        "-Wno-unknown-pragmas", "-D_FORTIFY_SOURCE=3", "-D_GLIBCXX_ASSERTIONS", "-o", str(library), str(cpp)], check=True)
     handle = ctypes.CDLL(str(library))
     entries = {name: getattr(handle, f"entry_{i}") for i, name in enumerate(kernels)}
     for entry in entries.values():
@@ -132,3 +137,36 @@ def install(monkeypatch, entries, sms):
                         lambda device, op, kernel, *args: _kernels.name_expression(kernel, *args))
     monkeypatch.setattr(_launch, "launch", launch)
     return launched
+
+
+def run_isolated(test):
+    """Run `test()` in a forked child: an emulated kernel that faults (a fortified copy out of
+    bounds, a failed libstdc++ assertion) aborts that child, and the test fails with the signal
+    instead of the interpreter dying. The child's failure comes back as its traceback's text."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(read_end)
+        status = 0
+        try:
+            test()
+        except pytest.skip.Exception as skip:
+            os.write(write_end, str(skip).encode())
+            status = 2
+        except BaseException:  # a failure or an error goes back as its traceback's text
+            os.write(write_end, traceback.format_exc().encode())
+            status = 1
+        os.close(write_end)
+        os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        report = pipe.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        name = signal.Signals(os.WTERMSIG(status)).name
+        pytest.fail(f"the emulated kernel killed its process with {name} (its stderr, above, "
+                    "says why)", pytrace=False)
+    if os.WEXITSTATUS(status) == 2:
+        pytest.skip(report)
+    if os.WEXITSTATUS(status):
+        pytest.fail(report, pytrace=False)

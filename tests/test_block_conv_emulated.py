@@ -15,7 +15,8 @@ from sbnet_cupy import block_conv
 from test_block_conv import (TOLERANCE, _assert_close, _block_list, _check_res_unit,
                              _res_unit_inputs, _written)
 
-pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
+pytestmark = [pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++"),
+              pytest.mark.emulated]
 
 TOLERANCE = {**TOLERANCE, "bfloat16": 8e-3}
 

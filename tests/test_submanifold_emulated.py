@@ -13,7 +13,8 @@ from axes import random_array
 from sbnet_cupy import submanifold
 from test_submanifold import CASES, colliding_keys, random_sites
 
-pytestmark = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++")
+pytestmark = [pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++"),
+              pytest.mark.emulated]
 
 
 ARGUMENTS = {"submanifold_fused": "FusedArgs", "split_sum": "SplitSumArgs",
