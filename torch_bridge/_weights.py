@@ -11,7 +11,8 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-_PREPARED = WeakIdKeyDictionary()  # first source -> (key, weak refs to the sources, copies)
+# first source -> {prepare: (key, weak refs to the sources, copies)}
+_PREPARED = WeakIdKeyDictionary()
 _FROZEN = []  # one list per active frozen_weights(): the copies its captures read
 
 
@@ -53,14 +54,16 @@ def _outside_torch_pools(t):
 
 def prepared(prepare, x, sources):
     """prepare(x, *sources), kept while the sources stay the same tensors with the same data and
-    version and x's device and dtype stay (one entry per first source and prepare) (see the module's docstring for CUDA graphs). Weak
-    references: the cache keeps neither the parameters nor, through them, the modules alive."""
+    version and x's device and dtype stay (one entry per first source and prepare; see the
+    module's docstring for CUDA graphs). Weak references: the cache keeps neither the
+    parameters nor, through them, the modules alive."""
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing and not _FROZEN:
         return prepare(x, *sources)
     key = (prepare, x.device, x.dtype, *((0, 0) if t is None else (t.data_ptr(), t._version)
                                          for t in sources))
-    cached = _PREPARED.get(sources[0])
+    entries = _PREPARED.setdefault(sources[0], {})
+    cached = entries.get(prepare)
     if cached is None or cached[0] != key or not _same_tensors(cached[1], sources):
         if capturing:  # nothing made before the capture: make them in the graph
             return prepare(x, *sources)
@@ -68,7 +71,7 @@ def prepared(prepare, x, sources):
         copies = prepare(x, *sources)
         if x.is_cuda:
             copies = tuple(_outside_torch_pools(t) for t in copies)
-        cached = _PREPARED[sources[0]] = (key, refs, copies)
+        cached = entries[prepare] = (key, refs, copies)
     if capturing:
         _FROZEN[-1].append(cached[2])
     return cached[2]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _ops, block_conv
+from ._weights import prepared
 from sbnet_cupy import _checks, calc_block_params, calc_block_params_res_block
 
 
@@ -81,6 +82,12 @@ def _check_fused(x, bin_counts, active_block_indices, channels):
 
 
 _FUSED_CHECKS = {}
+
+
+def _affine_in_acc(x, scale, shift):
+    """scale and shift in the arithmetic type of x's gather, on x's device."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return scale.to(x.device, acc), shift.to(x.device, acc)
 
 
 def _nchw(blocks):
@@ -178,7 +185,7 @@ class SparseResBlockBottleneck(nn.Module):
         self.conv3 = nn.Conv2d(bottleneck, channels, 1, bias=False)
         self.bsize_out = bsize_out
         self.method = _check_method(method)
-        self._inside, self._affine = {}, {}
+        self._inside = {}
 
     def block_params(self, height, width):
         params = (_res_block_params if torch.compiler.is_compiling()
@@ -211,16 +218,13 @@ class SparseResBlockBottleneck(nn.Module):
         return self.conv3(F.relu(self.bn3(z)))
 
     def _gather_affine(self, x):
-        """bn1's scale and shift in the gather's arithmetic type, converted once when eager (a
-        compiled graph converts them itself, or folds the conversion away)."""
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        """bn1's scale and shift in the gather's arithmetic type, converted once per parameter
+        version when eager (a compiled graph converts them itself, or folds the conversion
+        away)."""
+        sources = (self.bn1.scale, self.bn1.shift)
         if torch.compiler.is_compiling():
-            return self.bn1.scale.to(acc), self.bn1.shift.to(acc)
-        key = (x.device, acc)
-        if key not in self._affine:
-            self._affine = {key: (self.bn1.scale.to(x.device, acc),
-                                  self.bn1.shift.to(x.device, acc))}
-        return self._affine[key]
+            return _affine_in_acc(x, *sources)
+        return prepared(_affine_in_acc, x, sources)
 
     def inside_image(self, x, found):
         """[M, 1, bh, bw] mask of the block pixels that lie inside the image: a gather of ones,
