@@ -1,5 +1,7 @@
-"""The README's Python examples run and print what they say."""
+"""The Python examples of README.md and docs/*.md run as pasted into a plain Python REPL, and
+print what they say."""
 
+import code
 import contextlib
 import importlib.metadata
 import io
@@ -10,23 +12,67 @@ import pytest
 
 from conftest import require
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
-EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-# The framework each example needs, if any.
-NEEDS = {"torch_bridge": "torch", "tf_bridge": "tensorflow"}
+ROOT = pathlib.Path(__file__).parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+EXAMPLES = [pytest.param(page, example, id=f"{page.stem}-{i}")
+            for page in PAGES
+            for i, example in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
+# The framework an example needs, by what it imports.
+NEEDS = {"torch": "torch", "torch_bridge": "torch", "tensorflow": "tensorflow",
+         "tf_bridge": "tensorflow"}
 
 
-@pytest.mark.parametrize("code", EXAMPLES, ids=[f"example{i}" for i in range(len(EXAMPLES))])
-def test_readme_example_runs_and_prints_what_it_says(code):
-    for bridge, framework in NEEDS.items():
-        if f"import {bridge}" in code:
-            require(framework)
+class Repl(code.InteractiveConsole):
+    """The interactive interpreter, fed line by line as a paste into `python` is: a complete
+    statement runs at once, a blank line ends a block. Errors raise instead of printing."""
+
+    def runcode(self, compiled):
+        exec(compiled, self.locals)
+
+    def showsyntaxerror(self, filename=None, **kwargs):
+        pasted = "\n".join(self.buffer)
+        raise SyntaxError(f"not valid as pasted into the REPL, at:\n{pasted}")
+
+
+def run_in_repl(example, filename):
+    repl = Repl({"__name__": "__console__"}, filename=str(filename))
+    for line in example.splitlines():
+        repl.push(line)
+    repl.push("")  # the end of the paste ends an open block
+
+
+@pytest.mark.parametrize("page, example", EXAMPLES)
+def test_example_runs_in_the_repl_and_prints_what_it_says(page, example):
+    imported = set(re.findall(r"^(?:import|from) (\w+)", example, re.M))
+    for framework in sorted({NEEDS[m] for m in imported if m in NEEDS}):
+        require(framework)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(code, str(README), "exec"), {})
-    claimed = re.findall(r"^# ([\[(].*)$", code, re.M)
+        run_in_repl(example, page)
+    claimed = re.findall(r"^# ([\[(].*)$", example, re.M)
     assert claimed and printed.getvalue().splitlines() == claimed
 
+
+def test_pages_link_to_files_that_exist():
+    """Relative links of README.md and docs/*.md (anchors aside) name files of the checkout."""
+    missing = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)|^\[\w+\]: ([^#\s]+)",
+                                 page.read_text(), re.M):
+            target = next(t for t in target if t)
+            if not re.match(r"\w+://", target) and not (page.parent / target).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not missing
+
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run installs and tests as the README tells a newcomer to."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    install, test = re.search(r"^ +(pip install \S+) && (python -m pytest.*)$", readme,
+                              re.M).groups()
+    assert install.replace("pip install", "pip install -q --no-cache-dir") in ci
+    assert re.search(rf"^ +{re.escape(test)}$", ci, re.M)
 
 def test_installed_wheel_ships_the_kernels():
     """When the package is installed from a wheel (as CI does), its kernels folder holds the .cu
@@ -42,3 +88,4 @@ def test_installed_wheel_ships_the_kernels():
     for source in ("common.cuh", "reduce_mask.cu", "space_to_batch.cu", "sparse_gather.cu",
                    "sparse_scatter.cu"):
         assert f"sbnet_cupy/kernels/{source}" in names
+    assert not any(n.startswith("bench/") for n in names), "bench must not be installed"
