@@ -82,7 +82,7 @@ def array_module(**arrays):
         raise TypeError(f"mixed backends: {described}")
     if "cupy" not in kinds.values():
         return numpy
-    devices = {name: a.device.id for name, a in arrays.items()}
+    devices = {name: a.data.device_id for name, a in arrays.items()}
     if len(set(devices.values())) > 1:
         described = ", ".join(f"{n} is on device {d}" for n, d in devices.items())
         raise ValueError(f"arrays on different devices: {described}")

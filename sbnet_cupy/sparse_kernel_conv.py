@@ -371,7 +371,7 @@ class SparseKernel:
 
     @property
     def device(self):
-        return None if self._taps.xp is numpy else self.values.device.id
+        return None if self._taps.xp is numpy else self.values.data.device_id
 
     @property
     def density(self):
@@ -382,7 +382,7 @@ class SparseKernel:
         """A kernel with this one's mask and the given [nnz] values (canonical order), of the
         same dtype and device; the index arrays are shared, not copied."""
         xp = _checks.array_module(values=values)
-        if xp is not self._taps.xp or (xp is not numpy and values.device.id != self.device):
+        if xp is not self._taps.xp or (xp is not numpy and values.data.device_id != self.device):
             raise ValueError("values must be on the kernel's device")
         if values.shape != (self.nnz,) or values.dtype != self.values.dtype:
             raise ValueError(f"values must be a {self.values.dtype} array of shape ({self.nnz},), "

@@ -90,6 +90,14 @@ def _affine_in_acc(x, scale, shift):
     return scale.to(x.device, acc), shift.to(x.device, acc)
 
 
+def _pointwise(z, conv):
+    """conv (1x1) of channels-last z as a matrix product: cuDNN would return the weight's
+    gradient channels-last, strides that a [K, C, 1, 1] weight's own do not match (DDP then
+    warns and copies every such gradient); the product's gradient has the weight's layout."""
+    y = F.linear(z.permute(0, 2, 3, 1), conv.weight.flatten(1), conv.bias)
+    return y.permute(0, 3, 1, 2)
+
+
 def _nchw(blocks):
     """[M, H, W, C] -> [M, C, H, W] view (channels_last memory)."""
     return blocks.permute(0, 3, 1, 2)
@@ -210,12 +218,12 @@ class SparseResBlockBottleneck(nn.Module):
     def _residual(self, z, conv2_padding, inside=None, activated=False):
         if not activated:  # else the gather applied bn1 and its ReLU
             z = F.relu(self.bn1(z))
-        z = self.conv1(z)
+        z = _pointwise(z, self.conv1)
         z = F.relu(self.bn2(z))
         if inside is not None:
             z = z * inside
         z = F.conv2d(z, self.conv2.weight, self.conv2.bias, padding=conv2_padding)
-        return self.conv3(F.relu(self.bn3(z)))
+        return _pointwise(F.relu(self.bn3(z)), self.conv3)
 
     def _gather_affine(self, x):
         """bn1's scale and shift in the gather's arithmetic type, converted once per parameter
