@@ -36,6 +36,9 @@ class SparseConvTensor:
                              f"got shapes {tuple(features.shape)} and {tuple(indices.shape)}")
         if indices.dtype != torch.int32:
             raise TypeError(f"indices must be int32, got {indices.dtype}")
+        if features.device != indices.device:
+            raise ValueError(f"features and indices must be on one device, got features on "
+                             f"{features.device} and indices on {indices.device}")
         if indices.shape[1] != 1 + len(spatial_shape):
             raise ValueError(f"indices must be [N, {1 + len(spatial_shape)}] for spatial_shape "
                              f"{list(spatial_shape)}, got {tuple(indices.shape)}")
