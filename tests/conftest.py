@@ -12,6 +12,10 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(
         1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
+# cuBLAS is deterministic with this workspace setting only, read when its handle is made; torch's
+# deterministic mode (test_determinism) refuses cuBLAS products without it.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 import numpy  # noqa: E402
 import pytest
 

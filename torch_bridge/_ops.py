@@ -311,9 +311,26 @@ def _scatter_into(blocks, bin_counts, active_block_indices, y, bsize, boffset, b
                                       transpose=transpose)
         return
     device = y.get_device()
-    launch_scatter(device, _raw_stream(device), blocks.data_ptr(), y.data_ptr(),
-                   indices.data_ptr(), counts.data_ptr(), y.shape, blocks.shape[0],
-                   y.dtype, y.element_size(), geometry, add, atomic, transpose)
+    lists = [indices]
+    if add and atomic and torch.are_deterministic_algorithms_enabled():
+        lists, atomic = _apart(indices, geometry), False
+    for rows in lists:
+        launch_scatter(device, _raw_stream(device), blocks.data_ptr(), y.data_ptr(),
+                       rows.data_ptr(), counts.data_ptr(), y.shape, blocks.shape[0],
+                       y.dtype, y.element_size(), geometry, add, atomic, transpose)
+
+
+def _apart(indices, geometry):
+    """The block list as lists, in a fixed order, whose blocks do not overlap one another (a
+    block of another list has batch index -1 there: it writes nothing). Adding each list without
+    atomics sums every pixel in the same order on every run (torch's deterministic mode)."""
+    (bh, bw), (sh, sw) = geometry.bsize, geometry.bstride
+    per_h, per_w = -(-bh // sh), -(-bw // sw)  # blocks i and i + per apart do not overlap
+    if per_h * per_w == 1:
+        return [indices]
+    row_class, col_class = indices[:, 1] % per_h, indices[:, 2] % per_w
+    return [torch.where(((row_class == a) & (col_class == b))[:, None], indices, -1)
+            for a in range(per_h) for b in range(per_w)]
 
 
 def _scatter_impl(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bstride, add,

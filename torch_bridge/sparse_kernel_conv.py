@@ -183,6 +183,9 @@ def _grad_values_impl(x, dy, positions, kernel_shape, strides, pads, dilations):
             _numpy(x), _numpy(dy), _host_kernel(positions, kernel_shape, values),
             strides=tuple(strides), padding=_padding(pads), dilations=tuple(dilations))
         return torch.from_numpy(grad)
+    if torch.are_deterministic_algorithms_enabled():
+        return _grad_values_deterministic(x, dy, positions, kernel_shape, strides, pads,
+                                          dilations)
     device = x.get_device()
     dtype = _checks.dtype_name(x)
     plan = _core.grad_values_plan(dtype, x.shape[0], tuple(x.shape[1:3]), kernel_shape[2],
@@ -195,6 +198,20 @@ def _grad_values_impl(x, dy, positions, kernel_shape, strides, pads, dilations):
         _core.launch_grad_values(device, _raw_stream(device), plan, x.data_ptr(), dy.data_ptr(),
                                  ranges.data.ptr, taps.data.ptr, grad.data_ptr())
     return grad.to(x.dtype)
+
+
+def _grad_values_deterministic(x, dy, positions, kernel_shape, strides, pads, dilations):
+    """The values' gradient as the dense weight's (cuDNN's deterministic algorithms, under
+    torch's deterministic mode) at the positions: the kernel adds each CTA's sums with atomics,
+    in an order that changes from run to run."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x_nchw = torch.nn.functional.pad(x.permute(0, 3, 1, 2).to(acc),
+                                     (pads[2], pads[3], pads[0], pads[1]))
+    k_h, k_w, cin, cout = kernel_shape
+    dense = torch.nn.grad.conv2d_weight(x_nchw, (cout, cin, k_h, k_w),
+                                        dy.permute(0, 3, 1, 2).to(acc), stride=tuple(strides),
+                                        dilation=tuple(dilations))
+    return dense.permute(2, 3, 1, 0).reshape(-1)[positions].to(x.dtype)
 
 
 def _grad_values_fake(x, dy, positions, kernel_shape, strides, pads, dilations):
