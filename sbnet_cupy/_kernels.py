@@ -130,6 +130,7 @@ def all_instantiations():
         "sparse_kernel_conv": _sparse_kernel_conv_instantiations(),
         "block_conv": _block_conv_instantiations(),
         "submanifold": _submanifold_instantiations(),
+        "point_to_voxel": _point_to_voxel_instantiations(),
     }
 
 
@@ -149,3 +150,9 @@ def _submanifold_instantiations():
     from . import submanifold
 
     return submanifold.instantiations()
+
+
+def _point_to_voxel_instantiations():
+    from . import point_to_voxel
+
+    return point_to_voxel.instantiations()
