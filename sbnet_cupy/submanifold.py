@@ -297,10 +297,10 @@ def submanifold_rulebook(coords, spatial_shape, batch_size, kernel_size, dilatio
     xp = _checks.array_module(coords=coords)
     with _checks.on_device(coords):
         coords = xp.ascontiguousarray(coords)
-        if xp is numpy:  # the NumPy backend checks always: it costs no sync
-            table = _NumpyTable(_keys_numpy(coords, shape, batch, "coords"))
-            neighbors = _query_numpy(table, coords, shape, *geometry, transposed=False)
-            neighbors_t = _query_numpy(table, coords, shape, *geometry, transposed=True)
+        if xp is numpy:
+            keys = (_keys_numpy(coords, shape, batch, "coords") if check
+                    else _linearise(numpy, coords, shape))
+            neighbors, neighbors_t = _submanifold_maps(coords, keys, shape, geometry)
         else:
             built = build_raw(_CUPY, coords.data.device_id, _cupy_stream(), coords,
                               coords.data.ptr, shape, batch, geometry, None, check)
@@ -326,13 +326,18 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
     with _checks.on_device(coords):
         coords = xp.ascontiguousarray(coords)
         if xp is numpy:
-            table = _NumpyTable(_keys_numpy(coords, shape, batch, "coords"))
-            candidates = _targets_numpy(coords, out_shape, *geometry)
-            out_keys = numpy.unique(candidates[candidates >= 0])
+            if check:
+                _keys_numpy(coords, shape, batch, "coords")
+            # Each input's targets, their distinct keys the output sites; the map from the
+            # outputs' side is the same pairs turned around (no second lookup).
+            candidates, valid = _tap_keys(coords, out_shape, *geometry, forward=False)
+            targets = candidates[valid]
+            ordered = numpy.sort(targets)  # sorted runs, one a tap: faster than unique's hash
+            out_keys = ordered[numpy.concatenate(([True], ordered[1:] != ordered[:-1]))]
             out_coords = _decode(numpy, out_keys, out_shape)
-            out_table = _NumpyTable(out_keys, presorted=True)
-            neighbors = _query_numpy(table, out_coords, shape, *geometry, transposed=False)
-            neighbors_t = _query_numpy(out_table, coords, out_shape, *geometry, transposed=True)
+            neighbors_t = numpy.full(valid.shape, -1, numpy.int32)
+            neighbors_t[valid] = numpy.searchsorted(out_keys, targets)
+            neighbors = _transposed_map(neighbors_t, out_keys.size)
         else:
             built = build_raw(_CUPY, coords.data.device_id, _cupy_stream(), coords,
                               coords.data.ptr, shape, batch, geometry, out_shape, check)
@@ -393,49 +398,72 @@ def _taps(kernel):
 class _NumpyTable:
     """Sorted keys and their rows: the NumPy backend's stand-in for the hash table."""
 
-    def __init__(self, keys, presorted=False):
-        self.order = numpy.arange(keys.size) if presorted else numpy.argsort(keys, kind="stable")
+    def __init__(self, keys):
+        self.order = numpy.argsort(keys, kind="stable").astype(numpy.int32)
         self.sorted = keys[self.order]
 
     def find(self, keys):
-        """Row of each key, -1 where absent."""
-        pos = numpy.searchsorted(self.sorted, keys)
-        pos = numpy.minimum(pos, max(self.sorted.size - 1, 0))
+        """Row (int32) of each key, -1 where absent."""
         if self.sorted.size == 0:
             return numpy.full(keys.shape, -1, numpy.int32)
-        found = self.sorted[pos] == keys
-        return numpy.where(found, self.order[pos], -1).astype(numpy.int32)
+        pos = numpy.searchsorted(self.sorted, keys)
+        pos[pos == self.sorted.size] = 0
+        rows = self.order[pos]
+        rows[self.sorted[pos] != keys] = -1
+        return rows
 
 
-def _query_numpy(table, sites, query_shape, kernel, stride, padding, dilation, transposed):
-    """[K, N] rows (in `table`, a set of sites of query_shape) that tap k connects to each of
-    `sites`: forward, input sites of output sites; transposed, output sites of input sites."""
-    taps = _taps(kernel)[:, None, :]
-    s, p, d = (numpy.array(v) for v in (stride, padding, dilation))
-    base = sites[None, :, 1:].astype(numpy.int64)
-    if transposed:
-        num = base + p - taps * d
-        q, rem = numpy.divmod(num, s)
-        valid = numpy.all((rem == 0) & (q >= 0) & (q < numpy.array(query_shape)), axis=2)
-    else:
-        q = base * s - p + taps * d
-        valid = numpy.all((q >= 0) & (q < numpy.array(query_shape)), axis=2)
-    keys = sites[None, :, 0].astype(numpy.int64)
-    for axis, size in enumerate(query_shape):
-        keys = keys * size + numpy.clip(q[:, :, axis], 0, size - 1)
-    return numpy.where(valid, table.find(keys), -1).astype(numpy.int32)
+def _submanifold_maps(coords, keys, shape, geometry):
+    """neighbors and neighbors_t of a submanifold rulebook on coords (linearised `keys`). With
+    an odd kernel, tap K-1-k is tap k backwards (offsets -d and d), so only the first half of
+    the taps is looked up, the centre reads each site itself, the rest is the first half
+    turned around, and neighbors_t is neighbors with the taps reversed."""
+    query, valid = _tap_keys(coords, shape, *geometry, forward=True)
+    table = _NumpyTable(keys)
+    taps, n = valid.shape
+    if any(k % 2 == 0 for k in geometry[0]):
+        neighbors = numpy.full(valid.shape, -1, numpy.int32)
+        neighbors[valid] = table.find(query[valid])
+        return neighbors, _transposed_map(neighbors, n)
+    half = taps // 2
+    neighbors = numpy.full(valid.shape, -1, numpy.int32)
+    first = neighbors[:half]
+    first[valid[:half]] = table.find(query[:half][valid[:half]])
+    neighbors[half] = numpy.arange(n)
+    tap, row = numpy.nonzero(first >= 0)
+    neighbors[taps - 1 - tap, first[tap, row]] = row
+    return neighbors, numpy.ascontiguousarray(neighbors[::-1])
 
 
-def _targets_numpy(coords, out_shape, kernel, stride, padding, dilation):
-    """[K, N] keys of the output sites input site i feeds through tap k (-1: none)."""
-    taps = _taps(kernel)[:, None, :]
-    s, p, d = (numpy.array(v) for v in (stride, padding, dilation))
-    q, rem = numpy.divmod(coords[None, :, 1:].astype(numpy.int64) + p - taps * d, s)
-    valid = numpy.all((rem == 0) & (q >= 0) & (q < numpy.array(out_shape)), axis=2)
-    keys = numpy.broadcast_to(coords[None, :, 0].astype(numpy.int64), valid.shape)
-    for axis, size in enumerate(out_shape):
-        keys = keys * size + q[:, :, axis]
-    return numpy.where(valid, keys, -1)
+def _tap_keys(coords, shape, kernel, stride, padding, dilation, forward):
+    """[K, N] int64 keys in batch x `shape`, and [K, N] bool validity, of the site tap k joins
+    to each of coords: forward, the input site o * stride - padding + k * dilation that output
+    site o reads; else the output site (i + padding - k * dilation) / stride that input site i
+    feeds. Computed an axis at a time ([kernel_a, N] each) and broadcast over the taps."""
+    keys = coords[:, 0].astype(numpy.int64)
+    valid = numpy.ones(keys.shape, bool)
+    for axis, size in enumerate(shape):
+        c = coords[:, 1 + axis].astype(numpy.int64)
+        offsets = numpy.arange(kernel[axis])[:, None] * dilation[axis]
+        if forward:
+            q = c * stride[axis] - padding[axis] + offsets
+            ok = (q >= 0) & (q < size)
+        else:
+            q, rem = numpy.divmod(c + padding[axis] - offsets, stride[axis])
+            ok = (rem == 0) & (q >= 0) & (q < size)
+        keys = keys[..., None, :] * size + q
+        valid = valid[..., None, :] & ok
+    taps = math.prod(kernel)
+    return keys.reshape(taps, coords.shape[0]), valid.reshape(taps, coords.shape[0])
+
+
+def _transposed_map(neighbors, n):
+    """The map int32 [K, n] of the same pairs seen from the other side: out[k, neighbors[k, o]]
+    = o, -1 elsewhere (a tap joins a site to at most one site across)."""
+    tap, row = numpy.nonzero(neighbors >= 0)
+    out = numpy.full((neighbors.shape[0], n), -1, numpy.int32)
+    out[tap, neighbors[tap, row]] = row
+    return out
 
 
 # --- CUDA rulebook ------------------------------------------------------------------------
@@ -778,7 +806,7 @@ def _decode_cupy(keys, shape):
 
 
 def _query_cupy(table, sites, sites_shape, query_shape, batch, geometry, transposed):
-    """int32 [K, N] map (see _query_numpy) through the HashTable of the sites of query_shape."""
+    """int32 [K, N] map (see _tap_keys) through the HashTable of the sites of query_shape."""
     import cupy
 
     n, taps = int(sites.shape[0]), math.prod(geometry[0])

@@ -5,7 +5,9 @@ signatures.
 
 Parameters are spconv 2.x's: weight [Cout, *kernel_size, Cin] (its "KRSC" layout) and bias
 [Cout] or None; with record_voxel_count, a strided or transposed layer also keeps spconv's
-buffer max_num_voxels_during_training. Checkpoints of spconv 2.x load with strict=True."""
+buffer max_num_voxels_during_training. Checkpoints of spconv 2.x load with strict=True and give
+its outputs: a 1x1 convolution that keeps the sites (kernel volume 1; submanifold, or stride 1
+and padding 0) reads its weight's memory as [Cin, Cout], as spconv's does."""
 
 import math
 
@@ -69,7 +71,7 @@ class SparseConvolution(SparseModule):
         self.indice_key, self.algo, self.fp32_accum = indice_key, algo, fp32_accum
         self.large_kernel_fast_algo = large_kernel_fast_algo
         # A 1x1 convolution that keeps the sites is one matrix product (spconv's conv1x1).
-        self.conv1x1 = math.prod(self.kernel_size) == 1 and not (inverse or transposed) and (
+        self.conv1x1 = math.prod(self.kernel_size) == 1 and not inverse and (
             subm or (self.stride == [1] * ndim and self.padding == [0] * ndim))
         self.act_type, self.act_alpha, self.act_beta = None, act_alpha, act_beta
         self.sbnet_algo = None  # rulebook_conv's algo (None: its rule)
@@ -157,8 +159,11 @@ class SparseConvolution(SparseModule):
         _check_algo(self.algo)
         indice_dict = dict(input.indice_dict)
         if self.conv1x1:
-            taps = self.weight.reshape(self.out_channels, self.in_channels)
-            y = torch.nn.functional.linear(input.features, taps, self.bias)
+            # spconv multiplies by the weight's memory read as [Cin, Cout] here (not the
+            # [Cout, Cin] its shape says): do the same, so that its checkpoints give its outputs.
+            taps = self.weight.reshape(self.in_channels, self.out_channels)
+            y = input.features @ taps if self.bias is None else torch.addmm(
+                self.bias, input.features, taps)
             out = input._with(y, input.indices, input.spatial_shape, indice_dict,
                               input.indices_checked)
         else:
