@@ -5,6 +5,7 @@ run a vectorised NumPy implementation (the reference, and the path on machines w
 """
 
 from .block_params import BlockParams, calc_block_params, calc_block_params_res_block
+from .point_to_voxel import point_to_voxel
 from .reduce_mask import ReduceMask, reduce_mask
 from .space_to_batch import atrous_conv2d, batch_to_space, space_to_batch
 from .sparse_conv import (conv2d_same, conv2d_valid, fold_batchnorm, random_bottleneck_weights,
@@ -31,6 +32,7 @@ __all__ = [
     "conv2d_same",
     "conv2d_valid",
     "fold_batchnorm",
+    "point_to_voxel",
     "random_bottleneck_weights",
     "reduce_mask",
     "res_block_bottleneck",

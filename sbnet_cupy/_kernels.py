@@ -153,6 +153,6 @@ def _submanifold_instantiations():
 
 
 def _point_to_voxel_instantiations():
-    from . import point_to_voxel
+    from .point_to_voxel import instantiations  # the package's point_to_voxel is the function
 
-    return point_to_voxel.instantiations()
+    return instantiations()

@@ -174,33 +174,50 @@ def decode_numpy(keys, shape):
 
 
 def point_to_voxel_numpy(points, grid, max_voxels, max_points, empty_mean, voxels=None):
-    """point_to_voxel on checked NumPy arguments."""
+    """point_to_voxel on checked NumPy arguments: one stable sort of the points' cells."""
     n, features = points.shape
     keys = cell_keys_numpy(points, grid)
     inside = numpy.flatnonzero(keys >= 0)
-    unique, first, inverse = numpy.unique(keys[inside], return_index=True, return_inverse=True)
-    by_first = numpy.argsort(first, kind="stable")  # voxels in the order of their first point
-    rank = numpy.empty(unique.shape[0], numpy.int64)
-    rank[by_first] = numpy.arange(unique.shape[0])
-    count = min(unique.shape[0], max_voxels)
-    voxel = rank[inverse.reshape(-1)]
+    keys = keys[inside]
+    order = _stable_order(keys, math.prod(grid.shape))
+    new_cell = numpy.diff(keys[order], prepend=-1) != 0
+    starts = numpy.flatnonzero(new_cell)
+    cell = numpy.cumsum(new_cell) - 1  # of each sorted point
+    first = order[starts]  # each cell's first point (among those inside)
+    # Voxels are ranked by their first point: the firsts, marked in point order, counted.
+    marked = numpy.zeros(keys.shape[0], bool)
+    marked[first] = True
+    rank = (numpy.cumsum(marked) - 1)[first]
+    count = min(first.shape[0], max_voxels)
+    voxel = numpy.empty(keys.shape[0], numpy.int64)
+    voxel[order] = rank[cell]
+    place = numpy.empty(keys.shape[0], numpy.int64)
+    place[order] = numpy.arange(keys.shape[0]) - starts[cell]
     voxel[voxel >= max_voxels] = -1
     point_voxel_id = numpy.full(n, -1, numpy.int64)
     point_voxel_id[inside] = voxel
-    kept = voxel >= 0
-    kept_points, voxel = inside[kept], voxel[kept]
-    order = numpy.argsort(voxel, kind="stable")  # by voxel, each in point order
-    counts = numpy.bincount(voxel, minlength=count)
-    place = numpy.empty_like(voxel)
-    place[order] = numpy.arange(voxel.shape[0]) - (numpy.cumsum(counts) - counts)[voxel[order]]
-    take = place < max_points
+    take = (voxel >= 0) & (place < max_points)
     out = (numpy.zeros((count, max_points, features), points.dtype) if voxels is None
            else voxels[:count])
-    out[voxel[take], place[take]] = points[kept_points[take]]
-    num_points = numpy.minimum(counts, max_points).astype(numpy.int32)
+    out.reshape(-1, features)[voxel[take] * max_points + place[take]] = points[inside[take]]
+    sizes = numpy.diff(starts, append=keys.shape[0])
+    num_points = numpy.zeros(count, numpy.int32)
+    kept = rank < max_voxels
+    num_points[rank[kept]] = numpy.minimum(sizes[kept], max_points)
+    coords = numpy.empty(count, numpy.int64)
+    coords[rank[kept]] = keys[first[kept]]
     if empty_mean:
         fill_mean_numpy(out, num_points)
-    return out, decode_numpy(unique[by_first[:count]], grid.shape), num_points, point_voxel_id
+    return out, decode_numpy(coords, grid.shape), num_points, point_voxel_id
+
+
+def _stable_order(keys, cells):
+    """The permutation that sorts keys (in [0, cells)) stably: where key and position fit in
+    63 bits together, an unstable sort of both (unique, so the same order) is 2-3x faster."""
+    shift = max(keys.shape[0] - 1, 1).bit_length()
+    if (cells - 1) >> (62 - shift):
+        return numpy.argsort(keys, kind="stable")
+    return numpy.argsort((keys << shift) | numpy.arange(keys.shape[0]))
 
 
 def fill_mean_numpy(voxels, num_points):

@@ -9,7 +9,8 @@ import math
 import numpy
 import torch
 
-from sbnet_cupy import point_to_voxel as _core
+from sbnet_cupy.point_to_voxel import (check_points, point_to_voxel_numpy, positive_int,
+                                       voxel_grid, voxelize_raw)
 
 
 class PointToVoxel:
@@ -26,14 +27,14 @@ class PointToVoxel:
 
     def __init__(self, vsize_xyz, coors_range_xyz, num_point_features, max_num_voxels,
                  max_num_points_per_voxel, device=torch.device("cpu:0")):
-        self._grid = _core.voxel_grid(vsize_xyz, coors_range_xyz)
+        self._grid = voxel_grid(vsize_xyz, coors_range_xyz)
         self.ndim = len(self._grid.shape)
-        self.num_point_features = _core.positive_int("num_point_features", num_point_features)
+        self.num_point_features = positive_int("num_point_features", num_point_features)
         if self.num_point_features < self.ndim:
             raise ValueError(f"num_point_features must be at least {self.ndim} (the "
                              f"coordinates), got {num_point_features}")
-        self.max_num_voxels = _core.positive_int("max_num_voxels", max_num_voxels)
-        self.max_num_points_per_voxel = _core.positive_int("max_num_points_per_voxel",
+        self.max_num_voxels = positive_int("max_num_voxels", max_num_voxels)
+        self.max_num_points_per_voxel = positive_int("max_num_points_per_voxel",
                                                            max_num_points_per_voxel)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -69,7 +70,7 @@ class PointToVoxel:
         if pc.device.type != self.device.type or (pc.is_cuda
                                                   and pc.device.index != self.device.index):
             raise ValueError(f"pc is on {pc.device}, this PointToVoxel on {self.device}")
-        _core.check_points(pc, self.num_point_features, self.ndim)
+        check_points(pc, self.num_point_features, self.ndim)
         with torch.no_grad():
             pc = pc.detach().contiguous()
             if self.voxels.dtype != pc.dtype:
@@ -80,7 +81,7 @@ class PointToVoxel:
                 voxels, coords, num_points, ids = self._cuda(pc, bool(empty_mean))
             else:
                 voxels, coords, num_points, ids = (torch.from_numpy(a) for a in
-                                                   _core.point_to_voxel_numpy(
+                                                   point_to_voxel_numpy(
                     pc.numpy(), self._grid, self.max_num_voxels,
                     self.max_num_points_per_voxel, bool(empty_mean), self.voxels.numpy()))
             return voxels.clone(), coords, num_points, ids  # voxels: rows of the buffer
@@ -92,7 +93,7 @@ class PointToVoxel:
             return buffer[:count], buffer.data_ptr()
 
         device = pc.get_device()
-        return _core.voxelize_raw(_TorchAlloc(pc.device), device,
+        return voxelize_raw(_TorchAlloc(pc.device), device,
                                   torch.cuda.current_stream(device).cuda_stream, pc.data_ptr(),
                                   pc.shape[0], self.num_point_features, str(pc.dtype)[6:],
                                   self._grid, self.max_num_voxels,
