@@ -15,7 +15,7 @@
 
 #define P2V_EMPTY (-1LL)
 #define P2V_OUTSIDE (-1e300)  // a coordinate below every grid
-#define P2V_RANK_THREADS 256
+#define P2V_RANK_THREADS 1024
 
 struct P2VArgs {
     const void* points;    // [n, features]
@@ -24,8 +24,8 @@ struct P2VArgs {
                            // (a key's first point; from p2v_assign on, its voxel or -1) and
                            // int count [mask + 1] (its points)
     int* slot;             // [n]: the point's slot in the table, -1 outside the grid
-    unsigned* bits;        // [(n + 31) / 32]: the points that come first in their voxel
-    int* word_rank;        // [(n + 31) / 32]: first points before each word
+    unsigned* bits;        // [(n + 127) / 128 * 4]: the points that come first in their voxel
+    int* word_rank;        // [(n + 127) / 128 * 4]: first points before each word
     int* total;            // [2]: voxels found; points given a place in a bucket
     i64* voxel;            // keys [cap], then int count [cap] and int start [cap] (of the
                            // voxel's bucket; p2v_scatter moves it to the bucket's end)
@@ -164,11 +164,12 @@ template <typename T> __global__ void p2v_insert(const P2VArgs a) {
 }
 
 // bits: which points come first in their voxel, 32 points a word (a warp's ballot; every lane
-// of a warp runs the loop the same number of times).
+// of a warp runs the loop the same number of times), zero past the points up to a multiple of
+// 128 (whole uint4s for p2v_rank).
 template <typename T> __global__ void p2v_mark(const P2VArgs a) {
     const int lane = threadIdx.x & 31;
     const int* first = p2v_table_first(a);
-    for (i64 base = p2v_first() - lane; base < a.n; base += p2v_step()) {
+    for (i64 base = p2v_first() - lane; base < (a.n + 127) / 128 * 128; base += p2v_step()) {
         const i64 i = base + lane;
         bool is_first = false;
         if (i < a.n) {
@@ -180,32 +181,40 @@ template <typename T> __global__ void p2v_mark(const P2VArgs a) {
     }
 }
 
-// word_rank: the set bits before each word (one CTA: n / 32 words is a short scan); total[0]:
-// all of them, the voxels found.
+// word_rank: the set bits before each word; total[0]: all of them, the voxels found. One CTA
+// (n / 32 words is a short scan): each thread counts a run of whole uint4s of words, the CTA
+// scans the counts (Hillis-Steele, in shared memory), and each thread ranks its run's words.
 template <typename T>
 __global__ void __launch_bounds__(P2V_RANK_THREADS) p2v_rank(const P2VArgs a) {
-    __shared__ int sums[P2V_RANK_THREADS];
-    const i64 words = (a.n + 31) >> 5;
-    const i64 per = (words + P2V_RANK_THREADS - 1) / P2V_RANK_THREADS;
-    const i64 begin = min(threadIdx.x * per, words), end = min(begin + per, words);
-    int sum = 0;
-    for (i64 w = begin; w < end; ++w) sum += __popc(a.bits[w]);
-    sums[threadIdx.x] = sum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int run = 0;
-        for (int t = 0; t < P2V_RANK_THREADS; ++t) {
-            const int s = sums[t];
-            sums[t] = run;
-            run += s;
-        }
-        a.total[0] = run;
+    __shared__ int sums[2][P2V_RANK_THREADS];
+    const uint4* bits = reinterpret_cast<const uint4*>(a.bits);
+    const int t = threadIdx.x;
+    const i64 quads = (a.n + 127) >> 7;
+    const i64 per = (quads + P2V_RANK_THREADS - 1) / P2V_RANK_THREADS;
+    const i64 begin = min(t * per, quads), end = min(begin + per, quads);
+    int count = 0;
+    for (i64 q = begin; q < end; ++q) {
+        const uint4 b = bits[q];
+        count += __popc(b.x) + __popc(b.y) + __popc(b.z) + __popc(b.w);
     }
+    int from = 0;
+    sums[from][t] = count;
     __syncthreads();
-    int run = sums[threadIdx.x];
-    for (i64 w = begin; w < end; ++w) {
-        a.word_rank[w] = run;
-        run += __popc(a.bits[w]);
+    for (int offset = 1; offset < P2V_RANK_THREADS; offset <<= 1) {
+        sums[from ^ 1][t] = sums[from][t] + (t >= offset ? sums[from][t - offset] : 0);
+        from ^= 1;
+        __syncthreads();
+    }
+    if (t == P2V_RANK_THREADS - 1) a.total[0] = sums[from][t];
+    int run = sums[from][t] - count;
+    for (i64 q = begin; q < end; ++q) {
+        const uint4 b = bits[q];
+        int* rank = a.word_rank + 4 * q;
+        rank[0] = run;
+        rank[1] = run += __popc(b.x);
+        rank[2] = run += __popc(b.y);
+        rank[3] = run += __popc(b.z);
+        run += __popc(b.w);
     }
 }
 

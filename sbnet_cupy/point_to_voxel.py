@@ -31,7 +31,7 @@ KERNELS = ("p2v_clear", "p2v_insert", "p2v_mark", "p2v_rank", "p2v_assign", "p2v
            "p2v_select", "p2v_gather")  # in launch order; each a template on the points' type
 _MAX_DIMS = 4
 _THREADS = 256
-_RANK_THREADS = 256  # kernels/point_to_voxel.cu, P2V_RANK_THREADS
+_RANK_THREADS = 1024  # kernels/point_to_voxel.cu, P2V_RANK_THREADS
 _MAX_BLOCKS = 65535 * 16  # grid-stride loops beyond this
 _ARGS = _launch.layout("13P2q6i4i8d", 224)  # kernels/point_to_voxel.cu, P2VArgs
 
@@ -243,7 +243,7 @@ def _grid(items):
 def _scratch(n, capacity, cap, max_points):
     """Byte offsets of the scratch parts in one allocation (each 16-byte aligned), and its
     size: the hash table, slot, bits, word_rank, total, voxel, bucket, selected."""
-    words = -(-n // 32)
+    words = -(-n // 128) * 4  # whole uint4s
     sizes = (16 * capacity, 4 * n, 4 * words, 4 * words, 8, 16 * cap, 4 * n,
              4 * cap * max_points)
     offsets, at = [], 0

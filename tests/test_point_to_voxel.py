@@ -310,6 +310,16 @@ def test_emulated_kernels_match_reference(rng, emulated, name):
 
 
 @pytest.mark.emulated
+def test_emulated_kernels_long_cloud(rng, emulated):
+    """140k points: p2v_rank's threads take more than one uint4 of bits each (1024 threads,
+    128 points a uint4), the grid-stride loops many rounds; against the NumPy backend."""
+    points = cloud(rng, 140_000, 4, vsize=(0.1, 0.1, 0.2), clusters=50)
+    args = ((0.1, 0.1, 0.2), RANGE, 5000, 4)
+    assert_same(_emulated(points, args, True),
+                p2v.point_to_voxel(points, *args, empty_mean=True))
+
+
+@pytest.mark.emulated
 def test_emulated_kernels_subnormals_and_buffer(emulated):
     points = numpy.array([[-1e-40, 0.5], [1e-40, 0.5], [-0.0, 0.5], [-1e-45, 0.5],
                           [0.5, -1e-39], [1.5, 1.5]], numpy.float32)
