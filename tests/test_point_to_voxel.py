@@ -143,6 +143,27 @@ def test_subnormal_and_signed_zero_coordinates(xp):
     assert_same(result, reference(points, *args))
 
 
+def crowded(rng, n=400):
+    """n points in 3 voxels (and a few outside): buckets of ~130 points for 16 places."""
+    points = rng.uniform(0.01, 0.39, (n, 4)).astype(numpy.float32)
+    points[:, 0] += rng.integers(0, 3, n) * 0.4
+    points[::50, 2] = 9.0
+    return points
+
+
+def test_crowded_voxels_and_all_outside(xp, rng):
+    """Voxels of many more points than places (their first 16 kept, in point order), and a
+    cloud wholly outside the range (no voxels)."""
+    args = (VSIZE, RANGE, 10, 16)
+    points = crowded(rng)
+    assert_same(p2v.point_to_voxel(xp.asarray(points), *args, empty_mean=True),
+                reference(points, *args, empty_mean=True))
+    points[:, 2] = -5.0
+    voxels, coords, num_points, ids = p2v.point_to_voxel(xp.asarray(points), *args)
+    assert voxels.shape == (0, 16, 4) and coords.shape == (0, 3) and num_points.shape == (0,)
+    assert (to_numpy(ids) == -1).all()
+
+
 def test_voxels_buffer_keeps_places_past_the_points(xp, rng):
     """voxels=: spconv's clear_voxels=False, the buffer's rows filled in place."""
     points, (vsize, bounds, _, max_points) = _case(rng, "kitti-like")
@@ -317,6 +338,15 @@ def test_emulated_kernels_long_cloud(rng, emulated):
     args = ((0.1, 0.1, 0.2), RANGE, 5000, 4)
     assert_same(_emulated(points, args, True),
                 p2v.point_to_voxel(points, *args, empty_mean=True))
+
+
+@pytest.mark.emulated
+def test_emulated_kernels_crowded_and_all_outside(rng, emulated):
+    args = (VSIZE, RANGE, 10, 16)
+    points = crowded(rng)
+    assert_same(_emulated(points, args, True), reference(points, *args, empty_mean=True))
+    points[:, 2] = -5.0
+    assert_same(_emulated(points, args, False), reference(points, *args))
 
 
 @pytest.mark.emulated
