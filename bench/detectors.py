@@ -52,16 +52,19 @@ coordinates, bench.submanifold.by_site) within 1e-4 and, after one training-mode
 gradients (one vector) within 1e-2 in float32 (train-mode BatchNorm amplifies rounding; on the
 CPU, in float64, both agree to ~1e-13). Each eval mode's output is compared with our float32
 reference, TF32 off (`*_err`). Times: CUDA events around each call (bench._common.events_ms),
-median of --repeats after a warm-up, the rulebooks built in every call as a detector's forward builds them. With --profile, one more call a
-library and mode runs under torch.profiler: the GPU time of every kernel, split into the
-convolutions' kernels (`*_conv_ms`), the rulebooks' (`*_rulebook_ms`) and the rest (BatchNorm,
-ReLU, concatenation, loss, optimizer: `*_gpu_ms` is the sum of all); the classes are by kernel
-name (CLASSES) and the largest kernels of every profile are listed in the .md, so the
-classification can be checked.
+median of --repeats after a warm-up, the rulebooks built in every call as a detector's forward
+builds them. With --profile, one more call a library and mode runs under torch.profiler: the
+GPU time of every kernel, split into the convolutions' kernels (`*_conv_ms`: ours
+submanifold_fused / submanifold_gather / split sums and cuBLAS; spconv's cumm implicit GEMM),
+the rulebooks' (`*_rulebook_ms`: our hash-table kernels; spconv's indice generation, hash
+tables and sorts) and the rest (BatchNorm, ReLU, concatenation, loss, optimizer; `*_gpu_ms` is
+the sum of all); the classes are by kernel name (CLASSES; the 1x1 SubM shortcuts and
+MinkUNet's classifier are cuBLAS products in both libraries, counted as convolutions) and the
+largest kernels of every profile are listed in the .md, so the classification can be checked.
 
 --quick: each model at its smallest scale (KITTI; MinkUNet at SemanticKITTI), batch 1, 3
 repeats. The default runs every model at its scales, batches 1, 2 and 4, all four modes,
-ordered batch by batch, and stops starting new cases once --budget seconds (default 540) have
+ordered batch by batch, and stops starting new cases once --budget seconds (default 420) have
 passed, listing what it left out; --all lifts the budget. --device cpu (implies --quick: crops
 of the scenes, the check in float64 against spconv's CPU build, eval and train in float32)
 checks the model definitions and the weight copy on a machine without a GPU.
@@ -442,10 +445,10 @@ CLASSES = {  # library: [(class, pattern)], first match wins; the rest is "other
     "ours": [("rulebook", re.compile("|".join(OURS_RULEBOOK))),
              ("conv", re.compile(r"submanifold_|split_sum|gemm|Gemm|nvjet|cutlass|xmma|gemv|"
                                  r"splitKreduce"))],
-    "spconv": [("rulebook", re.compile(r"spinds|indice|Indice|hash|Hash|RadixSort|radix_sort|"
+    "spconv": [("conv", re.compile(r"cumm::(conv|gemm)|ConvKernel|conv_kernel|gemm_kernel")),
+               ("rulebook", re.compile(r"spinds|indice|Indice|hash|Hash|RadixSort|radix_sort|"
                                        r"Onesweep|SegmentedSort|unique|Unique|arange")),
-               ("conv", re.compile(r"cumm|gemm|Gemm|GEMM|ConvKernel|conv_kernel|implicit|"
-                                   r"cutlass|nvjet|xmma"))],
+               ("conv", re.compile(r"cumm|gemm|Gemm|GEMM|implicit|cutlass|nvjet|xmma"))],
 }
 
 
@@ -659,13 +662,14 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--profile", action="store_true",
                         help="kernel times by class from one profiled call a library and mode")
-    parser.add_argument("--budget", type=float, default=540,
-                        help="seconds after which no new case starts (default 540)")
+    parser.add_argument("--budget", type=float, default=420,
+                        help="seconds after which no new case starts (default 420)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.device == "cpu" else 3 if args.quick else 10)
-    if args.device == "cpu":
-        args.quick, args.warmup = True, 0
+    if args.device == "cpu":  # one thread: spconv's CPU build needs it (see libraries), and
+        args.quick, args.warmup = True, 0  # our NumPy backend's BLAS beside torch's OpenMP
+        torch.set_num_threads(1)  # pool, both spinning, is 10-100x slower on a few cores
     batches = args.batches or ([1] if args.quick else [1, 2, 4])
     torch.backends.cudnn.benchmark = True
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
