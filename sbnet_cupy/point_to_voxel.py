@@ -81,20 +81,22 @@ def positive_int(name, value):
     return int(value)
 
 
-def check_points(points, num_point_features, ndim):
-    """Checks a point cloud (array or tensor) [N, num_point_features] of float16/32/64."""
+def check_points(points, ndim, num_point_features=None):
+    """Checks a point cloud (array or tensor) [N, F] of float16/32/64, F at least ndim (and
+    num_point_features if given)."""
     shape = tuple(points.shape)
-    if len(shape) != 2 or shape[1] != num_point_features:
-        raise ValueError(f"points must be [N, {num_point_features}] (num_point_features), "
-                         f"got shape {shape}")
+    if len(shape) != 2 or shape[1] != (num_point_features or shape[1]):
+        want = ("[N, F]" if num_point_features is None
+                else f"[N, {num_point_features}] (num_point_features)")
+        raise ValueError(f"points must be {want}, got shape {shape}")
     if _checks.dtype_name(points) not in CTYPES:
         raise TypeError(f"points must be float16, float32 or float64, got "
                         f"{_checks.dtype_name(points)}")
     if shape[0] >= 2**31:
         raise ValueError(f"points has {shape[0]} rows, more than 2**31 - 1")
-    if num_point_features < ndim:
+    if shape[1] < ndim:
         raise ValueError(f"points need at least {ndim} features (the coordinates), got "
-                         f"{num_point_features}")
+                         f"{shape[1]}")
 
 
 def point_to_voxel(points, vsize_xyz, coors_range_xyz, max_num_voxels,
@@ -120,8 +122,8 @@ def point_to_voxel(points, vsize_xyz, coors_range_xyz, max_num_voxels,
     grid = voxel_grid(vsize_xyz, coors_range_xyz)
     max_voxels = positive_int("max_num_voxels", max_num_voxels)
     max_points = positive_int("max_num_points_per_voxel", max_num_points_per_voxel)
-    features = points.shape[1] if points.ndim == 2 else -1
-    check_points(points, features, len(grid.shape))
+    check_points(points, len(grid.shape))
+    features = points.shape[1]
     if voxels is not None:
         _checks.array_module(points=points, voxels=voxels)
         shape = (max_voxels, max_points, features)

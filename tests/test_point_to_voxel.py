@@ -195,7 +195,7 @@ def test_grid_rounds_halves_away_from_zero():
     (dict(max_num_points_per_voxel=2.5), TypeError, "max_num_points_per_voxel must be an int"),
     (dict(points=numpy.zeros((4, 2), numpy.float32)), ValueError,
      "points need at least 3 features"),
-    (dict(points=numpy.zeros(4, numpy.float32)), ValueError, r"points must be \[N, -1\]"),
+    (dict(points=numpy.zeros(4, numpy.float32)), ValueError, r"points must be \[N, F\], got shape \(4,\)"),
     (dict(points=numpy.zeros((4, 3), numpy.int32)), TypeError, "points must be float16"),
     (dict(points=[[0.0, 0.0, 0.0]]), TypeError, "points must be a numpy.ndarray or cupy"),
     (dict(voxels=numpy.zeros((2, 5, 3), numpy.float32)), ValueError,

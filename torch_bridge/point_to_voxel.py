@@ -70,7 +70,7 @@ class PointToVoxel:
         if pc.device.type != self.device.type or (pc.is_cuda
                                                   and pc.device.index != self.device.index):
             raise ValueError(f"pc is on {pc.device}, this PointToVoxel on {self.device}")
-        check_points(pc, self.num_point_features, self.ndim)
+        check_points(pc, self.ndim, self.num_point_features)
         with torch.no_grad():
             pc = pc.detach().contiguous()
             if self.voxels.dtype != pc.dtype:
