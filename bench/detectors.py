@@ -640,7 +640,7 @@ def plot(rows, path):
                color=[f"C{list(MODELS).index(r['model'])}" for r in chosen])
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks(range(len(chosen)))
-        ax.set_xticklabels(labels, fontsize=5, rotation=90)
+        ax.set_xticklabels(labels, fontsize=7, rotation=90)
         ax.set_ylabel("speed-up over spconv 2.3.8 (x)")
         ax.set_title(mode)
     fig.tight_layout()
