@@ -4,7 +4,7 @@
     python -m bench.detectors [--quick] [--all] --out DIR [--repeats N] [--models ...]
         [--scales kitti waymo semkitti] [--batches 1 2 4]
         [--modes eval-tf32 eval-fp16 train-tf32 train-amp] [--profile] [--budget S]
-        [--device cuda|cpu]
+        [--device cuda|cpu] [--suffix NAME]
 
 Models, written here from the published layer lists (each a function of a spconv-like
 namespace, so that the same code builds ours and spconv's):
@@ -665,6 +665,8 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=420,
                         help="seconds after which no new case starts (default 420)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--suffix", help="file names detectors_<suffix>_<device>.* (runs split "
+                                         "over several calls keep their own files)")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.device == "cpu" else 3 if args.quick else 10)
     if args.device == "cpu":  # one thread: spconv's CPU build needs it (see libraries), and
@@ -675,7 +677,8 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     slug = re.sub(r"[^A-Za-z0-9_.-]", "_", device)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "detectors_quick" if args.quick else "detectors"
+    name = "_".join(["detectors"] + (["quick"] if args.quick else [])
+                    + ([args.suffix] if args.suffix else []))
     started = time.time()
     libs = libraries(args.device)
     notes = [f"Libraries: {', '.join(libs)}" + ("" if "spconv" in libs else
