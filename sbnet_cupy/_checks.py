@@ -189,7 +189,7 @@ def on_device(a):
     if cupy is None or not isinstance(a, cupy.ndarray) or (
             a.data.device_id == cupy.cuda.runtime.getDevice()):
         return contextlib.nullcontext()
-    return a.device
+    return cupy.cuda.Device(a.data.device_id)
 
 
 def valid_rows_numpy(indices, counts):

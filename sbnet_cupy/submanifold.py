@@ -333,7 +333,9 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
             candidates, valid = _tap_keys(coords, out_shape, *geometry, forward=False)
             targets = candidates[valid]
             ordered = numpy.sort(targets)  # sorted runs, one a tap: faster than unique's hash
-            out_keys = ordered[numpy.concatenate(([True], ordered[1:] != ordered[:-1]))]
+            first = numpy.ones(ordered.size, bool)  # of each run of equal keys
+            first[1:] = ordered[1:] != ordered[:-1]
+            out_keys = ordered[first]
             out_coords = _decode(numpy, out_keys, out_shape)
             neighbors_t = numpy.full(valid.shape, -1, numpy.int32)
             neighbors_t[valid] = numpy.searchsorted(out_keys, targets)
@@ -453,7 +455,7 @@ def _tap_keys(coords, shape, kernel, stride, padding, dilation, forward):
             ok = (rem == 0) & (q >= 0) & (q < size)
         keys = keys[..., None, :] * size + q
         valid = valid[..., None, :] & ok
-    taps = math.prod(kernel)
+    taps = math.prod(kernel)  # not -1: NumPy 2.5 infers no axis of an empty array
     return keys.reshape(taps, coords.shape[0]), valid.reshape(taps, coords.shape[0])
 
 

@@ -194,7 +194,9 @@ def test_arrays_on_a_non_default_device(rng):
         args[1] = args[1].astype(cupy.int32)
     y = sbnet_cupy.sparse_scatter(*args, bsize=4, add=True)  # device 0 is current here
     assert y.device.id == 1
-    found = sbnet_cupy.reduce_mask(args[3][..., 0] > 0, (2, 2), bsize=4)
+    with cupy.cuda.Device(1):  # CuPy's own ops allocate on the current device
+        mask = args[3][..., 0] > 0
+    found = sbnet_cupy.reduce_mask(mask, (2, 2), bsize=4)
     stack = sbnet_cupy.sparse_gather(y, found.bin_counts, found.active_block_indices, bsize=4)
     assert found.active_block_indices.device.id == 1 and stack.device.id == 1
     numpy.testing.assert_array_equal(
