@@ -16,6 +16,7 @@
 #define P2V_EMPTY (-1LL)
 #define P2V_OUTSIDE (-1e300)  // a coordinate below every grid
 #define P2V_RANK_THREADS 1024
+#define P2V_SELECT_UNROLL 8
 
 struct P2VArgs {
     const void* points;    // [n, features]
@@ -271,8 +272,9 @@ template <typename T> __global__ void p2v_scatter(const P2VArgs a) {
 }
 
 // A thread a voxel: its max_points smallest point indices, in order (an insertion sort that
-// stops at max_points, so a voxel of many points costs a pass and few insertions), its point
-// count (at most max_points) and its coordinates.
+// stops at max_points, so a voxel of many points costs a pass and few insertions: its bucket
+// is filled in roughly increasing point order), its point count (at most max_points) and its
+// coordinates.
 template <typename T> __global__ void p2v_select(const P2VArgs a) {
     const int* voxel_count = p2v_voxel_count(a);
     const int* voxel_end = p2v_voxel_start(a);
@@ -281,13 +283,21 @@ template <typename T> __global__ void p2v_select(const P2VArgs a) {
         const int count = voxel_count[v];
         const int* bucket = a.bucket + voxel_end[v] - count;
         int* chosen = a.selected + v * a.max_points;
-        int kept = 0;
-        for (int e = 0; e < count; ++e) {
-            const int p = bucket[e];
-            if (kept == a.max_points && p > chosen[kept - 1]) continue;
-            int k = kept < a.max_points ? kept++ : kept - 1;
-            for (; k > 0 && chosen[k - 1] > p; --k) chosen[k] = chosen[k - 1];
-            chosen[k] = p;
+        int kept = 0, last = 0;  // last: chosen[kept - 1]
+        for (int e0 = 0; e0 < count; e0 += P2V_SELECT_UNROLL) {
+            int p[P2V_SELECT_UNROLL];
+#pragma unroll
+            for (int u = 0; u < P2V_SELECT_UNROLL; ++u) {  // loads first, so several are in flight
+                p[u] = e0 + u < count ? bucket[e0 + u] : -1;
+            }
+#pragma unroll
+            for (int u = 0; u < P2V_SELECT_UNROLL; ++u) {
+                if (p[u] < 0 || (kept == a.max_points && p[u] > last)) continue;
+                int k = kept < a.max_points ? kept++ : kept - 1;
+                for (; k > 0 && chosen[k - 1] > p[u]; --k) chosen[k] = chosen[k - 1];
+                chosen[k] = p[u];
+                last = chosen[kept - 1];
+            }
         }
         a.num_points[v] = kept;
         i64 key = a.voxel[v];
