@@ -274,19 +274,18 @@ def voxelize_raw(alloc, device, stream, points, n, features, dtype, grid, max_vo
     pad = _MAX_DIMS - ndim
     fixed = (capacity - 1, n, features, ndim, max_voxels, max_points, int(empty_mean), cap,
              *grid.shape, *(1,) * pad, *grid.lower, *(0.0,) * pad, *grid.vsize, *(1.0,) * pad)
-
     ctype = CTYPES[dtype]
 
-    def launch(kernel, items, voxels=0, coords=0, num_points=0, grid=None, block=_THREADS):
+    def launch(kernel, items, voxels=0, coords=0, num_points=0, blocks=None, block=_THREADS):
         function = _launch.function(device, "point_to_voxel", kernel, ctype)
-        _launch.launch(device, stream, function, grid or _grid(items), (block, 1, 1), 0, _ARGS,
+        _launch.launch(device, stream, function, blocks or _grid(items), (block, 1, 1), 0, _ARGS,
                        (points, voxels, table, slot, bits, word_rank, total, voxel, bucket,
                         selected, coords, num_points, ids, *fixed))
 
     launch("p2v_clear", capacity)
     launch("p2v_insert", n)
     launch("p2v_mark", n)
-    launch("p2v_rank", 1, grid=(1, 1, 1), block=_RANK_THREADS)
+    launch("p2v_rank", 1, blocks=(1, 1, 1), block=_RANK_THREADS)
     launch("p2v_assign", n)
     launch("p2v_scatter", n)
     count = min(int(alloc.host(owner[offsets[4] // 4:offsets[4] // 4 + 1])[0]), max_voxels)
