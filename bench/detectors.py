@@ -549,6 +549,7 @@ def run_case(model, scale, batch, modes, libs, args, cache, kernels_log):
                     outs = output()
                     row[f"{name}_err"] = compare(outputs_by_site(outs), reference)
                     row[f"{name}_dtype"] = str(outs[0].features.dtype).replace("torch.", "")
+                    del outs
                 if device == "cpu":
                     row[f"{name}_ms"] = cpu_ms(run, args.repeats)
                 else:
