@@ -6,16 +6,16 @@ by bench.lidar.sweep against a ground plane and a street scene all around the se
 lanes, pedestrians, poles, walls and building fronts, low clutter), so the density falls off
 with range as a real sweep's does; the hits inside the scale's range fall into its voxels:
 
-- "kitti": SECOND / PV-RCNN on KITTI: a 64-beam, 1024-step sweep seen in front of the car
+- "kitti": SECOND / PV-RCNN on KITTI: a 64-beam, 640-step sweep seen in front of the car
   (x 0..70.4 m, y -40..40 m, z -3..1 m), 0.05 x 0.05 x 0.1 m voxels: a 41 x 1600 x 1408 (z, y,
-  x) grid, about 16-25k voxels a sample; 4 features.
+  x) grid, about 13-17k voxels a sample; 4 features.
 - "waymo": CenterPoint / PV-RCNN on Waymo: 360 degrees to +-75.2 m, z -2..4 m, 0.1 x 0.1 x 0.15
   m voxels: a 41 x 1504 x 1504 grid; a 64-beam sweep of 2650 azimuth steps merged with the
   short-range sweeps of four sensors at the vehicle's sides (as Waymo's five lidars are), and
   the same 1.5 m further back (the sweep before, merged as multi-sweep detectors do): about
-  110-130k voxels a sample; 5 features.
+  105-125k voxels a sample; 5 features.
 - "semkitti": MinkUNet on SemanticKITTI: a full 360-degree sweep of 64 beams x 3000 steps to
-  +-50 m, z -4..2 m, 0.05 m cubic voxels: a 120 x 2000 x 2000 grid, about 90k voxels a sample;
+  +-50 m, z -4..2 m, 0.05 m cubic voxels: a 120 x 2000 x 2000 grid, about 80-90k voxels a sample;
   4 features.
 
 Voxels come out in the order a hash-based voxeliser emits them (shuffled within each sample),
@@ -49,7 +49,7 @@ class Scale:
 
 SCALES = {
     "kitti": Scale(range=((0.0, 70.4), (-40.0, 40.0), (-3.0, 1.0)), voxel=(0.05, 0.05, 0.1),
-                   grid=(41, 1600, 1408), channels=4, beams=64, azimuths=1024,
+                   grid=(41, 1600, 1408), channels=4, beams=64, azimuths=640,
                    elevations=(-24.8, 2.0), height=1.73, extent=80.0, objects=120,
                    ground_z=-1.73),
     "waymo": Scale(range=((-75.2, 75.2), (-75.2, 75.2), (-2.0, 4.0)), voxel=(0.1, 0.1, 0.15),
