@@ -20,14 +20,16 @@ class SparseConvTensor:
     spatial_shape (D ints), batch_size, and indice_dict, the rulebooks of the layers that
     produced it, by indice_key.
 
-    grid, voxel_num, benchmark (and benchmark_record, force_algo) are kept for code that reads
-    them; no module here uses them. Setting ``indices`` marks them unchecked, so the next
+    grid, voxel_num, benchmark (and benchmark_record), force_algo, permanent_thrust_allocator
+    and enable_timer are spconv's arguments, kept (the first four as attributes) for code that
+    passes or reads them; no module here uses them. Setting ``indices`` marks them unchecked, so the next
     rulebook checks them again; changing them in place (``x.indices[:, 1:] *= 2``) does not, and
     the rulebooks in indice_dict then no longer describe them: make a new tensor for new sites.
     """
 
     def __init__(self, features, indices, spatial_shape, batch_size, grid=None, voxel_num=None,
-                 indice_dict=None, benchmark=False):
+                 indice_dict=None, benchmark=False, permanent_thrust_allocator=False,
+                 enable_timer=False, force_algo=None):
         if not isinstance(features, torch.Tensor) or not isinstance(indices, torch.Tensor):
             raise TypeError(f"features and indices must be torch tensors, got "
                             f"{type(features).__name__} and {type(indices).__name__}")
@@ -44,12 +46,13 @@ class SparseConvTensor:
                              f"{list(spatial_shape)}, got {tuple(indices.shape)}")
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        del permanent_thrust_allocator, enable_timer  # spconv's CUDA allocator and timer
         self._set(features, indices, spatial_shape, batch_size, indice_dict, False)
         self.grid = torch.Tensor() if grid is None else grid
         self.voxel_num = voxel_num
         self.benchmark = benchmark
         self.benchmark_record = {}
-        self.force_algo = None
+        self.force_algo = force_algo
 
     def _set(self, features, indices, spatial_shape, batch_size, indice_dict, checked):
         self._features = features

@@ -1,0 +1,122 @@
+"""CPU forward of OpenPCDet's sparse backbones (bench/spconv_models.py): torch_bridge.submanifold
+against spconv's CPU build, on the same weights, in eval mode without gradients, on a
+synthetic KITTI-like sweep (bench/lidar.py: 64 beams, SECOND's 41 x 1600 x 1408 grid).
+
+Each forward builds its rulebooks, as a detector's does. Times: per forward, the median over
+--repeats after one warm-up, as process CPU time (robust to other work on a shared machine; one
+thread, so it is the forward's time) and as wall time. Outputs are checked against spconv's
+(same sites, features to float32 rounding). spconv 2.3.8's CPU build gives wrong, varying
+strided convolutions with more than one thread, so spconv runs on one thread throughout.
+Writes <out>/submanifold_cpu_<cpu>.md.
+
+    python -m bench.submanifold_cpu [--repeats 5] [--sweeps 1] [--threads 1]
+"""
+
+import argparse
+import pathlib
+import platform
+import re
+import statistics
+import time
+
+import torch
+
+import torch_bridge.submanifold as ours
+from bench import lidar, spconv_models
+
+MODELS = ["voxel_backbone_8x", "voxel_res_backbone_8x", "unet_v2"]
+
+
+def cpu_name():
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def timed(fn, repeats):
+    """(median CPU ms, median wall ms, last output) of fn() over repeats, after a warm-up."""
+    fn()
+    cpu, wall = [], []
+    for _ in range(repeats):
+        c, w = time.process_time(), time.perf_counter()
+        out = fn()
+        cpu.append((time.process_time() - c) * 1e3)
+        wall.append((time.perf_counter() - w) * 1e3)
+    return statistics.median(cpu), statistics.median(wall), out
+
+
+def by_site(t):
+    key = t.indices[:, 0].long()
+    for axis, size in enumerate(t.spatial_shape):
+        key = key * size + t.indices[:, 1 + axis].long()
+    order = torch.argsort(key)
+    return t.indices[order], t.features[order]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweeps", type=int, default=1, help="batch size (sweeps)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for ours")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args(argv)
+    import spconv.pytorch as spconv
+
+    coords, features = lidar.batch(0, args.sweeps)
+    indices, features = torch.from_numpy(coords), torch.from_numpy(features)
+    shape = list(lidar.GRID)
+    rows = []
+    for name in MODELS:
+        torch.manual_seed(0)
+        theirs = getattr(spconv_models, name)(spconv).eval()
+        mine = getattr(spconv_models, name)(ours).eval()
+        mine.load_state_dict(theirs.state_dict(), strict=True)
+        results = {}
+        for label, ns, net, threads in (("ours", ours, mine, args.threads),
+                                        ("spconv", spconv, theirs, 1)):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                results[label] = timed(
+                    lambda: net(ns.SparseConvTensor(features, indices, shape, args.sweeps)),
+                    args.repeats)
+        got, want = (results[k][2] for k in ("ours", "spconv"))
+        got, want = (out[0] if isinstance(out, tuple) else out for out in (got, want))
+        (gi, gf), (wi, wf) = by_site(got), by_site(want)
+        error = ((gf - wf).abs().max() / wf.abs().max()).item() if torch.equal(gi, wi) else None
+        rows.append(dict(model=name, sites=indices.shape[0], ours_cpu=results["ours"][0],
+                         ours_wall=results["ours"][1], spconv_cpu=results["spconv"][0],
+                         spconv_wall=results["spconv"][1], error=error))
+        print(rows[-1], flush=True)
+    write(rows, args, cpu_name(), spconv)
+
+
+def write(rows, args, cpu, spconv):
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", cpu).strip("_")
+    lines = [f"# Sparse backbones on the CPU: torch_bridge.submanifold vs spconv {spconv.__name__}"
+             f" ({getattr(__import__('spconv'), '__version__', '?')})", "",
+             f"CPU: {cpu}; torch {torch.__version__}; threads: ours {args.threads}, spconv 1; "
+             f"{args.sweeps} sweep(s) of bench/lidar.py (seed 0) on SECOND's "
+             f"{' x '.join(map(str, lidar.GRID))} grid; eval mode, no gradients, rulebooks "
+             f"built in every forward; median of {args.repeats} after a warm-up "
+             f"(`python -m bench.submanifold_cpu`).", "",
+             "| model | input sites | ours CPU ms | spconv CPU ms | ours / spconv | ours wall ms "
+             "| spconv wall ms | max rel. difference |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        error = "sites differ" if r["error"] is None else f"{r['error']:.1e}"
+        lines.append(f"| {r['model']} | {r['sites']} | {r['ours_cpu']:.1f} | "
+                     f"{r['spconv_cpu']:.1f} | {r['ours_cpu'] / r['spconv_cpu']:.2f} | "
+                     f"{r['ours_wall']:.1f} | {r['spconv_wall']:.1f} | {error} |")
+    path = out / f"submanifold_cpu_{slug}.md"
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
