@@ -128,14 +128,15 @@ class _Taps:
         key = (transposed, layout)
         arrays = self._arrays.get(key)
         if arrays is None:
-            taps, base = self.transposed() if transposed else (self, None)
-            if layout is None:
-                ranges, codes, order = taps.ranges, taps.packed, None
-            else:
-                ranges, codes = None, None
-                order = self.xp.asarray(taps.program(layout).order)
-            if base is not None:
-                order = base if order is None else base[order]
+            with _checks.on_device(self.co):  # the taps' device, whichever is current
+                taps, base = self.transposed() if transposed else (self, None)
+                if layout is None:
+                    ranges, codes, order = taps.ranges, taps.packed, None
+                else:
+                    ranges, codes = None, None
+                    order = self.xp.asarray(taps.program(layout).order)
+                if base is not None:
+                    order = base if order is None else base[order]
             arrays = self._arrays[key] = (ranges, codes, order)
         return arrays
 
@@ -163,11 +164,12 @@ class _Taps:
         if self._transposed is None:
             xp = self.xp
             k_h, k_w, cin, cout = self.shape
-            kh, kw = k_h - 1 - self.kh, k_w - 1 - self.kw
-            key = ((self.ci.astype(xp.int64) * cout + self.co) * k_h + kh) * k_w + kw
-            order = xp.argsort(key, kind="stable")
-            taps = _Taps(xp, (k_h, k_w, cout, cin), self.ci[order], self.co[order], kh[order],
-                         kw[order])
+            with _checks.on_device(self.co):
+                kh, kw = k_h - 1 - self.kh, k_w - 1 - self.kw
+                key = ((self.ci.astype(xp.int64) * cout + self.co) * k_h + kh) * k_w + kw
+                order = xp.argsort(key, kind="stable")
+                taps = _Taps(xp, (k_h, k_w, cout, cin), self.ci[order], self.co[order],
+                             kh[order], kw[order])
             self._transposed = (taps, order)
         return self._transposed
 

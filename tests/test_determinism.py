@@ -40,9 +40,8 @@ def _gather_scatter(dtype):
 
 
 def _res_unit(method, dtype):
-    unit = tb.SparseResBlockBottleneck(16, 8, bsize_out=8, method=method)
     torch.manual_seed(2)
-    unit = unit.to("cuda", dtype)
+    unit = tb.SparseResBlockBottleneck(16, 8, bsize_out=8, method=method).to("cuda", dtype)
     x = torch.randn(2, 48, 48, 16, generator=_gen(3)).to("cuda", dtype)
     if method == "fused":
         unit.fold_batchnorm()
