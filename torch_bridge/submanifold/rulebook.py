@@ -41,20 +41,20 @@ _DENSE_MAX_ENTRIES = 4096  # maps of at most this many entries gather densely (c
 
 
 def _cpu_plan(neighbors):
-    """How the CPU multiplies through a map int32 [K, N_out]: ("dense", rows int64 [N_out, K],
-    the input row each entry reads, N_in for none) where at least half its entries are present
-    or it is small, else ("taps", per tap (out_rows, in_rows) int64 of its pairs, or None where
-    output site o reads input row o for every o: a submanifold kernel's centre). A dense
-    gather multiplies the absent entries' zeros; a tap at a time skips them at the cost of a
-    few calls a tap. Cached on the map tensor, which a Rulebook keeps while it is used."""
+    """How the CPU multiplies through a map int32 [K, N_out]: ("dense", rows int64 [N_out * K],
+    the input row each entry reads, -1 for none) for a small map, else ("taps", per tap
+    (out_rows, in_rows) int64 of its pairs, or None where output site o reads input row o for
+    every o: a submanifold kernel's centre). A tap at a time skips the absent entries that a
+    dense gather would multiply, at the cost of a few calls a tap: a small map's cost is the
+    calls. Cached on the map tensor, which a Rulebook keeps while it is used."""
     plan = getattr(neighbors, "_sbnet_cpu_plan", None)
     if plan is None:
-        valid = neighbors >= 0
-        counts = valid.sum(1).tolist()
         taps, n_out = neighbors.shape
-        if 2 * sum(counts) >= taps * n_out or taps * n_out <= _DENSE_MAX_ENTRIES:
-            plan = ("dense", neighbors.t().long())  # -1 indexes the zero row appended last
+        if taps * n_out <= _DENSE_MAX_ENTRIES:
+            plan = ("dense", neighbors.t().reshape(-1).long())
         else:
+            valid = neighbors >= 0
+            counts = valid.sum(1).tolist()
             out_rows = valid.nonzero()[:, 1].split(counts)  # row-major: grouped by tap
             in_rows = neighbors[valid].long().split(counts)
             plan = ("taps", [None if count == n_out and torch.equal(i, o) else (o, i)
@@ -68,10 +68,10 @@ def _acc(t):
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def _gathered_cpu(x, rows):
-    """[N_out, K * C]: x's rows that rows [N_out, K] lists (-1: a zero row)."""
+def _gathered_cpu(x, rows, n_out):
+    """[n_out, K * C]: x's rows that rows [n_out * K] lists (-1: the zero row appended)."""
     padded = torch.cat([x, x.new_zeros((1, x.shape[1]))])
-    return padded[rows].reshape(rows.shape[0], -1)
+    return padded[rows].reshape(n_out, -1)
 
 
 def _conv_cpu(features, weight, bias, neighbors):
@@ -79,7 +79,7 @@ def _conv_cpu(features, weight, bias, neighbors):
     x, w, n_out = _acc(features), _acc(weight), neighbors.shape[1]
     kind, plan = _cpu_plan(neighbors)
     if kind == "dense":
-        g = _gathered_cpu(x, plan)
+        g = _gathered_cpu(x, plan, n_out)
         w = w.reshape(w.shape[0], -1).t()
         return (g @ w if bias is None else torch.addmm(_acc(bias), g, w)).to(features.dtype)
     taps = w.reshape(w.shape[0], -1, w.shape[-1]).permute(1, 2, 0)  # [K, Cin, Cout]
@@ -99,7 +99,8 @@ def _grad_weight_cpu(features, dy, neighbors, weight_shape):
     x, g = _acc(features), _acc(dy)
     kind, plan = _cpu_plan(neighbors)
     if kind == "dense":
-        return (g.t() @ _gathered_cpu(x, plan)).reshape(weight_shape).to(features.dtype)
+        g_x = _gathered_cpu(x, plan, dy.shape[0])
+        return (g.t() @ g_x).reshape(weight_shape).to(features.dtype)
     dw = x.new_zeros((weight_shape[0], len(plan), weight_shape[-1]))
     for k, pair in enumerate(plan):
         if pair is None:
