@@ -80,7 +80,7 @@ def build(name, ns, state=None):
 @pytest.mark.parametrize("name", MODELS)
 def test_models_match_dense_reference(rng, name):
     """float64, training mode (BatchNorm on the batch): every layer as the dense reference's,
-    output sites and features, and the gradients flow to every parameter."""
+    output sites, features and every parameter's gradient."""
     x = scene(rng)
     model = build(name, ours).double()
     reference = build(name, dense, model.state_dict()).double()
@@ -91,10 +91,14 @@ def test_models_match_dense_reference(rng, name):
     assert got.abs().max() > 0.1  # no vacuous zeros
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     got.square().sum().backward()
-    for key, p in model.named_parameters():
+    want.square().sum().backward()
+    for (key, p), q in zip(model.named_parameters(), reference.parameters()):
         # UNetV2's encoder output (conv_out) feeds a detection head, not the decoder.
-        if not key.startswith("encoder.conv_out"):
-            assert p.grad is not None and p.grad.abs().sum() > 0, key
+        if key.startswith("encoder.conv_out"):
+            assert p.grad is None and q.grad is None
+            continue
+        assert p.grad.abs().sum() > 0, key
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-9, msg=key)
 
 
 @pytest.mark.parametrize("name", MODELS + ["voxelnext"])
@@ -450,3 +454,32 @@ def test_record_voxel_count_and_errors(rng):
         ours.SparseConvolution(3, 2, 2, subm=True, transposed=True)
     with pytest.raises(ValueError, match="indice_key 'p' exists"):
         ours.SparseMaxPool3d(2, indice_key="p")(ours.SparseMaxPool3d(2, indice_key="p")(x))
+
+
+@pytest.mark.parametrize("kernel, stride, subm, inverse", [
+    (3, 1, True, False), ((2, 3, 2), 1, True, False), (3, 2, False, False),
+    ((3, 3, 1), (2, 2, 1), False, True)])
+def test_cpu_tap_plans_match_dense_gather(rng, monkeypatch, kernel, stride, subm, inverse):
+    """The CPU's tap-at-a-time products (with the plans build_rulebook seeds for both maps, the
+    mirrored half of an odd submanifold kernel) give the dense gather's forward and gradients."""
+    from torch_bridge.submanifold import rulebook as module
+
+    features, indices, shape, batch = scene(rng, shape=(9, 12, 10), n=300, channels=3)
+    results = []
+    for dense_entries in (module._DENSE_MAX_ENTRIES, 10**9):
+        monkeypatch.setattr(module, "_DENSE_MAX_ENTRIES", dense_entries)
+        rulebook = ours.build_rulebook(indices, shape, batch, kernel, stride, 1, 1, subm)
+        if inverse:
+            rulebook = rulebook.inverse()
+        plan = module._cpu_plan(rulebook.neighbors)[0]
+        assert plan == ("taps" if dense_entries < 10**6 else "dense")
+        n_in = rulebook.in_indices.shape[0]
+        x = torch.from_numpy(rng.standard_normal((n_in, 3))) if not results else results[0][0]
+        w = torch.from_numpy(rng.standard_normal((4, *rulebook.kernel_size, 3))) if not \
+            results else results[0][1]
+        x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+        y = ours.rulebook_conv(x, rulebook, w)
+        y.square().sum().backward()
+        results.append((x, w, y.detach(), x.grad, w.grad))
+    for taps, gathered in zip(results[0][2:], results[1][2:]):
+        torch.testing.assert_close(taps, gathered)

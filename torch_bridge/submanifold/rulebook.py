@@ -50,17 +50,48 @@ def _cpu_plan(neighbors):
     plan = getattr(neighbors, "_sbnet_cpu_plan", None)
     if plan is None:
         taps, n_out = neighbors.shape
-        if taps * n_out <= _DENSE_MAX_ENTRIES:
-            plan = ("dense", neighbors.t().reshape(-1).long())
-        else:
-            valid = neighbors >= 0
-            counts = valid.sum(1).tolist()
-            out_rows = valid.nonzero()[:, 1].split(counts)  # row-major: grouped by tap
-            in_rows = neighbors[valid].long().split(counts)
-            plan = ("taps", [None if count == n_out and torch.equal(i, o) else (o, i)
-                             for count, o, i in zip(counts, out_rows, in_rows)])
+        plan = (("dense", neighbors.t().reshape(-1).long()) if taps * n_out <= _DENSE_MAX_ENTRIES
+                else ("taps", _tap_pairs(neighbors)))
         neighbors._sbnet_cpu_plan = plan
     return plan
+
+
+def _tap_pairs(neighbors):
+    """_cpu_plan's per-tap pairs of the map int32 [K, N_out]."""
+    valid = neighbors >= 0
+    counts = valid.sum(1).tolist()
+    out_rows = valid.nonzero()[:, 1].split(counts)  # row-major: grouped by tap
+    in_rows = neighbors[valid].long().split(counts)
+    n_out = neighbors.shape[1]
+    return [None if count == n_out and torch.equal(i, o) else (o, i)
+            for count, o, i in zip(counts, out_rows, in_rows)]
+
+
+def _seed_cpu_plans(rulebook):
+    """_cpu_plan's plans of a CPU rulebook's two maps, from one pass: they hold the same
+    pairs, turned around. An odd submanifold kernel reads its first half of taps' pairs (tap
+    K-1-k is tap k turned around, the centre reads each site itself)."""
+    neighbors, neighbors_t = rulebook.neighbors, rulebook.neighbors_t
+    taps, n_out = neighbors.shape
+    n_in = neighbors_t.shape[1]
+    if taps * min(n_out, n_in) <= _DENSE_MAX_ENTRIES:
+        return  # a small map gathers densely (_cpu_plan)
+    if rulebook.subm and all(k % 2 for k in rulebook.kernel_size):
+        first = _tap_pairs(neighbors[:taps // 2])
+        pairs = first + [None] + [(i, o) for o, i in reversed(first)]
+    else:
+        pairs = _tap_pairs(neighbors)
+    swapped = []
+    for pair in pairs:
+        if pair is not None:
+            swapped.append((pair[1], pair[0]))
+        elif n_in == n_out:
+            swapped.append(None)
+        else:  # output o reads input o: input o feeds output o, and the other inputs none
+            whole = torch.arange(n_out)
+            swapped.append((whole, whole))
+    neighbors._sbnet_cpu_plan = ("taps", pairs)
+    neighbors_t._sbnet_cpu_plan = ("taps", swapped)
 
 
 def _acc(t):
@@ -249,10 +280,13 @@ def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, pa
                         dilation, subm, check)
         convert = torch.from_numpy
     out_indices = indices if subm else convert(result.out_coords)
-    return Rulebook(convert(result.neighbors), convert(result.neighbors_t), indices, out_indices,
-                    list(result.in_shape), list(result.out_shape), result.batch_size,
-                    list(result.kernel_size), list(result.stride), list(result.padding),
-                    list(result.dilation), subm)
+    rulebook = Rulebook(convert(result.neighbors), convert(result.neighbors_t), indices,
+                        out_indices, list(result.in_shape), list(result.out_shape),
+                        result.batch_size, list(result.kernel_size), list(result.stride),
+                        list(result.padding), list(result.dilation), subm)
+    if not indices.is_cuda:
+        _seed_cpu_plans(rulebook)
+    return rulebook
 
 
 def deconv_output_shape(shape, kernel_size, stride, padding, output_padding):
