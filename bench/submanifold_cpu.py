@@ -3,8 +3,8 @@ against spconv's CPU build, on the same weights, in eval mode without gradients,
 synthetic KITTI-like sweep (bench/lidar.py: 64 beams, SECOND's 41 x 1600 x 1408 grid).
 
 Each forward builds its rulebooks, as a detector's does. Times: per forward, the median over
---repeats after one warm-up, as process CPU time (robust to other work on a shared machine; one
-thread, so it is the forward's time) and as wall time. Outputs are checked against spconv's
+--repeats after one warm-up, ours and spconv taking turns, as process CPU time (less sensitive to
+other work on a shared machine; on one thread, the forward's time) and as wall time. Outputs are checked against spconv's
 (same sites, features to float32 rounding). spconv 2.3.8's CPU build gives wrong, varying
 strided convolutions with more than one thread, so spconv runs on one thread throughout.
 Writes <out>/submanifold_cpu_<cpu>.md.
@@ -37,16 +37,22 @@ def cpu_name():
     return platform.processor() or "cpu"
 
 
-def timed(fn, repeats):
-    """(median CPU ms, median wall ms, last output) of fn() over repeats, after a warm-up."""
-    fn()
-    cpu, wall = [], []
-    for _ in range(repeats):
-        c, w = time.process_time(), time.perf_counter()
-        out = fn()
-        cpu.append((time.process_time() - c) * 1e3)
-        wall.append((time.perf_counter() - w) * 1e3)
-    return statistics.median(cpu), statistics.median(wall), out
+def timed(runs, repeats):
+    """{label: (median CPU ms, median wall ms, last output)} of each runs[label] = (fn,
+    threads), the labels taking turns in every repeat (so that other work on the machine
+    weighs on all alike), after a warm-up of each."""
+    times = {label: ([], []) for label in runs}
+    outputs = {}
+    for repeat in range(repeats + 1):
+        for label, (fn, threads) in runs.items():
+            torch.set_num_threads(threads)
+            c, w = time.process_time(), time.perf_counter()
+            outputs[label] = fn()
+            if repeat:  # the first round warms up
+                times[label][0].append((time.process_time() - c) * 1e3)
+                times[label][1].append((time.perf_counter() - w) * 1e3)
+    return {label: (statistics.median(cpu), statistics.median(wall), outputs[label])
+            for label, (cpu, wall) in times.items()}
 
 
 def by_site(t):
@@ -75,14 +81,12 @@ def main(argv=None):
         theirs = getattr(spconv_models, name)(spconv).eval()
         mine = getattr(spconv_models, name)(ours).eval()
         mine.load_state_dict(theirs.state_dict(), strict=True)
-        results = {}
-        for label, ns, net, threads in (("ours", ours, mine, args.threads),
-                                        ("spconv", spconv, theirs, 1)):
-            torch.set_num_threads(threads)
-            with torch.no_grad():
-                results[label] = timed(
-                    lambda: net(ns.SparseConvTensor(features, indices, shape, args.sweeps)),
-                    args.repeats)
+        def forward(ns, net):
+            return lambda: net(ns.SparseConvTensor(features, indices, shape, args.sweeps))
+
+        with torch.no_grad():
+            results = timed({"ours": (forward(ours, mine), args.threads),
+                             "spconv": (forward(spconv, theirs), 1)}, args.repeats)
         got, want = (results[k][2] for k in ("ours", "spconv"))
         got, want = (out[0] if isinstance(out, tuple) else out for out in (got, want))
         (gi, gf), (wi, wf) = by_site(got), by_site(want)
@@ -103,7 +107,7 @@ def write(rows, args, cpu, spconv):
              f"CPU: {cpu}; torch {torch.__version__}; threads: ours {args.threads}, spconv 1; "
              f"{args.sweeps} sweep(s) of bench/lidar.py (seed 0) on SECOND's "
              f"{' x '.join(map(str, lidar.GRID))} grid; eval mode, no gradients, rulebooks "
-             f"built in every forward; median of {args.repeats} after a warm-up "
+             f"built in every forward; median of {args.repeats} (taking turns) after a warm-up "
              f"(`python -m bench.submanifold_cpu`).", "",
              "| model | input sites | ours CPU ms | spconv CPU ms | ours / spconv | ours wall ms "
              "| spconv wall ms | max rel. difference |",

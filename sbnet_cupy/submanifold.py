@@ -95,6 +95,9 @@ class Rulebook:
             rulebook is kernel // 2 * dilation).
         subm: whether output sites are the input sites.
         inverted: whether this is inverse() of a strided rulebook (outputs are its inputs).
+        tap_pairs: the NumPy backend's pairs of `neighbors`, a tap at a time: (output rows,
+            input rows) int64 arrays, or None for a tap where each output site reads its own
+            row; None elsewhere. A CPU caller multiplies through them (torch_bridge).
 
     The spatial shapes and the geometry are tuples here and lists in torch_bridge's subclass.
     """
@@ -110,6 +113,7 @@ class Rulebook:
         # Device tables (_Table) of in_coords and out_coords that a later rulebook on the same
         # sites may reuse; torch_bridge's build_rulebook sets them, sbnet_cupy's keep none.
         self._tables = (None, None)
+        self.tap_pairs = None
 
     @property
     def num_taps(self):
@@ -300,13 +304,15 @@ def submanifold_rulebook(coords, spatial_shape, batch_size, kernel_size, dilatio
         if xp is numpy:
             keys = (_keys_numpy(coords, shape, batch, "coords") if check
                     else _linearise(numpy, coords, shape))
-            neighbors, neighbors_t = _submanifold_maps(coords, keys, shape, geometry)
+            neighbors, neighbors_t, pairs = _submanifold_maps(coords, keys, shape, geometry)
         else:
             built = build_raw(_CUPY, coords.data.device_id, _cupy_stream(), coords,
                               coords.data.ptr, shape, batch, geometry, None, check)
-            neighbors, neighbors_t = built.neighbors, built.neighbors_t
-    return Rulebook(neighbors, neighbors_t, coords, coords, shape, shape, batch, *geometry,
-                    True)
+            neighbors, neighbors_t, pairs = built.neighbors, built.neighbors_t, None
+    rulebook = Rulebook(neighbors, neighbors_t, coords, coords, shape, shape, batch, *geometry,
+                        True)
+    rulebook.tap_pairs = pairs
+    return rulebook
 
 
 def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, padding=0,
@@ -330,7 +336,7 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
                 _keys_numpy(coords, shape, batch, "coords")
             # Each input's targets, their distinct keys the output sites; the map from the
             # outputs' side is the same pairs turned around (no second lookup).
-            candidates, valid = _tap_keys(coords, out_shape, *geometry, forward=False)
+            candidates, valid = _target_keys(coords, out_shape, *geometry)
             targets = candidates[valid]
             ordered = numpy.sort(targets)  # sorted runs, one a tap: faster than unique's hash
             first = numpy.ones(ordered.size, bool)  # of each run of equal keys
@@ -339,7 +345,8 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
             out_coords = _decode(numpy, out_keys, out_shape)
             neighbors_t = numpy.full(valid.shape, -1, numpy.int32)
             neighbors_t[valid] = numpy.searchsorted(out_keys, targets)
-            neighbors = _transposed_map(neighbors_t, out_keys.size)
+            neighbors, tap, row = _transposed_map(neighbors_t, out_keys.size)
+            pairs = _split_pairs(tap, neighbors_t[tap, row], row, neighbors_t.shape[0])
         else:
             built = build_raw(_CUPY, coords.data.device_id, _cupy_stream(), coords,
                               coords.data.ptr, shape, batch, geometry, out_shape, check)
@@ -353,8 +360,11 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
             neighbors = _query_cupy(table, out_coords, out_shape, shape, batch, geometry, False)
             neighbors_t = _query_cupy(out_table, coords, shape, out_shape, batch, geometry,
                                       True)
-    return Rulebook(neighbors, neighbors_t, coords, out_coords, shape, out_shape, batch,
-                    *geometry, False)
+            pairs = None
+    rulebook = Rulebook(neighbors, neighbors_t, coords, out_coords, shape, out_shape, batch,
+                        *geometry, False)
+    rulebook.tap_pairs = pairs
+    return rulebook
 
 
 def _keys_numpy(coords, shape, batch, name):
@@ -416,56 +426,80 @@ class _NumpyTable:
 
 
 def _submanifold_maps(coords, keys, shape, geometry):
-    """neighbors and neighbors_t of a submanifold rulebook on coords (linearised `keys`). With
-    an odd kernel, tap K-1-k is tap k backwards (offsets -d and d), so only the first half of
-    the taps is looked up, the centre reads each site itself, the rest is the first half
-    turned around, and neighbors_t is neighbors with the taps reversed."""
-    query, valid = _tap_keys(coords, shape, *geometry, forward=True)
+    """neighbors, neighbors_t and tap_pairs (see Rulebook) of a submanifold rulebook on coords
+    (linearised `keys`). With an odd kernel, tap K-1-k is tap k backwards (offsets -d and d),
+    so only the first half of the taps is looked up, the centre reads each site itself, the
+    rest is the first half turned around, and neighbors_t is neighbors with the taps
+    reversed."""
+    kernel, _, padding, dilation = geometry
+    valid = _tap_valid(coords, shape, *geometry)
+    # A neighbour's key is the site's plus its offset's (valid where it lies inside the grid).
+    strides = numpy.cumprod((1,) + shape[:0:-1])[::-1]
+    delta = (_taps(kernel) * numpy.array(dilation) - numpy.array(padding)) @ strides
     table = _NumpyTable(keys)
     taps, n = valid.shape
-    if any(k % 2 == 0 for k in geometry[0]):
-        neighbors = numpy.full(valid.shape, -1, numpy.int32)
-        neighbors[valid] = table.find(query[valid])
-        return neighbors, _transposed_map(neighbors, n)
-    half = taps // 2
     neighbors = numpy.full(valid.shape, -1, numpy.int32)
+    if any(k % 2 == 0 for k in kernel):
+        query = keys[None, :] + delta[:, None]
+        neighbors[valid] = table.find(query[valid])
+        neighbors_t, tap, row = _transposed_map(neighbors, n)
+        return neighbors, neighbors_t, _split_pairs(tap, row, neighbors[tap, row], taps)
+    half = taps // 2
     first = neighbors[:half]
-    first[valid[:half]] = table.find(query[:half][valid[:half]])
+    first[valid[:half]] = table.find((keys[None, :] + delta[:half, None])[valid[:half]])
     neighbors[half] = numpy.arange(n)
     tap, row = numpy.nonzero(first >= 0)
-    neighbors[taps - 1 - tap, first[tap, row]] = row
-    return neighbors, numpy.ascontiguousarray(neighbors[::-1])
+    read = first[tap, row]
+    neighbors[taps - 1 - tap, read] = row
+    pairs = _split_pairs(tap, row, read, half)
+    pairs = pairs + [None] + [(i, o) for o, i in reversed(pairs)]
+    return neighbors, numpy.ascontiguousarray(neighbors[::-1]), pairs
 
 
-def _tap_keys(coords, shape, kernel, stride, padding, dilation, forward):
-    """[K, N] int64 keys in batch x `shape`, and [K, N] bool validity, of the site tap k joins
-    to each of coords: forward, the input site o * stride - padding + k * dilation that output
-    site o reads; else the output site (i + padding - k * dilation) / stride that input site i
-    feeds. Computed an axis at a time ([kernel_a, N] each) and broadcast over the taps."""
+def _tap_valid(coords, shape, kernel, stride, padding, dilation):
+    """[K, N] bool: whether tap k of output site o reads a site inside the grid (o * stride -
+    padding + k * dilation, per axis), broadcast over the taps from [kernel_a, N] per axis."""
+    valid = numpy.ones(coords.shape[0], bool)
+    for axis, size in enumerate(shape):
+        q = (coords[:, 1 + axis] * stride[axis] - padding[axis]
+             + numpy.arange(kernel[axis])[:, None] * dilation[axis])
+        valid = valid[..., None, :] & (q >= 0) & (q < size)
+    return valid.reshape(math.prod(kernel), coords.shape[0])
+
+
+def _split_pairs(tap, out_rows, in_rows, taps):
+    """Pairs (output row, input row) listed tap by tap (tap ascending), as a list of taps'
+    (out_rows, in_rows) int64 arrays."""
+    bounds = numpy.cumsum(numpy.bincount(tap, minlength=taps))[:-1]
+    return list(zip(numpy.split(out_rows.astype(numpy.int64), bounds),
+                    numpy.split(in_rows.astype(numpy.int64), bounds)))
+
+
+def _target_keys(coords, shape, kernel, stride, padding, dilation):
+    """[K, N] int64 keys in batch x `shape` (a strided convolution's output grid), and [K, N]
+    bool validity, of the output site (i + padding - k * dilation) / stride that input site i
+    feeds through tap k. Computed an axis at a time ([kernel_a, N] each) and broadcast over the
+    taps."""
     keys = coords[:, 0].astype(numpy.int64)
     valid = numpy.ones(keys.shape, bool)
     for axis, size in enumerate(shape):
         c = coords[:, 1 + axis].astype(numpy.int64)
         offsets = numpy.arange(kernel[axis])[:, None] * dilation[axis]
-        if forward:
-            q = c * stride[axis] - padding[axis] + offsets
-            ok = (q >= 0) & (q < size)
-        else:
-            q, rem = numpy.divmod(c + padding[axis] - offsets, stride[axis])
-            ok = (rem == 0) & (q >= 0) & (q < size)
+        q, rem = numpy.divmod(c + padding[axis] - offsets, stride[axis])
         keys = keys[..., None, :] * size + q
-        valid = valid[..., None, :] & ok
+        valid = valid[..., None, :] & (rem == 0) & (q >= 0) & (q < size)
     taps = math.prod(kernel)  # not -1: NumPy 2.5 infers no axis of an empty array
     return keys.reshape(taps, coords.shape[0]), valid.reshape(taps, coords.shape[0])
 
 
 def _transposed_map(neighbors, n):
     """The map int32 [K, n] of the same pairs seen from the other side: out[k, neighbors[k, o]]
-    = o, -1 elsewhere (a tap joins a site to at most one site across)."""
+    = o, -1 elsewhere (a tap joins a site to at most one site across); and the pairs' taps and
+    rows o in `neighbors` (numpy.nonzero's, tap by tap)."""
     tap, row = numpy.nonzero(neighbors >= 0)
     out = numpy.full((neighbors.shape[0], n), -1, numpy.int32)
     out[tap, neighbors[tap, row]] = row
-    return out
+    return out, tap, row
 
 
 # --- CUDA rulebook ------------------------------------------------------------------------
@@ -808,7 +842,7 @@ def _decode_cupy(keys, shape):
 
 
 def _query_cupy(table, sites, sites_shape, query_shape, batch, geometry, transposed):
-    """int32 [K, N] map (see _tap_keys) through the HashTable of the sites of query_shape."""
+    """int32 [K, N] map (see Rulebook) through the HashTable of the sites of query_shape."""
     import cupy
 
     n, taps = int(sites.shape[0]), math.prod(geometry[0])

@@ -67,20 +67,15 @@ def _tap_pairs(neighbors):
             for count, o, i in zip(counts, out_rows, in_rows)]
 
 
-def _seed_cpu_plans(rulebook):
-    """_cpu_plan's plans of a CPU rulebook's two maps, from one pass: they hold the same
-    pairs, turned around. An odd submanifold kernel reads its first half of taps' pairs (tap
-    K-1-k is tap k turned around, the centre reads each site itself)."""
+def _seed_cpu_plans(rulebook, tap_pairs):
+    """_cpu_plan's plans of a CPU rulebook's two maps, from the NumPy backend's tap_pairs (see
+    sbnet_cupy.submanifold.Rulebook): the maps hold the same pairs, turned around."""
     neighbors, neighbors_t = rulebook.neighbors, rulebook.neighbors_t
     taps, n_out = neighbors.shape
     n_in = neighbors_t.shape[1]
-    if taps * min(n_out, n_in) <= _DENSE_MAX_ENTRIES:
+    if tap_pairs is None or taps * min(n_out, n_in) <= _DENSE_MAX_ENTRIES:
         return  # a small map gathers densely (_cpu_plan)
-    if rulebook.subm and all(k % 2 for k in rulebook.kernel_size):
-        first = _tap_pairs(neighbors[:taps // 2])
-        pairs = first + [None] + [(i, o) for o, i in reversed(first)]
-    else:
-        pairs = _tap_pairs(neighbors)
+    pairs = [None if pair is None else tuple(map(torch.from_numpy, pair)) for pair in tap_pairs]
     swapped = []
     for pair in pairs:
         if pair is not None:
@@ -285,7 +280,7 @@ def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, pa
                         result.batch_size, list(result.kernel_size), list(result.stride),
                         list(result.padding), list(result.dilation), subm)
     if not indices.is_cuda:
-        _seed_cpu_plans(rulebook)
+        _seed_cpu_plans(rulebook, result.tap_pairs)
     return rulebook
 
 
