@@ -354,23 +354,32 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 //
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
 // weight[:, k, ci], for a tile of FUSED_BM output sites x FUSED_BN output channels a CTA (4
-// warps of 32 x 32). The reduction runs in stages of 32 bytes of input channels of one tap: the
-// tile's rows of that tap (zeros for absent neighbours) and the weight's slice [FUSED_BN, chunk]
-// staged in shared memory and multiplied with mma.sync (tensor_core_mma, common.cuh): m16n8k16
-// for half and bfloat16, m16n8k8 TF32 for float; float32 accumulation. A stage is little work,
-// so FUSED_SLOTS - 1 stages are in flight (cp.async where rows are whole 16-byte vectors): with
-// few sites the grid is small and each CTA's chain of loads is what takes the time. The
-// neighbour rows of up to FUSED_TAPS taps are read once, together; taps no row of the tile has
-// are skipped. Where tiles are fewer than the GPU has SMs, the taps are split over blockIdx.z:
+// warps of 32 x 32). The reduction runs in stages of 32 or 64 bytes of input channels of one
+// tap: the tile's rows of that tap (zeros for absent neighbours) and the weight's slice
+// [FUSED_BN, chunk] staged in shared memory and multiplied with mma.sync (tensor_core_mma,
+// common.cuh): m16n8k16 for half and bfloat16, m16n8k8 TF32 for float; float32 accumulation. A
+// stage is little work, so all but one of the stages in shared memory are in flight (cp.async
+// where rows are whole 16-byte vectors): with few sites the grid is small and each CTA's chain
+// of loads is what takes the time. The neighbour rows of up to FUSED_TAPS taps are read once,
+// together; taps no row of the tile has are skipped. Where tiles are fewer than the GPU has SMs, the taps are split over blockIdx.z:
 // each split writes its float sums to partial[z], and split_sum (common.cuh) adds them up in
 // split order (deterministic, no atomics). Both are programmatic dependent launches (common.cuh).
 
 #define FUSED_BM 64
 #define FUSED_BN 64
 #define FUSED_THREADS 128
-#define FUSED_PITCH 12  // 32-bit words a staged row: 8 of data, 4 of padding (no bank conflicts)
-#define FUSED_SLOTS 6   // stages in shared memory
 #define FUSED_TAPS 32   // taps whose neighbour rows a CTA holds at once (one warp's ballot)
+
+// A stage of STAGE bytes of input channels a row (32: one k-step of the MMA; 64: two, for half
+// the barriers and copy rounds where the channels fill them) and the stages that fit in static
+// shared memory beside the neighbour rows.
+template <int STAGE> struct fused_stages {
+    static_assert(STAGE == 32 || STAGE == 64, "a stage is one or two k-steps");
+    static constexpr int PITCH = STAGE / 4 + 4;  // words a staged row: data, then 4 of padding
+                                                 // (ldmatrix's 8 rows fall in distinct banks)
+    static constexpr int SLOTS = STAGE == 32 ? 6 : 3;
+    static constexpr int SLOT_WORDS = (FUSED_BM + FUSED_BN) * PITCH;  // A rows, then B rows
+};
 
 struct FusedArgs {
     const void* features;  // [N_in, cin]
@@ -393,22 +402,26 @@ template <> __device__ __forceinline__ unsigned fused_operand<float>(unsigned w)
     return to_tf32(__uint_as_float(w));
 }
 
-// Stage rows [FUSED_BM or FUSED_BN][32 bytes] of a matrix of `cols` columns: row r is row
+// Stage rows [FUSED_BM or FUSED_BN][STAGE bytes] of a matrix of `cols` columns: row r is row
 // src(r) of `base` (absent: -1, zeros), columns col0.. (zeros past cols). VEC: cols is a whole
-// number of 16-byte vectors and rows are 16-byte aligned, so a thread moves one 16-byte half-row
-// with cp.async (zeros past cols; landed after the caller's wait); otherwise the stores are the
-// thread's own.
-template <typename T, bool VEC, typename Src>
+// number of 16-byte vectors and rows are 16-byte aligned, so each 16-byte part of a row is one
+// thread's cp.async (zeros past cols; landed after the caller's wait); otherwise the stores are
+// the thread's own.
+template <typename T, bool VEC, int STAGE, typename Src>
 static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base, i64 stride,
                                                    int cols, int col0, Src src) {
-    constexpr int BK = 32 / sizeof(T);
+    constexpr int BK = STAGE / sizeof(T), PITCH = fused_stages<STAGE>::PITCH;
     if (VEC) {
-        const int r = threadIdx.x >> 1, part = threadIdx.x & 1;
-        const i64 row = src(r);
-        const int col = col0 + part * (BK / 2);
-        const bool valid = row >= 0 && col < cols;
-        copy_async16(tile + r * FUSED_PITCH + part * 4, valid ? base + row * stride + col : base,
-                     valid);
+        constexpr int PARTS = STAGE / 16;
+#pragma unroll
+        for (int i = 0; i < FUSED_BM * PARTS / FUSED_THREADS; ++i) {
+            const int q = threadIdx.x + i * FUSED_THREADS, r = q / PARTS, part = q % PARTS;
+            const i64 row = src(r);
+            const int col = col0 + part * (16 / (int)sizeof(T));
+            const bool valid = row >= 0 && col < cols;
+            copy_async16(tile + r * PITCH + part * 4, valid ? base + row * stride + col : base,
+                         valid);
+        }
     } else {
         T* t = (T*)tile;
         for (int e = threadIdx.x; e < FUSED_BM * BK; e += FUSED_THREADS) {
@@ -416,19 +429,20 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
             const i64 row = src(r);
             T v = T();
             if (row >= 0 && col0 + c < cols) v = base[row * stride + col0 + c];
-            t[r * (FUSED_PITCH * 4 / (int)sizeof(T)) + c] = v;
+            t[r * (PITCH * 4 / (int)sizeof(T)) + c] = v;
         }
     }
 }
 
-template <typename T, bool VEC>
+template <typename T, bool VEC, int STAGE>
 __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedArgs a) {
-    constexpr int BK = 32 / sizeof(T);
-    constexpr int AHEAD = FUSED_SLOTS - 1;
-    constexpr int SLOT_WORDS = (FUSED_BM + FUSED_BN) * FUSED_PITCH;  // A rows, then B rows
-    static_assert(FUSED_BM == FUSED_BN && FUSED_THREADS == 2 * FUSED_BM, "one half-row a thread");
+    using stages_t = fused_stages<STAGE>;
+    constexpr int BK = STAGE / sizeof(T), PITCH = stages_t::PITCH, SLOTS = stages_t::SLOTS;
+    constexpr int AHEAD = SLOTS - 1, SLOT_WORDS = stages_t::SLOT_WORDS;
+    static_assert(FUSED_BM == FUSED_BN && FUSED_THREADS == 2 * FUSED_BM,
+                  "a stage's 16-byte parts split evenly over the threads");
     static_assert(FUSED_TAPS <= 32, "the taps of a group are one warp's ballot");
-    __shared__ __align__(16) unsigned slots[FUSED_SLOTS * SLOT_WORDS];
+    __shared__ __align__(16) unsigned slots[SLOTS * SLOT_WORDS];
     __shared__ int rows[FUSED_TAPS][FUSED_BM];  // neighbour rows of the group's taps
     __shared__ int active[FUSED_TAPS];          // the group's taps some row has, in order
     __shared__ int n_active;
@@ -466,13 +480,13 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
         __syncthreads();
         const int stages = n_active * chunks;
         auto load = [&](int s) {
-            unsigned* slot = slots + s % FUSED_SLOTS * SLOT_WORDS;
+            unsigned* slot = slots + s % SLOTS * SLOT_WORDS;
             const int t = active[s / chunks], c0 = s % chunks * BK;
-            fused_stage<T, VEC>(slot, features, a.cin, a.cin, c0,
-                                [&](int r) { return (i64)rows[t][r]; });
-            fused_stage<T, VEC>(slot + FUSED_BM * FUSED_PITCH, weight + (i64)(k0 + t) * a.cin,
-                                (i64)a.taps * a.cin, a.cin, c0,
-                                [&](int r) { return n0 + r < a.cout ? (i64)(n0 + r) : (i64)-1; });
+            fused_stage<T, VEC, STAGE>(slot, features, a.cin, a.cin, c0,
+                                       [&](int r) { return (i64)rows[t][r]; });
+            fused_stage<T, VEC, STAGE>(
+                slot + FUSED_BM * PITCH, weight + (i64)(k0 + t) * a.cin, (i64)a.taps * a.cin,
+                a.cin, c0, [&](int r) { return n0 + r < a.cout ? (i64)(n0 + r) : (i64)-1; });
         };
         for (int s = 0; s < AHEAD; ++s) {
             if (s < stages) load(s);
@@ -483,32 +497,36 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
             __syncthreads();  // everyone's; and stage s - 1's slot is read, free for s + AHEAD
             if (s + AHEAD < stages) load(s + AHEAD);
             copy_async_commit();
-            const unsigned* as = slots + s % FUSED_SLOTS * SLOT_WORDS;
-            const unsigned* bs = as + FUSED_BM * FUSED_PITCH;
-            // Fragments through ldmatrix (load_matrices, common.cuh): each lane gives one row
-            // address, A rows wm + mt * 16 + lane % 16 at word lane / 16 * 4; B rows of n-tile
-            // pair (nt, nt + 1): wn + nt * 8 + lane % 8 (+ 8 from lane 16) at word lane / 8 % 2
-            // * 4.
-            unsigned b[4][2];
+            const unsigned* as = slots + s % SLOTS * SLOT_WORDS;
+            const unsigned* bs = as + FUSED_BM * PITCH;
+            // Fragments through ldmatrix (load_matrices, common.cuh), a k-step every 8 words:
+            // each lane gives one row address, A rows wm + mt * 16 + lane % 16 at word
+            // lane / 16 * 4; B rows of n-tile pair (nt, nt + 1): wn + nt * 8 + lane % 8 (+ 8
+            // from lane 16) at word lane / 8 % 2 * 4.
 #pragma unroll
-            for (int nt = 0; nt < 4; nt += 2) {
-                unsigned pair[4];
-                load_matrices(pair, bs + (wn + nt * 8 + (lane & 7) + (lane >> 4) * 8) *
-                                             FUSED_PITCH + (lane >> 3 & 1) * 4);
-                b[nt][0] = fused_operand<T>(pair[0]);
-                b[nt][1] = fused_operand<T>(pair[1]);
-                b[nt + 1][0] = fused_operand<T>(pair[2]);
-                b[nt + 1][1] = fused_operand<T>(pair[3]);
-            }
+            for (int ks = 0; ks < STAGE / 32; ++ks) {
+                unsigned b[4][2];
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                unsigned frag[4];
-                load_matrices(frag, as + (wm + mt * 16 + (lane & 15)) * FUSED_PITCH +
-                                        (lane >> 4) * 4);
+                for (int nt = 0; nt < 4; nt += 2) {
+                    unsigned pair[4];
+                    load_matrices(pair, bs + (wn + nt * 8 + (lane & 7) + (lane >> 4) * 8) * PITCH
+                                            + (lane >> 3 & 1) * 4 + ks * 8);
+                    b[nt][0] = fused_operand<T>(pair[0]);
+                    b[nt][1] = fused_operand<T>(pair[1]);
+                    b[nt + 1][0] = fused_operand<T>(pair[2]);
+                    b[nt + 1][1] = fused_operand<T>(pair[3]);
+                }
 #pragma unroll
-                for (int i = 0; i < 4; ++i) frag[i] = fused_operand<T>(frag[i]);
+                for (int mt = 0; mt < 2; ++mt) {
+                    unsigned frag[4];
+                    load_matrices(frag, as + (wm + mt * 16 + (lane & 15)) * PITCH
+                                            + (lane >> 4) * 4 + ks * 8);
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt) tensor_core_mma<T>::run(acc[mt][nt], frag, b[nt]);
+                    for (int i = 0; i < 4; ++i) frag[i] = fused_operand<T>(frag[i]);
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+                        tensor_core_mma<T>::run(acc[mt][nt], frag, b[nt]);
+                }
             }
         }
         copy_async_wait<0>();

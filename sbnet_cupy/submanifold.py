@@ -73,6 +73,7 @@ _GATHER_ARGS = _launch.layout("3Pq2i", 40)
 _FUSED_ARGS = _launch.layout("6Pq4i", 72)
 _FUSED_TILE, _FUSED_THREADS = 64, 128  # output sites and channels a CTA; its threads
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
+WIDE_STAGES = True  # the fused kernel's 64-byte stages where rows allow (fused_stage_bytes)
 ALGOS = ("gemm", "fused")
 
 
@@ -1003,9 +1004,11 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
     the partial sums of split taps."""
     if n_out == 0 or cout == 0:
         return
-    vector = ((cin * _kernels.ITEMSIZES[dtype]) % 16 == 0
-              and _checks.alignment(features, weight) == 16)
-    function, grid, split_taps, split_sum = _fused_plan(device, dtype, vector, n_out, cout, taps)
+    row_bytes = cin * _kernels.ITEMSIZES[dtype]
+    vector = row_bytes % 16 == 0 and _checks.alignment(features, weight) == 16
+    stage = fused_stage_bytes(row_bytes, vector)
+    function, grid, split_taps, split_sum = _fused_plan(device, dtype, vector, stage, n_out,
+                                                        cout, taps)
     splits = grid[2]
     # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest.
     partial, _owner = (0, None) if splits == 1 else float_scratch(splits * n_out * cout)
@@ -1017,12 +1020,18 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
                                  cout, splits, dependent=True)
 
 
+def fused_stage_bytes(row_bytes, vector):
+    """Bytes of a row the fused kernel stages at a time: 64 (two MMA k-steps a barrier) where
+    rows are 16-byte vectors of at least 64 bytes and WIDE_STAGES is on, else 32."""
+    return 64 if WIDE_STAGES and vector and row_bytes >= 64 else 32
+
+
 @functools.lru_cache(maxsize=1024)
-def _fused_plan(device, dtype, vector, n_out, cout, taps):
+def _fused_plan(device, dtype, vector, stage, n_out, cout, taps):
     """The kernel, its grid (sites, channels, tap splits), the taps a split sums and, for split
     taps, the kernel that adds the splits (else None)."""
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
-    function = _launch.function(device, "submanifold", "submanifold_fused", ctype, vector)
+    function = _launch.function(device, "submanifold", "submanifold_fused", ctype, vector, stage)
     tiles = (_checks.grid_dim("output sites", -(-n_out // _FUSED_TILE), 2**31 - 1),
              _checks.grid_dim("output channels", -(-cout // _FUSED_TILE)))
     split_taps = -(-taps // fused_splits(device, tiles[0] * tiles[1], taps))
@@ -1047,8 +1056,8 @@ def instantiations():
     fused = [_kernels.ARITHMETIC_CTYPES[dtype] for dtype in ("float16", "bfloat16", "float32")]
     return ([_kernels.name_expression(rule, dims) for rule in rules
              for dims in range(1, _MAX_DIMS + 1)]
-            + [_kernels.name_expression("submanifold_fused", ctype, vector)
-               for ctype in fused for vector in (False, True)]
+            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage)
+               for ctype in fused for vector, stage in ((False, 32), (True, 32), (True, 64))]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
             + [_kernels.name_expression("submanifold_gather", word)
                for word in _kernels.STORAGE_CTYPES.values()])
