@@ -432,6 +432,12 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
         raise TypeError(f"rulebook must be a torch_bridge.submanifold.Rulebook, got "
                         f"{type(rulebook).__name__}")
     neighbors, neighbors_t = rulebook.neighbors, rulebook.neighbors_t
+    if features.is_cuda and torch.is_autocast_enabled("cuda"):
+        # As autocast runs a matrix product: in its dtype, the casts differentiable, so that the
+        # gradients reach float32 parameters in float32.
+        dtype = torch.get_autocast_dtype("cuda")
+        features, weight = features.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
     if algo is None:
         algo = "gemm" if not features.is_cuda else _core.choose_algo(
             _checks.dtype_name(features), torch.backends.cuda.matmul.allow_tf32)
