@@ -4,15 +4,17 @@ synthetic KITTI-like sweep (bench/lidar.py: 64 beams, SECOND's 41 x 1600 x 1408 
 
 Each forward builds its rulebooks, as a detector's does. Times: per forward, the median over
 --repeats after one warm-up, ours and spconv taking turns, as process CPU time (less sensitive to
-other work on a shared machine; on one thread, the forward's time) and as wall time. Outputs are checked against spconv's
+other work on a shared machine; on one thread, the forward's time) and as wall time; the ratio
+is of CPU times on one thread, of wall times on more. Outputs are checked against spconv's
 (same sites, features to float32 rounding). spconv 2.3.8's CPU build gives wrong, varying
 strided convolutions with more than one thread, so spconv runs on one thread throughout.
 Writes <out>/submanifold_cpu_<cpu>.md.
 
-    python -m bench.submanifold_cpu [--repeats 5] [--sweeps 1] [--threads 1]
+    python -m bench.submanifold_cpu [--repeats 5] [--sweeps 1] [--threads 1 2]
 """
 
 import argparse
+import os
 import pathlib
 import platform
 import re
@@ -67,7 +69,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sweeps", type=int, default=1, help="batch size (sweeps)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for ours")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1],
+                        help="torch threads for ours (a row each)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     import spconv.pytorch as spconv
@@ -84,18 +87,32 @@ def main(argv=None):
         def forward(ns, net):
             return lambda: net(ns.SparseConvTensor(features, indices, shape, args.sweeps))
 
+        runs = {("ours", t): (forward(ours, mine), t) for t in args.threads}
+        runs["spconv"] = (forward(spconv, theirs), 1)
         with torch.no_grad():
-            results = timed({"ours": (forward(ours, mine), args.threads),
-                             "spconv": (forward(spconv, theirs), 1)}, args.repeats)
-        got, want = (results[k][2] for k in ("ours", "spconv"))
-        got, want = (out[0] if isinstance(out, tuple) else out for out in (got, want))
-        (gi, gf), (wi, wf) = by_site(got), by_site(want)
-        error = ((gf - wf).abs().max() / wf.abs().max()).item() if torch.equal(gi, wi) else None
-        rows.append(dict(model=name, sites=indices.shape[0], ours_cpu=results["ours"][0],
-                         ours_wall=results["ours"][1], spconv_cpu=results["spconv"][0],
-                         spconv_wall=results["spconv"][1], error=error))
-        print(rows[-1], flush=True)
+            results = timed(runs, args.repeats)
+        want = results["spconv"][2]
+        wi, wf = by_site(want[0] if isinstance(want, tuple) else want)
+        for threads in args.threads:
+            got = results[("ours", threads)][2]
+            gi, gf = by_site(got[0] if isinstance(got, tuple) else got)
+            error = (((gf - wf).abs().max() / wf.abs().max()).item() if torch.equal(gi, wi)
+                     else None)
+            rows.append(dict(model=name, sites=indices.shape[0], threads=threads,
+                             ours_cpu=results[("ours", threads)][0],
+                             ours_wall=results[("ours", threads)][1],
+                             spconv_cpu=results["spconv"][0], spconv_wall=results["spconv"][1],
+                             error=error))
+            print(rows[-1], flush=True)
     write(rows, args, cpu_name(), spconv)
+
+
+def ratio(row):
+    """Ours over spconv: CPU times where ours runs on one thread (the less noisy measure of a
+    forward then), wall times where it runs on more (its CPU time is then several threads')."""
+    if row["threads"] == 1:
+        return row["ours_cpu"] / row["spconv_cpu"]
+    return row["ours_wall"] / row["spconv_wall"]
 
 
 def write(rows, args, cpu, spconv):
@@ -104,19 +121,21 @@ def write(rows, args, cpu, spconv):
     slug = re.sub(r"[^A-Za-z0-9]+", "_", cpu).strip("_")
     lines = [f"# Sparse backbones on the CPU: torch_bridge.submanifold vs spconv {spconv.__name__}"
              f" ({getattr(__import__('spconv'), '__version__', '?')})", "",
-             f"CPU: {cpu}; torch {torch.__version__}; threads: ours {args.threads}, spconv 1; "
+             f"CPU: {cpu} ({os.cpu_count()} cores); torch {torch.__version__}; spconv on one "
+             f"thread; "
              f"{args.sweeps} sweep(s) of bench/lidar.py (seed 0) on SECOND's "
              f"{' x '.join(map(str, lidar.GRID))} grid; eval mode, no gradients, rulebooks "
              f"built in every forward; median of {args.repeats} (taking turns) after a warm-up "
-             f"(`python -m bench.submanifold_cpu`).", "",
-             "| model | input sites | ours CPU ms | spconv CPU ms | ours / spconv | ours wall ms "
-             "| spconv wall ms | max rel. difference |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"(`python -m bench.submanifold_cpu`). ours / spconv: CPU times where ours runs "
+             f"on one thread, wall times where it runs on more.", "",
+             "| model | input sites | our threads | ours CPU ms | spconv CPU ms | ours wall ms "
+             "| spconv wall ms | ours / spconv | max rel. difference |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         error = "sites differ" if r["error"] is None else f"{r['error']:.1e}"
-        lines.append(f"| {r['model']} | {r['sites']} | {r['ours_cpu']:.1f} | "
-                     f"{r['spconv_cpu']:.1f} | {r['ours_cpu'] / r['spconv_cpu']:.2f} | "
-                     f"{r['ours_wall']:.1f} | {r['spconv_wall']:.1f} | {error} |")
+        lines.append(f"| {r['model']} | {r['sites']} | {r['threads']} | {r['ours_cpu']:.1f} | "
+                     f"{r['spconv_cpu']:.1f} | {r['ours_wall']:.1f} | {r['spconv_wall']:.1f} | "
+                     f"{ratio(r):.2f} | {error} |")
     path = out / f"submanifold_cpu_{slug}.md"
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
