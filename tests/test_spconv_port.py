@@ -483,3 +483,72 @@ def test_cpu_tap_plans_match_dense_gather(rng, monkeypatch, kernel, stride, subm
         results.append((x, w, y.detach(), x.grad, w.grad))
     for taps, gathered in zip(results[0][2:], results[1][2:]):
         torch.testing.assert_close(taps, gathered)
+
+
+def brute_force(x, weight, kind, stride, padding, dilation, out_shape):
+    """{site: features} of a convolution by loops over sites and taps (any ndim): "subm",
+    "strided" (o * stride - padding + k * dilation reads), "transposed" (input i feeds
+    i * stride - padding + k * dilation) or "max" (a strided max pool; weight unused)."""
+    import itertools
+
+    sites = {tuple(s): f for s, f in zip(x.indices.tolist(), x.features)}
+    kernel = list(weight.shape[1:-1]) if kind != "max" else weight
+    out = {}
+    for (b, *i), f in sites.items():
+        for k in itertools.product(*map(range, kernel)):
+            if kind == "subm":
+                o = [c - (kk - n // 2) * d for c, kk, n, d in zip(i, k, kernel, dilation)]
+                if (b, *o) not in sites:
+                    continue
+            elif kind == "transposed":
+                o = [c * s - p + kk * d for c, s, p, kk, d in zip(i, stride, padding, k,
+                                                                  dilation)]
+            else:  # o * s - p + k * d = i
+                num = [c + p - kk * d for c, p, kk, d in zip(i, padding, k, dilation)]
+                if any(v % s for v, s in zip(num, stride)):
+                    continue
+                o = [v // s for v, s in zip(num, stride)]
+            if not all(0 <= v < n for v, n in zip(o, out_shape)):
+                continue
+            key = (b, *o)
+            if kind == "max":
+                out[key] = f if key not in out else torch.maximum(out[key], f)
+            else:
+                index = (slice(None), *k, slice(None))
+                out[key] = out.get(key, 0) + weight[index] @ f
+    return out
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3, 4])
+def test_every_dimension_against_loops(rng, ndim):
+    """SubMConv, SparseConv, SparseConvTranspose, SparseInverseConv and SparseMaxPool of 1 to 4
+    dimensions against loops over sites and taps."""
+    shape = {1: (11,), 2: (6, 7), 3: (4, 5, 4), 4: (3, 4, 3, 4)}[ndim]
+    n = max(3, int(numpy.prod(shape)) // 3)
+    x = ours.SparseConvTensor(*scene(rng, batch=2, shape=shape, n=n, channels=2))
+    name = f"{ndim}d"
+    kernel = (3, 2, 3, 2)[:ndim]
+    cases = [
+        ("subm", getattr(ours, f"SubMConv{name}")(2, 3, 3, dilation=1, indice_key="s"), 3),
+        ("strided", getattr(ours, f"SparseConv{name}")(2, 3, kernel, 2, 1, indice_key="d"),
+         kernel),
+        ("transposed", getattr(ours, f"SparseConvTranspose{name}")(2, 3, kernel, 2, 1), kernel)]
+    for kind, layer, k in cases:
+        layer = layer.double()
+        y = layer(x)
+        want = brute_force(x, layer.weight.detach(), kind, layer.stride, layer.padding,
+                           layer.dilation, y.spatial_shape)
+        got = {tuple(s): f for s, f in zip(y.indices.tolist(), y.features.detach())}
+        assert got.keys() == want.keys() and len(got) > 0, kind
+        for site, f in got.items():
+            torch.testing.assert_close(f, want[site] + layer.bias.detach(), msg=kind)
+        if kind == "strided":
+            back = getattr(ours, f"SparseInverseConv{name}")(3, 2, kernel, "d").double()(y)
+            assert torch.equal(back.indices, x.indices)
+    pool = getattr(ours, f"SparseMaxPool{name}")(2, 2)(x)
+    want = brute_force(x, [2] * ndim, "max", [2] * ndim, [0] * ndim, [1] * ndim,
+                       pool.spatial_shape)
+    got = {tuple(s): f for s, f in zip(pool.indices.tolist(), pool.features)}
+    assert got.keys() == want.keys()
+    for site, f in got.items():
+        torch.testing.assert_close(f, want[site])
