@@ -76,17 +76,11 @@ def _seed_cpu_plans(rulebook, tap_pairs):
     if tap_pairs is None or taps * min(n_out, n_in) <= _DENSE_MAX_ENTRIES:
         return  # a small map gathers densely (_cpu_plan)
     pairs = [None if pair is None else tuple(map(torch.from_numpy, pair)) for pair in tap_pairs]
-    swapped = []
-    for pair in pairs:
-        if pair is not None:
-            swapped.append((pair[1], pair[0]))
-        elif n_in == n_out:
-            swapped.append(None)
-        else:  # output o reads input o: input o feeds output o, and the other inputs none
-            whole = torch.arange(n_out)
-            swapped.append((whole, whole))
     neighbors._sbnet_cpu_plan = ("taps", pairs)
-    neighbors_t._sbnet_cpu_plan = ("taps", swapped)
+    # None (each site reads its own row) comes of submanifold rulebooks only: the same sites
+    # both ways, so the turned-around tap is None too.
+    neighbors_t._sbnet_cpu_plan = ("taps", [None if pair is None else pair[::-1]
+                                            for pair in pairs])
 
 
 def _acc(t):
