@@ -370,14 +370,14 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 #define FUSED_THREADS 128
 #define FUSED_TAPS 32   // taps whose neighbour rows a CTA holds at once (one warp's ballot)
 
-// A stage of STAGE bytes of input channels a row (32: one k-step of the MMA; 64: two, for half
-// the barriers and copy rounds where the channels fill them) and the stages that fit in static
-// shared memory beside the neighbour rows.
+// A stage of STAGE bytes of input channels a row (32: one k-step of the MMA; 64 or 128: two or
+// four, for fewer barriers and copy rounds where the channels fill them) and the stages that
+// fit in static shared memory beside the neighbour rows.
 template <int STAGE> struct fused_stages {
-    static_assert(STAGE == 32 || STAGE == 64, "a stage is one or two k-steps");
+    static_assert(STAGE == 32 || STAGE == 64 || STAGE == 128, "a stage is 1, 2 or 4 k-steps");
     static constexpr int PITCH = STAGE / 4 + 4;  // words a staged row: data, then 4 of padding
                                                  // (ldmatrix's 8 rows fall in distinct banks)
-    static constexpr int SLOTS = STAGE == 32 ? 6 : 3;
+    static constexpr int SLOTS = STAGE == 32 ? 6 : STAGE == 64 ? 3 : 2;
     static constexpr int SLOT_WORDS = (FUSED_BM + FUSED_BN) * PITCH;  // A rows, then B rows
 };
 

@@ -73,7 +73,7 @@ _GATHER_ARGS = _launch.layout("3Pq2i", 40)
 _FUSED_ARGS = _launch.layout("6Pq4i", 72)
 _FUSED_TILE, _FUSED_THREADS = 64, 128  # output sites and channels a CTA; its threads
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
-WIDE_STAGES = True  # the fused kernel's 64-byte stages where rows allow (fused_stage_bytes)
+MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_stage_bytes)
 ALGOS = ("gemm", "fused")
 
 
@@ -1021,9 +1021,12 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
 
 
 def fused_stage_bytes(row_bytes, vector):
-    """Bytes of a row the fused kernel stages at a time: 64 (two MMA k-steps a barrier) where
-    rows are 16-byte vectors of at least 64 bytes and WIDE_STAGES is on, else 32."""
-    return 64 if WIDE_STAGES and vector and row_bytes >= 64 else 32
+    """Bytes of a row the fused kernel stages at a time: the most of 128, 64 (four or two MMA
+    k-steps a barrier) and 32, at most MAX_STAGE, that the rows fill where they are 16-byte
+    vectors; else 32."""
+    if not vector:
+        return 32
+    return max(s for s in (32, 64, 128) if s <= MAX_STAGE and (s == 32 or row_bytes >= s))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1057,7 +1060,8 @@ def instantiations():
     return ([_kernels.name_expression(rule, dims) for rule in rules
              for dims in range(1, _MAX_DIMS + 1)]
             + [_kernels.name_expression("submanifold_fused", ctype, vector, stage)
-               for ctype in fused for vector, stage in ((False, 32), (True, 32), (True, 64))]
+               for ctype in fused
+               for vector, stage in ((False, 32), (True, 32), (True, 64), (True, 128))]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
             + [_kernels.name_expression("submanifold_gather", word)
                for word in _kernels.STORAGE_CTYPES.values()])

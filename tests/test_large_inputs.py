@@ -151,6 +151,7 @@ def _large_image_check(module, x, weight, bias, padding, dilation):
             out = module(x)
         except ValueError as error:  # a clear refusal, before any launch
             assert "large" in str(error) or "2**31" in str(error), error
+            print(f"{type(module).__name__} refused: {error}")  # seen with -s
             return
         got = out[:, :, ys, xs].double()
     want = _conv2d_at(x, weight, bias, ys, xs, padding, dilation)
