@@ -4,6 +4,18 @@
 
 typedef long long i64;
 
+// The slot of a key in an open-addressing hash table of mask + 1 slots (a power of two):
+// splitmix64's finaliser, so that neighbouring sites or cells land far apart.
+static __device__ __forceinline__ i64 hash_slot(i64 key, i64 mask) {
+    unsigned long long x = (unsigned long long)key;
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return (i64)(x & (unsigned long long)mask);
+}
+
 // Storage of the 16-bit floats, converted with PTX instead of cuda_fp16.h / cuda_bf16.h.
 struct half_t { unsigned short bits; };
 struct bfloat16_t { unsigned short bits; };

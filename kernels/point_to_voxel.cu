@@ -101,17 +101,6 @@ template <> __device__ double p2v_cell<double>(double v, double lower, double vs
     return floor((v - lower) / vsize);
 }
 
-// splitmix64's finaliser: neighbouring cells land far apart.
-static __device__ __forceinline__ i64 p2v_hash(i64 key, i64 mask) {
-    unsigned long long x = (unsigned long long)key;
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return (i64)(x & (unsigned long long)mask);
-}
-
 static __device__ void p2v_atomic_min(int* address, int value) {
     int seen = *(volatile int*)address;  // only ever falls, so a stale value costs a retry
     while (value < seen) {
@@ -149,7 +138,7 @@ template <typename T> __global__ void p2v_insert(const P2VArgs a) {
             key = key * a.grid[d] + (inside ? (i64)c : 0);
         }
         int found = -1;
-        for (i64 s = p2v_hash(key, a.mask); inside; s = (s + 1) & a.mask) {
+        for (i64 s = hash_slot(key, a.mask); inside; s = (s + 1) & a.mask) {
             const unsigned long long seen =
                 atomicCAS((unsigned long long*)(a.table + s), (unsigned long long)P2V_EMPTY,
                           (unsigned long long)key);

@@ -42,19 +42,8 @@ static_assert(sizeof(RuleArgs) == 240, "RuleArgs must match sbnet_cupy/submanifo
 #define RANK_PER_THREAD 4
 #define RANK_WORDS (RANK_THREADS * RANK_PER_THREAD)
 
-// splitmix64's finaliser: neighbouring coordinates land far apart.
-static __device__ __forceinline__ i64 subm_slot(i64 key, i64 mask) {
-    unsigned long long x = (unsigned long long)key;
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return (i64)(x & (unsigned long long)mask);
-}
-
 static __device__ void subm_insert(const RuleArgs& a, i64 key, int value, bool unique) {
-    i64 slot = subm_slot(key, a.mask);
+    i64 slot = hash_slot(key, a.mask);
     for (i64 probe = 0; probe <= a.mask; ++probe) {
         const unsigned long long seen =
             atomicCAS((unsigned long long*)(a.table_keys + slot), (unsigned long long)SUBM_EMPTY,
@@ -73,7 +62,7 @@ static __device__ void subm_insert(const RuleArgs& a, i64 key, int value, bool u
 }
 
 static __device__ int subm_lookup(const RuleArgs& a, i64 key) {
-    i64 slot = subm_slot(key, a.mask);
+    i64 slot = hash_slot(key, a.mask);
     for (i64 probe = 0; probe <= a.mask; ++probe) {
         const i64 seen = a.table_keys[slot];
         if (seen == key) return a.table_vals[slot];
