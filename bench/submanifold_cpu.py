@@ -104,7 +104,7 @@ def main(argv=None):
                              spconv_cpu=results["spconv"][0], spconv_wall=results["spconv"][1],
                              error=error))
             print(rows[-1], flush=True)
-    write(rows, args, cpu_name(), spconv)
+    write(rows, args, cpu_name())
 
 
 def ratio(row):
@@ -115,19 +115,21 @@ def ratio(row):
     return row["ours_wall"] / row["spconv_wall"]
 
 
-def write(rows, args, cpu, spconv):
+def write(rows, args, cpu):
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "_", cpu).strip("_")
-    lines = [f"# Sparse backbones on the CPU: torch_bridge.submanifold vs spconv {spconv.__name__}"
-             f" ({getattr(__import__('spconv'), '__version__', '?')})", "",
+    version = getattr(__import__("spconv"), "__version__", "?")
+    lines = [f"# Sparse backbones on the CPU: torch_bridge.submanifold vs spconv {version}", "",
              f"CPU: {cpu} ({os.cpu_count()} cores); torch {torch.__version__}; spconv on one "
              f"thread; "
              f"{args.sweeps} sweep(s) of bench/lidar.py (seed 0) on SECOND's "
              f"{' x '.join(map(str, lidar.GRID))} grid; eval mode, no gradients, rulebooks "
              f"built in every forward; median of {args.repeats} (taking turns) after a warm-up "
              f"(`python -m bench.submanifold_cpu`). ours / spconv: CPU times where ours runs "
-             f"on one thread, wall times where it runs on more.", "",
+             f"on one thread, wall times where it runs on more. Load average when written: "
+             f"{os.getloadavg()[0]:.1f} (other work on the machine inflates both libraries' "
+             f"times).", "",
              "| model | input sites | our threads | ours CPU ms | spconv CPU ms | ours wall ms "
              "| spconv wall ms | ours / spconv | max rel. difference |",
              "|---|---|---|---|---|---|---|---|---|"]
