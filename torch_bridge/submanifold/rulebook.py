@@ -103,12 +103,18 @@ def _conv_cpu(features, weight, bias, neighbors):
         w = w.reshape(w.shape[0], -1).t()
         return (g @ w if bias is None else torch.addmm(_acc(bias), g, w)).to(features.dtype)
     taps = w.reshape(w.shape[0], -1, w.shape[-1]).permute(1, 2, 0)  # [K, Cin, Cout]
-    y = x.new_zeros((n_out, w.shape[0])) if bias is None else (
-        _acc(bias).expand(n_out, -1).clone())
-    for tap, pair in zip(taps, plan):
-        if pair is None:
+    # The first tap that reads every site's own row (a submanifold centre) starts the sum.
+    first = next((k for k, pair in enumerate(plan) if pair is None), None)
+    if first is not None:
+        y = x[:n_out] @ taps[first] if bias is None else torch.addmm(_acc(bias), x[:n_out],
+                                                                     taps[first])
+    else:
+        y = x.new_zeros((n_out, w.shape[0])) if bias is None else (
+            _acc(bias).expand(n_out, -1).clone())
+    for k, (tap, pair) in enumerate(zip(taps, plan)):
+        if pair is None and k != first:
             y.addmm_(x[:n_out], tap)
-        elif pair[0].numel():
+        elif pair is not None and pair[0].numel():
             out_rows, in_rows = pair
             y.index_add_(0, out_rows, x.index_select(0, in_rows) @ tap)
     return y.to(features.dtype)
