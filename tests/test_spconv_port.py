@@ -429,8 +429,13 @@ def test_version_constants_paths_and_algo(monkeypatch):
 def test_point_to_voxel_is_imported_lazily(monkeypatch):
     """utils.PointToVoxel comes from torch_bridge.point_to_voxel when asked for; without that
     module, a clear ImportError."""
+    import importlib.util
+
     from torch_bridge.submanifold import utils
 
+    if importlib.util.find_spec("torch_bridge.point_to_voxel") is not None:
+        from torch_bridge.point_to_voxel import PointToVoxel
+        assert utils.PointToVoxel is PointToVoxel
     monkeypatch.setitem(sys.modules, "torch_bridge.point_to_voxel", None)
     with pytest.raises(ImportError, match="PointToVoxel needs torch_bridge.point_to_voxel"):
         from torch_bridge.submanifold.utils import PointToVoxel  # noqa: F401
