@@ -447,7 +447,10 @@ def _submanifold_maps(coords, keys, shape, geometry):
         return neighbors, neighbors_t, _split_pairs(tap, row, neighbors[tap, row], taps)
     half = taps // 2
     first = neighbors[:half]
-    first[valid[:half]] = table.find((keys[None, :] + delta[:half, None])[valid[:half]])
+    if dilation[-1] == 1:
+        _find_runs(table, keys, delta, valid, kernel[-1], first)
+    else:
+        first[valid[:half]] = table.find((keys[None, :] + delta[:half, None])[valid[:half]])
     neighbors[half] = numpy.arange(n)
     tap, row = numpy.nonzero(first >= 0)
     read = first[tap, row]
@@ -455,6 +458,20 @@ def _submanifold_maps(coords, keys, shape, geometry):
     pairs = _split_pairs(tap, row, read, half)
     pairs = pairs + [None] + [(i, o) for o, i in reversed(pairs)]
     return neighbors, numpy.ascontiguousarray(neighbors[::-1]), pairs
+
+
+def _find_runs(table, keys, delta, valid, run, out):
+    """out[t] = the row in `table` of keys + delta[t] where valid[t], -1 elsewhere, for taps
+    whose keys come in runs of `run` consecutive integers (the last axis' offsets at dilation
+    1): one binary search a run; each next key then lies at the next position or is absent."""
+    sorted_keys, order, last = table.sorted, table.order, table.sorted.size - 1
+    for start in range(0, out.shape[0], run):
+        pos = numpy.searchsorted(sorted_keys, keys + delta[start])
+        for t in range(start, min(start + run, out.shape[0])):
+            at = numpy.minimum(pos, last)
+            hit = sorted_keys[at] == keys + delta[t]
+            out[t] = numpy.where(hit & valid[t], order[at], -1)
+            pos += hit
 
 
 def _tap_valid(coords, shape, kernel, stride, padding, dilation):
