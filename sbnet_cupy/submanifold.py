@@ -74,6 +74,8 @@ _FUSED_ARGS = _launch.layout("6Pq4i", 72)
 _FUSED_TILE, _FUSED_THREADS = 64, 128  # output sites and channels a CTA; its threads
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
 MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_stage_bytes)
+# Stages the fused kernel holds in shared memory, by stage bytes: all but one in flight.
+FUSED_SLOTS = {32: 6, 64: 5, 128: 4}
 ALGOS = ("gemm", "fused")
 
 
@@ -335,19 +337,21 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
         if xp is numpy:
             if check:
                 _keys_numpy(coords, shape, batch, "coords")
-            # Each input's targets, their distinct keys the output sites; the map from the
-            # outputs' side is the same pairs turned around (no second lookup).
-            candidates, valid = _target_keys(coords, out_shape, *geometry)
-            targets = candidates[valid]
+            # Each input's targets (pairs of tap and input row), their distinct keys the
+            # output sites; the map from the outputs' side is the same pairs turned around.
+            tap, row, targets = _targets(coords, out_shape, *geometry)
             ordered = numpy.sort(targets)  # sorted runs, one a tap: faster than unique's hash
             first = numpy.ones(ordered.size, bool)  # of each run of equal keys
             first[1:] = ordered[1:] != ordered[:-1]
             out_keys = ordered[first]
             out_coords = _decode(numpy, out_keys, out_shape)
-            neighbors_t = numpy.full(valid.shape, -1, numpy.int32)
-            neighbors_t[valid] = numpy.searchsorted(out_keys, targets)
-            neighbors, tap, row = _transposed_map(neighbors_t, out_keys.size)
-            pairs = _split_pairs(tap, neighbors_t[tap, row], row, neighbors_t.shape[0])
+            out_rows = numpy.searchsorted(out_keys, targets).astype(numpy.int32)
+            taps = math.prod(geometry[0])
+            neighbors_t = numpy.full((taps, coords.shape[0]), -1, numpy.int32)
+            neighbors_t[tap, row] = out_rows
+            neighbors = numpy.full((taps, out_keys.size), -1, numpy.int32)
+            neighbors[tap, out_rows] = row
+            pairs = _split_pairs(tap, out_rows, row, taps)
         else:
             built = build_raw(_CUPY, coords.data.device_id, _cupy_stream(), coords,
                               coords.data.ptr, shape, batch, geometry, out_shape, check)
@@ -493,21 +497,24 @@ def _split_pairs(tap, out_rows, in_rows, taps):
                     numpy.split(in_rows.astype(numpy.int64), bounds)))
 
 
-def _target_keys(coords, shape, kernel, stride, padding, dilation):
-    """[K, N] int64 keys in batch x `shape` (a strided convolution's output grid), and [K, N]
-    bool validity, of the output site (i + padding - k * dilation) / stride that input site i
-    feeds through tap k. Computed an axis at a time ([kernel_a, N] each) and broadcast over the
-    taps."""
-    keys = coords[:, 0].astype(numpy.int64)
-    valid = numpy.ones(keys.shape, bool)
+def _targets(coords, shape, kernel, stride, padding, dilation):
+    """The pairs of a strided convolution seen from its inputs, tap by tap: (tap, input row,
+    int64 key in batch x `shape` of the output site (i + padding - k * dilation) / stride that
+    input site i feeds through tap k). Validity and output coordinates are computed an axis at
+    a time ([kernel_a, N] each); keys only for the valid pairs."""
+    n = coords.shape[0]
+    valid = numpy.ones(n, bool)
+    outputs = []
     for axis, size in enumerate(shape):
-        c = coords[:, 1 + axis].astype(numpy.int64)
         offsets = numpy.arange(kernel[axis])[:, None] * dilation[axis]
-        q, rem = numpy.divmod(c + padding[axis] - offsets, stride[axis])
-        keys = keys[..., None, :] * size + q
+        q, rem = numpy.divmod(coords[:, 1 + axis] + padding[axis] - offsets, stride[axis])
         valid = valid[..., None, :] & (rem == 0) & (q >= 0) & (q < size)
-    taps = math.prod(kernel)  # not -1: NumPy 2.5 infers no axis of an empty array
-    return keys.reshape(taps, coords.shape[0]), valid.reshape(taps, coords.shape[0])
+        outputs.append(q)
+    tap, row = numpy.nonzero(valid.reshape(math.prod(kernel), n))
+    keys = coords[row, 0].astype(numpy.int64)
+    for q, axis_tap, size in zip(outputs, numpy.unravel_index(tap, kernel), shape):
+        keys = keys * size + q[axis_tap, row]
+    return tap, row, keys
 
 
 def _transposed_map(neighbors, n):
@@ -1024,17 +1031,24 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
     row_bytes = cin * _kernels.ITEMSIZES[dtype]
     vector = row_bytes % 16 == 0 and _checks.alignment(features, weight) == 16
     stage = fused_stage_bytes(row_bytes, vector)
-    function, grid, split_taps, split_sum = _fused_plan(device, dtype, vector, stage, n_out,
-                                                        cout, taps)
+    function, grid, shared, split_taps, split_sum = _fused_plan(device, dtype, vector, stage,
+                                                                n_out, cout, taps)
     splits = grid[2]
     # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest.
     partial, _owner = (0, None) if splits == 1 else float_scratch(splits * n_out * cout)
-    _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
+    _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), shared, _FUSED_ARGS,
                    (features, weight, 0 if partial else bias, neighbors, 0 if partial else out,
                     partial, n_out, cin, cout, taps, split_taps), dependent=True)
     if partial:  # _owner keeps the scratch until both launches are queued
         _launch.launch_split_sum(device, stream, split_sum, partial, bias, out, n_out, cout,
                                  cout, splits, dependent=True)
+
+
+def fused_shared_bytes(stage):
+    """Dynamic shared memory of a fused launch of `stage`-byte stages: FUSED_SLOTS[stage] slots
+    of the tile's A and B rows (kernels/submanifold.cu, fused_stages), each stage / 4 + 4 words
+    (4 of padding)."""
+    return FUSED_SLOTS[stage] * 2 * _FUSED_TILE * (stage // 4 + 4) * 4
 
 
 def fused_stage_bytes(row_bytes, vector):
@@ -1048,17 +1062,22 @@ def fused_stage_bytes(row_bytes, vector):
 
 @functools.lru_cache(maxsize=1024)
 def _fused_plan(device, dtype, vector, stage, n_out, cout, taps):
-    """The kernel, its grid (sites, channels, tap splits), the taps a split sums and, for split
-    taps, the kernel that adds the splits (else None)."""
+    """The kernel, its grid (sites, channels, tap splits), its dynamic shared memory, the taps
+    a split sums and, for split taps, the kernel that adds the splits (else None)."""
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
-    function = _launch.function(device, "submanifold", "submanifold_fused", ctype, vector, stage)
+    slots = FUSED_SLOTS[stage]
+    function = _launch.function(device, "submanifold", "submanifold_fused", ctype, vector, stage,
+                                slots)
+    shared = fused_shared_bytes(stage)
+    _launch.driver.funcSetAttribute(
+        function, _launch.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
     tiles = (_checks.grid_dim("output sites", -(-n_out // _FUSED_TILE), 2**31 - 1),
              _checks.grid_dim("output channels", -(-cout // _FUSED_TILE)))
     split_taps = -(-taps // fused_splits(device, tiles[0] * tiles[1], taps))
     splits = -(-taps // split_taps)
     split_sum = (_launch.function(device, "submanifold", "split_sum", ctype)
                  if splits > 1 else None)
-    return function, (*tiles, splits), split_taps, split_sum
+    return function, (*tiles, splits), shared, split_taps, split_sum
 
 
 def fused_splits(device, tiles, taps):
@@ -1076,7 +1095,8 @@ def instantiations():
     fused = [_kernels.ARITHMETIC_CTYPES[dtype] for dtype in ("float16", "bfloat16", "float32")]
     return ([_kernels.name_expression(rule, dims) for rule in rules
              for dims in range(1, _MAX_DIMS + 1)]
-            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage)
+            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage,
+                                        FUSED_SLOTS[stage])
                for ctype in fused
                for vector, stage in ((False, 32), (True, 32), (True, 64), (True, 128))]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
