@@ -74,8 +74,6 @@ _FUSED_ARGS = _launch.layout("6Pq4i", 72)
 _FUSED_TILE, _FUSED_THREADS = 64, 128  # output sites and channels a CTA; its threads
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
 MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_stage_bytes)
-# Stages the fused kernel holds in shared memory, by stage bytes: all but one in flight.
-FUSED_SLOTS = {32: 6, 64: 5, 128: 4}
 ALGOS = ("gemm", "fused")
 
 
@@ -1031,24 +1029,17 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
     row_bytes = cin * _kernels.ITEMSIZES[dtype]
     vector = row_bytes % 16 == 0 and _checks.alignment(features, weight) == 16
     stage = fused_stage_bytes(row_bytes, vector)
-    function, grid, shared, split_taps, split_sum = _fused_plan(device, dtype, vector, stage,
-                                                                n_out, cout, taps)
+    function, grid, split_taps, split_sum = _fused_plan(device, dtype, vector, stage, n_out,
+                                                        cout, taps)
     splits = grid[2]
     # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest.
     partial, _owner = (0, None) if splits == 1 else float_scratch(splits * n_out * cout)
-    _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), shared, _FUSED_ARGS,
+    _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
                    (features, weight, 0 if partial else bias, neighbors, 0 if partial else out,
                     partial, n_out, cin, cout, taps, split_taps), dependent=True)
     if partial:  # _owner keeps the scratch until both launches are queued
         _launch.launch_split_sum(device, stream, split_sum, partial, bias, out, n_out, cout,
                                  cout, splits, dependent=True)
-
-
-def fused_shared_bytes(stage):
-    """Dynamic shared memory of a fused launch of `stage`-byte stages: FUSED_SLOTS[stage] slots
-    of the tile's A and B rows (kernels/submanifold.cu, fused_stages), each stage / 4 + 4 words
-    (4 of padding)."""
-    return FUSED_SLOTS[stage] * 2 * _FUSED_TILE * (stage // 4 + 4) * 4
 
 
 def fused_stage_bytes(row_bytes, vector):
@@ -1062,22 +1053,17 @@ def fused_stage_bytes(row_bytes, vector):
 
 @functools.lru_cache(maxsize=1024)
 def _fused_plan(device, dtype, vector, stage, n_out, cout, taps):
-    """The kernel, its grid (sites, channels, tap splits), its dynamic shared memory, the taps
-    a split sums and, for split taps, the kernel that adds the splits (else None)."""
+    """The kernel, its grid (sites, channels, tap splits), the taps a split sums and, for split
+    taps, the kernel that adds the splits (else None)."""
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
-    slots = FUSED_SLOTS[stage]
-    function = _launch.function(device, "submanifold", "submanifold_fused", ctype, vector, stage,
-                                slots)
-    shared = fused_shared_bytes(stage)
-    _launch.driver.funcSetAttribute(
-        function, _launch.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
+    function = _launch.function(device, "submanifold", "submanifold_fused", ctype, vector, stage)
     tiles = (_checks.grid_dim("output sites", -(-n_out // _FUSED_TILE), 2**31 - 1),
              _checks.grid_dim("output channels", -(-cout // _FUSED_TILE)))
     split_taps = -(-taps // fused_splits(device, tiles[0] * tiles[1], taps))
     splits = -(-taps // split_taps)
     split_sum = (_launch.function(device, "submanifold", "split_sum", ctype)
                  if splits > 1 else None)
-    return function, (*tiles, splits), shared, split_taps, split_sum
+    return function, (*tiles, splits), split_taps, split_sum
 
 
 def fused_splits(device, tiles, taps):
@@ -1095,8 +1081,7 @@ def instantiations():
     fused = [_kernels.ARITHMETIC_CTYPES[dtype] for dtype in ("float16", "bfloat16", "float32")]
     return ([_kernels.name_expression(rule, dims) for rule in rules
              for dims in range(1, _MAX_DIMS + 1)]
-            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage,
-                                        FUSED_SLOTS[stage])
+            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage)
                for ctype in fused
                for vector, stage in ((False, 32), (True, 32), (True, 64), (True, 128))]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
