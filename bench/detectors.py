@@ -1,7 +1,7 @@
 """The sparse backbones of published LiDAR detectors and a segmentation U-Net, ours
 (torch_bridge.submanifold) against spconv 2.3.8 with the same weights, in eval and training.
 
-    python -m bench.detectors [--quick] [--all] --out DIR [--repeats N] [--models ...]
+    python -m bench.detectors [--quick] [--all] [--out DIR] [--repeats N] [--models ...]
         [--scales kitti waymo semkitti] [--batches 1 2 4]
         [--modes eval-tf32 eval-fp16 train-tf32 train-amp] [--profile] [--budget S]
         [--device cuda|cpu] [--suffix NAME]
@@ -88,7 +88,7 @@ import torch
 
 import torch_bridge.submanifold as ours
 from bench import lidar_scenes
-from bench._common import allow_tf32, events_ms, write_csv
+from bench._common import RESULTS, allow_tf32, events_ms, require_gpu, write_csv
 from bench.submanifold import by_site, rel_error
 
 MODES = ("eval-tf32", "eval-fp16", "train-tf32", "train-amp")
@@ -654,7 +654,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="each model at its smallest scale, batch 1, 3 repeats")
     parser.add_argument("--all", action="store_true", help="no time budget")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
@@ -669,6 +669,8 @@ def main(argv=None):
     parser.add_argument("--suffix", help="file names detectors_<suffix>_<device>.* (runs split "
                                          "over several calls keep their own files)")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        require_gpu("bench.detectors")
     args.repeats = args.repeats or (1 if args.device == "cpu" else 3 if args.quick else 10)
     if args.device == "cpu":  # one thread: spconv's CPU build needs it (see libraries), and
         args.quick, args.warmup = True, 0  # our NumPy backend's BLAS beside torch's OpenMP
