@@ -10,6 +10,8 @@ import pytest
 
 from sbnet_cupy import _kernels
 
+pytestmark = pytest.mark.version_free
+
 
 def _nvrtc_program_class():
     try:
