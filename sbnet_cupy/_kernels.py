@@ -88,8 +88,18 @@ def widest_access(row_bytes, alignment):
     return 1
 
 
+_REGISTERED = {}  # op -> its module's instantiations(), for the ops whose tables live there
+
+
+def register_instantiations(op, instantiations):
+    """An op module's `instantiations()` (name expressions of kernels/<op>.cu), registered at
+    its import so that this module need not import the ops that import it."""
+    _REGISTERED[op] = instantiations
+
+
 def all_instantiations():
-    """Every name expression the ops can ask for, by op: what the compile check builds."""
+    """Every name expression the ops can ask for, by op: what the compile check builds (the
+    registered ops' once sbnet_cupy, which imports them all, is imported)."""
     sizes = (0,) + SPECIALISED_BLOCK_SIZES
     adds = ("Add", "AtomicAdd")
     reshapes = ("space_to_batch", "batch_to_space")
@@ -127,32 +137,6 @@ def all_instantiations():
                for ctype, size in storage for v in vectors(size, 8)]
             + [name_expression("sparse_scatter_transposed", ctype, v, op)
                for ctype, size in arithmetic for v in vectors(size, 8) for op in adds]),
-        "sparse_kernel_conv": _sparse_kernel_conv_instantiations(),
-        "block_conv": _block_conv_instantiations(),
-        "submanifold": _submanifold_instantiations(),
-        "point_to_voxel": _point_to_voxel_instantiations(),
+        **{op: instantiations() for op, instantiations in _REGISTERED.items()},
     }
 
-
-def _sparse_kernel_conv_instantiations():
-    from . import sparse_kernel_conv as skc  # its tile-size table is the one place they live
-
-    return sorted(set(skc.instantiations()))
-
-
-def _block_conv_instantiations():
-    from . import block_conv
-
-    return block_conv.instantiations()
-
-
-def _submanifold_instantiations():
-    from . import submanifold
-
-    return submanifold.instantiations()
-
-
-def _point_to_voxel_instantiations():
-    from .point_to_voxel import instantiations  # the package's point_to_voxel is the function
-
-    return instantiations()

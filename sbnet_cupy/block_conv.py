@@ -81,6 +81,8 @@ def instantiations():
     return names
 
 
+_kernels.register_instantiations("block_conv", instantiations)
+
 # How the reduction reaches shared memory: "auto" (the rule in _halo_plan), or forced: "streamed"
 # (block_conv: 32-word stages of the flattened taps and channels) or "halo" (block_conv_halo,
 # where it applies).

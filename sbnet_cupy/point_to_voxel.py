@@ -20,7 +20,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _launch
+from . import _checks, _kernels, _launch
 from .submanifold import _CUPY, table_capacity
 
 # Voxel sizes (float32 values), grid minimum and cells along each axis, z first.
@@ -302,6 +302,8 @@ def voxelize_raw(alloc, device, stream, points, n, features, dtype, grid, max_vo
 @functools.cache
 def instantiations():
     """Every name expression of kernels/point_to_voxel.cu the op can ask for."""
-    from ._kernels import name_expression
+    return [_kernels.name_expression(kernel, ctype) for kernel in KERNELS
+            for ctype in CTYPES.values()]
 
-    return [name_expression(kernel, ctype) for kernel in KERNELS for ctype in CTYPES.values()]
+
+_kernels.register_instantiations("point_to_voxel", instantiations)

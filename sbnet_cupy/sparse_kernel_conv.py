@@ -906,6 +906,9 @@ def instantiations():
     return names
 
 
+_kernels.register_instantiations("sparse_kernel_conv", instantiations)
+
+
 def launch_conv(device, stream, plan, function, x, out, bias, ranges, taps, values,
                 float_scratch):
     """Launch a ConvPlan (made with this device) by `function` (_Taps.function) on raw

@@ -1089,6 +1089,9 @@ def instantiations():
                for word in _kernels.STORAGE_CTYPES.values()])
 
 
+_kernels.register_instantiations("submanifold", instantiations)
+
+
 # --- on sparse tensors --------------------------------------------------------------------
 
 def _check_tensor(name, x):

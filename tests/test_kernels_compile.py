@@ -39,3 +39,10 @@ def test_every_instantiation_compiles(op, arch):
                                      + (f"-arch=sm_{arch}",))
     assert len(cubin) > 0
     assert sorted(mapping) == sorted(names)
+
+
+def test_every_kernel_file_has_its_instantiations():
+    """The compile check covers every kernels/*.cu: the ops whose tables live in their own
+    modules registered them when sbnet_cupy was imported."""
+    files = {path.stem for path in _kernels._source_dir().glob("*.cu")}
+    assert set(_kernels.all_instantiations()) == files
