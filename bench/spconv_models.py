@@ -111,6 +111,17 @@ def voxel_res_backbone_8x(ns, input_channels=4):
     return VoxelBackBone8x(ns, input_channels, res=True)
 
 
+def _decode(stage, x, lateral):
+    """One decoder step of PartA2's UNetV2 (and mmdetection3d's SparseUNet, built on it): the
+    lateral branch concatenated to x, merged, plus the concatenated channels summed in pairs
+    (the channel reduction), then up."""
+    t = stage.lateral(lateral)
+    both = x.replace_feature(torch.cat([x.features, t.features], 1))
+    merged = stage.merge(both)
+    reduced = both.features.view(both.features.shape[0], -1, 2).sum(2)
+    return stage.up(merged.replace_feature(merged.features + reduced))
+
+
 class UNetV2(torch.nn.Module):
     """VoxelBackBone8x's encoder and a decoder back to the input sites; returns [N, 16]."""
 
@@ -134,12 +145,7 @@ class UNetV2(torch.nn.Module):
         _, stages = self.encoder(x)
         x = stages[-1]
         for stage, lateral in zip(self.decoders, stages[::-1]):
-            t = stage.lateral(lateral)
-            both = x.replace_feature(torch.cat([x.features, t.features], 1))
-            merged = stage.merge(both)
-            # Channel reduction: the concatenated channels summed in pairs.
-            reduced = both.features.view(both.features.shape[0], -1, 2).sum(2)
-            x = stage.up(merged.replace_feature(merged.features + reduced))
+            x = _decode(stage, x, lateral)
         return x
 
 
@@ -282,11 +288,7 @@ class SparseUNet(torch.nn.Module):
         first = self.conv_input(x)
         x = self.down(first)
         for level, lateral in zip(self.up, (x, first)):
-            t = level.lateral(lateral)
-            both = x.replace_feature(torch.cat([x.features, t.features], 1))
-            merged = level.merge(both)
-            reduced = both.features.view(both.features.shape[0], -1, 2).sum(2)
-            x = level.up(merged.replace_feature(merged.features + reduced))
+            x = _decode(level, x, lateral)
         return x
 
 
