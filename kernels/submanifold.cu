@@ -342,32 +342,42 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 // --- the fused convolution: gather and tensor-core matrix product in one kernel -------------
 //
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
-// weight[:, k, ci], for a tile of FUSED_BM output sites x FUSED_BN output channels a CTA (4
-// warps of 32 x 32). The reduction runs in stages of 32 or 64 bytes of input channels of one
-// tap: the tile's rows of that tap (zeros for absent neighbours) and the weight's slice
-// [FUSED_BN, chunk] staged in shared memory and multiplied with mma.sync (tensor_core_mma,
-// common.cuh): m16n8k16 for half and bfloat16, m16n8k8 TF32 for float; float32 accumulation. A
-// stage is little work, so all but one of the stages in shared memory are in flight (cp.async
-// where rows are whole 16-byte vectors): with few sites the grid is small and each CTA's chain
-// of loads is what takes the time. The neighbour rows of up to FUSED_TAPS taps are read once,
-// together; taps no row of the tile has are skipped. Where tiles are fewer than the GPU has SMs, the taps are split over blockIdx.z:
-// each split writes its float sums to partial[z], and split_sum (common.cuh) adds them up in
-// split order (deterministic, no atomics). Both are programmatic dependent launches (common.cuh).
+// weight[:, k, ci], for a tile of FUSED_BM output sites x BN output channels a CTA (4 warps;
+// BN 16, 32 or 64, the launch's choice by cout, so narrow layers do no MMA work on padding).
+// The reduction runs in stages of STAGE bytes a row: the tile's rows (zeros for absent
+// neighbours) and the weight's slice [BN, STAGE bytes] staged in shared memory and multiplied
+// with mma.sync (tensor_core_mma, common.cuh): m16n8k16 for half and bfloat16, m16n8k8 TF32
+// for float; float32 accumulation. A stage holds `width` channels of each of `per_stage` taps
+// side by side: rows narrower than a stage (16 or 32 channels) pack several taps into it, so
+// every barrier has whole k-steps of work; wider rows take ceil(cin / width) stages a tap.
+// All but one of the stages in shared memory are in flight (cp.async where rows are whole
+// 16-byte vectors): with few sites the grid is small and each CTA's chain of loads is what
+// takes the time. The neighbour rows of up to FUSED_TAPS taps are read once, together; taps no
+// row of the tile has are skipped. Where tiles are fewer than the GPU has SMs, the taps are
+// split over blockIdx.z: each split writes its float sums to partial[z], and split_sum
+// (common.cuh) adds them up in split order (deterministic, no atomics). Both are programmatic
+// dependent launches (common.cuh).
 
 #define FUSED_BM 64
-#define FUSED_BN 64
 #define FUSED_THREADS 128
-#define FUSED_TAPS 32   // taps whose neighbour rows a CTA holds at once (one warp's ballot)
+#define FUSED_TAPS 32  // taps whose neighbour rows a CTA holds at once (one warp's ballot)
+#define FUSED_SLOT_BYTES 37888  // static shared memory for stages, beside the neighbour rows
 
-// A stage of STAGE bytes of input channels a row (32: one k-step of the MMA; 64 or 128: two or
-// four, for fewer barriers and copy rounds where the channels fill them) and the stages that
-// fit in static shared memory beside the neighbour rows.
-template <int STAGE> struct fused_stages {
+// A tile of FUSED_BM sites x BN channels in stages of STAGE bytes a row (32: one k-step of the
+// MMA; 64 or 128: two or four, for fewer barriers and copy rounds) and the stages that fit in
+// FUSED_SLOT_BYTES. Four warps of WM x WN: 2 x 2 for BN 64 and 32, 4 x 1 for 16.
+template <int STAGE, int BN> struct fused_tile {
     static_assert(STAGE == 32 || STAGE == 64 || STAGE == 128, "a stage is 1, 2 or 4 k-steps");
+    static_assert(BN == 16 || BN == 32 || BN == 64, "a tile is 16, 32 or 64 channels wide");
+    static constexpr int WARPS_N = BN == 16 ? 1 : 2, WARPS_M = 4 / WARPS_N;
+    static constexpr int WM = FUSED_BM / WARPS_M, WN = BN / WARPS_N;
+    static constexpr int MT = WM / 16, NT = WN / 8;  // m16 and n8 MMA tiles a warp
     static constexpr int PITCH = STAGE / 4 + 4;  // words a staged row: data, then 4 of padding
                                                  // (ldmatrix's 8 rows fall in distinct banks)
-    static constexpr int SLOTS = STAGE == 32 ? 6 : STAGE == 64 ? 3 : 2;
-    static constexpr int SLOT_WORDS = (FUSED_BM + FUSED_BN) * PITCH;  // A rows, then B rows
+    static constexpr int SLOT_WORDS = (FUSED_BM + BN) * PITCH;  // A rows, then B rows
+    static constexpr int FIT = FUSED_SLOT_BYTES / (SLOT_WORDS * 4);
+    static constexpr int SLOTS = FIT < 6 ? FIT : 6;
+    static_assert(SLOTS >= 2 && NT % 2 == 0, "a stage in flight; B fragments in pairs");
 };
 
 struct FusedArgs {
@@ -391,45 +401,64 @@ template <> __device__ __forceinline__ unsigned fused_operand<float>(unsigned w)
     return to_tf32(__uint_as_float(w));
 }
 
-// Stage rows [FUSED_BM or FUSED_BN][STAGE bytes] of a matrix of `cols` columns: row r is row
-// src(r) of `base` (absent: -1, zeros), columns col0.. (zeros past cols). VEC: cols is a whole
-// number of 16-byte vectors and rows are 16-byte aligned, so each 16-byte part of a row is one
-// thread's cp.async (zeros past cols; landed after the caller's wait); otherwise the stores are
-// the thread's own.
-template <typename T, bool VEC, int STAGE, typename Src>
+// Element e of a staged row, in the VEC layout: each thread stages one 16-byte part of rows
+// (threadIdx.x % PARTS), so it needs that part's tap slot g = e / width and column c once.
+template <typename T, int STAGE> struct fused_part {
+    static constexpr int PARTS = STAGE / 16;
+    int g, c;
+    __device__ __forceinline__ explicit fused_part(int width) {
+        const int e = threadIdx.x % PARTS * (16 / (int)sizeof(T));
+        g = e / width;
+        c = e - g * width;
+    }
+};
+
+// Stage ROWS rows of STAGE bytes: element e of row r is base[row_of(tap, r) * stride + col0 +
+// e % width] for tap = tap_of(e / width); zero where row_of gives -1, where tap is -1 or
+// e / width >= per_stage, and past `cols`. VEC: width and cols are whole 16-byte vectors and
+// rows 16-byte aligned, so each 16-byte part of a row is one thread's cp.async (landed after
+// the caller's wait), and a thread's parts (`part`) are of one tap, looked up once; otherwise
+// the stores are the thread's own. Selects, not branches: the stage loop is latency-bound.
+template <typename T, bool VEC, int STAGE, int ROWS, typename TapOf, typename RowOf>
 static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base, i64 stride,
-                                                   int cols, int col0, Src src) {
-    constexpr int BK = STAGE / sizeof(T), PITCH = fused_stages<STAGE>::PITCH;
+                                                   int width, int per_stage, int cols, int col0,
+                                                   fused_part<T, STAGE> part, TapOf tap_of,
+                                                   RowOf row_of) {
+    constexpr int BK = STAGE / sizeof(T), PITCH = STAGE / 4 + 4;
     if (VEC) {
-        constexpr int PARTS = STAGE / 16;
+        constexpr int PARTS = fused_part<T, STAGE>::PARTS;
+        static_assert(FUSED_THREADS % PARTS == 0, "a thread's parts are one column of parts");
+        // A thread stages the same part of rows threadIdx.x / PARTS + i * STRIDE.
+        constexpr int STRIDE = FUSED_THREADS / PARTS;
+        const int tap = part.g < per_stage && col0 + part.c < cols ? tap_of(part.g) : -1;
+        const T* at = base + col0 + part.c;
+        unsigned* dst = tile + threadIdx.x / PARTS * PITCH + threadIdx.x % PARTS * 4;
 #pragma unroll
-        for (int i = 0; i < FUSED_BM * PARTS / FUSED_THREADS; ++i) {
-            const int q = threadIdx.x + i * FUSED_THREADS, r = q / PARTS, part = q % PARTS;
-            const i64 row = src(r);
-            const int col = col0 + part * (16 / (int)sizeof(T));
-            const bool valid = row >= 0 && col < cols;
-            copy_async16(tile + r * PITCH + part * 4, valid ? base + row * stride + col : base,
-                         valid);
+        for (int i = 0; i < (ROWS + STRIDE - 1) / STRIDE; ++i) {
+            const int r = threadIdx.x / PARTS + i * STRIDE;
+            if (ROWS % STRIDE != 0 && r >= ROWS) break;
+            const int row = row_of(max(tap, 0), r);
+            const bool valid = tap >= 0 && row >= 0;
+            copy_async16(dst + i * STRIDE * PITCH, at + (valid ? row : 0) * stride, valid);
         }
     } else {
         T* t = (T*)tile;
-        for (int e = threadIdx.x; e < FUSED_BM * BK; e += FUSED_THREADS) {
-            const int r = e / BK, c = e % BK;
-            const i64 row = src(r);
-            T v = T();
-            if (row >= 0 && col0 + c < cols) v = base[row * stride + col0 + c];
-            t[r * (PITCH * 4 / (int)sizeof(T)) + c] = v;
+        for (int e = threadIdx.x; e < ROWS * BK; e += FUSED_THREADS) {
+            const int r = e / BK, k = e % BK, g = k / width, c = k - g * width;
+            const int tap = g < per_stage && col0 + c < cols ? tap_of(g) : -1;
+            const int row = tap < 0 ? -1 : row_of(tap, r);
+            t[r * (PITCH * 4 / (int)sizeof(T)) + k] =
+                row >= 0 ? base[row * stride + col0 + c] : T();
         }
     }
 }
 
-template <typename T, bool VEC, int STAGE>
+template <typename T, bool VEC, int STAGE, int BN>
 __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedArgs a) {
-    using stages_t = fused_stages<STAGE>;
-    constexpr int BK = STAGE / sizeof(T), PITCH = stages_t::PITCH, SLOTS = stages_t::SLOTS;
-    constexpr int AHEAD = SLOTS - 1, SLOT_WORDS = stages_t::SLOT_WORDS;
-    static_assert(FUSED_BM == FUSED_BN && FUSED_THREADS == 2 * FUSED_BM,
-                  "a stage's 16-byte parts split evenly over the threads");
+    using tile_t = fused_tile<STAGE, BN>;
+    constexpr int BK = STAGE / sizeof(T), PITCH = tile_t::PITCH, SLOTS = tile_t::SLOTS;
+    constexpr int AHEAD = SLOTS - 1, SLOT_WORDS = tile_t::SLOT_WORDS;
+    constexpr int MT = tile_t::MT, NT = tile_t::NT;
     static_assert(FUSED_TAPS <= 32, "the taps of a group are one warp's ballot");
     __shared__ __align__(16) unsigned slots[SLOTS * SLOT_WORDS];
     __shared__ int rows[FUSED_TAPS][FUSED_BM];  // neighbour rows of the group's taps
@@ -437,10 +466,13 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     __shared__ int n_active;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+    const int wm = warp / tile_t::WARPS_N * tile_t::WM, wn = warp % tile_t::WARPS_N * tile_t::WN;
     const i64 m0 = (i64)blockIdx.x * FUSED_BM;
-    const int n0 = blockIdx.y * FUSED_BN;
-    const int chunks = (a.cin + BK - 1) / BK;
+    const int n0 = blockIdx.y * BN;
+    // A stage: `width` channels of `per_stage` taps; a tap's channels in `chunks` stages.
+    const int width = max(1, min(a.cin, BK)), per_stage = BK / width;  // cin 0: no stages
+    const int chunks = (a.cin + width - 1) / width;
+    const fused_part<T, STAGE> part(width);
     const T* features = (const T*)a.features;
     const T* weight = (const T*)a.weight;
     const int tap_begin = (int)blockIdx.z * a.split_taps;
@@ -448,7 +480,7 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     // Launched as a dependent (launch_fused): features may be the previous kernel's output.
     wait_for_previous_kernel();
     allow_next_kernel();
-    float acc[2][4][4] = {};
+    float acc[MT][NT][4] = {};
     for (int k0 = tap_begin; k0 < tap_end; k0 += FUSED_TAPS) {
         const int group = min(FUSED_TAPS, tap_end - k0);
         // The previous group's last stage is read; its slots and rows may be overwritten.
@@ -467,15 +499,28 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
             if (lane == 0) n_active = __popc(ballot);
         }
         __syncthreads();
-        const int stages = n_active * chunks;
+        const int stages = (n_active + per_stage - 1) / per_stage * chunks;
+        // load() stages s = 0, 1, 2, ... in turn: taps [first, first + per_stage) of the
+        // active ones, channels [chunk * width, + width).
+        int first = 0, chunk = 0;
         auto load = [&](int s) {
             unsigned* slot = slots + s % SLOTS * SLOT_WORDS;
-            const int t = active[s / chunks], c0 = s % chunks * BK;
-            fused_stage<T, VEC, STAGE>(slot, features, a.cin, a.cin, c0,
-                                       [&](int r) { return (i64)rows[t][r]; });
-            fused_stage<T, VEC, STAGE>(
-                slot + FUSED_BM * PITCH, weight + (i64)(k0 + t) * a.cin, (i64)a.taps * a.cin,
-                a.cin, c0, [&](int r) { return n0 + r < a.cout ? (i64)(n0 + r) : (i64)-1; });
+            const int col0 = chunk * width;
+            // The stage's g-th tap (of the group), or -1 past the active ones.
+            auto tap_of = [&](int g) { return first + g < n_active ? active[first + g] : -1; };
+            // Rows in units of cin: neighbour rows of the features, a tap's weights.
+            fused_stage<T, VEC, STAGE, FUSED_BM>(slot, features, a.cin, width, per_stage, a.cin,
+                                                 col0, part, tap_of,
+                                                 [&](int tap, int r) { return rows[tap][r]; });
+            fused_stage<T, VEC, STAGE, BN>(
+                slot + FUSED_BM * PITCH, weight, a.cin, width, per_stage, a.cin, col0, part,
+                tap_of, [&](int tap, int r) {
+                    return n0 + r < a.cout ? (n0 + r) * a.taps + k0 + tap : -1;
+                });
+            if (++chunk == chunks) {
+                chunk = 0;
+                first += per_stage;
+            }
         };
         for (int s = 0; s < AHEAD; ++s) {
             if (s < stages) load(s);
@@ -494,9 +539,9 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
             // from lane 16) at word lane / 8 % 2 * 4.
 #pragma unroll
             for (int ks = 0; ks < STAGE / 32; ++ks) {
-                unsigned b[4][2];
+                unsigned b[NT][2];
 #pragma unroll
-                for (int nt = 0; nt < 4; nt += 2) {
+                for (int nt = 0; nt < NT; nt += 2) {
                     unsigned pair[4];
                     load_matrices(pair, bs + (wn + nt * 8 + (lane & 7) + (lane >> 4) * 8) * PITCH
                                             + (lane >> 3 & 1) * 4 + ks * 8);
@@ -506,14 +551,14 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
                     b[nt + 1][1] = fused_operand<T>(pair[3]);
                 }
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
+                for (int mt = 0; mt < MT; ++mt) {
                     unsigned frag[4];
                     load_matrices(frag, as + (wm + mt * 16 + (lane & 15)) * PITCH
                                             + (lane >> 4) * 4 + ks * 8);
 #pragma unroll
                     for (int i = 0; i < 4; ++i) frag[i] = fused_operand<T>(frag[i]);
 #pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
+                    for (int nt = 0; nt < NT; ++nt)
                         tensor_core_mma<T>::run(acc[mt][nt], frag, b[nt]);
                 }
             }
@@ -524,9 +569,9 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     const T* bias = (const T*)a.bias;
     float* partial = a.partial ? a.partial + (i64)blockIdx.z * a.n_out * a.cout : nullptr;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const i64 o = m0 + wm + mt * 16 + gid + (i >> 1) * 8;

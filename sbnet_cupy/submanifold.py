@@ -71,9 +71,10 @@ _RANK_THREADS, _RANK_WORDS = 256, 1024  # rank_words' CTA and the bitmap words i
 _BITMAP_MAX_BITS = 1 << 27
 _GATHER_ARGS = _launch.layout("3Pq2i", 40)
 _FUSED_ARGS = _launch.layout("6Pq4i", 72)
-_FUSED_TILE, _FUSED_THREADS = 64, 128  # output sites and channels a CTA; its threads
+_FUSED_SITES, _FUSED_THREADS = 64, 128  # output sites a CTA; its threads
+_FUSED_TILE_CHANNELS = (16, 32, 64)  # output channels a CTA (fused_tile_channels)
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
-MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_stage_bytes)
+MAX_STAGE = 128  # the fused kernel's stage, bytes of a row (fused_stage_bytes)
 ALGOS = ("gemm", "fused")
 
 
@@ -1026,9 +1027,9 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
     the partial sums of split taps."""
     if n_out == 0 or cout == 0:
         return
-    row_bytes = cin * _kernels.ITEMSIZES[dtype]
-    vector = row_bytes % 16 == 0 and _checks.alignment(features, weight) == 16
-    stage = fused_stage_bytes(row_bytes, vector)
+    itemsize = _kernels.ITEMSIZES[dtype]
+    vector = cin * itemsize % 16 == 0 and _checks.alignment(features, weight) == 16
+    stage = fused_stage_bytes(vector, itemsize)
     function, grid, split_taps, split_sum = _fused_plan(device, dtype, vector, stage, n_out,
                                                         cout, taps)
     splits = grid[2]
@@ -1042,13 +1043,19 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
                                  cout, splits, dependent=True)
 
 
-def fused_stage_bytes(row_bytes, vector):
-    """Bytes of a row the fused kernel stages at a time: the most of 128, 64 (four or two MMA
-    k-steps a barrier) and 32, at most MAX_STAGE, that the rows fill where they are 16-byte
-    vectors; else 32."""
-    if not vector:
-        return 32
-    return max(s for s in (32, 64, 128) if s <= MAX_STAGE and (s == 32 or row_bytes >= s))
+def fused_stage_bytes(vector, itemsize):
+    """Bytes of a row the fused kernel stages at a time: MAX_STAGE where rows are 16-byte
+    vectors (narrower rows pack several taps into a stage, so every stage is whole k-steps of
+    the MMA), else 16 elements, one k-step of a 16-bit MMA or two of TF32: the registers' loads
+    of odd rows are the stage's time, and bench.submanifold_tiles measured no gain beyond."""
+    return MAX_STAGE if vector else min(MAX_STAGE, 16 * itemsize)
+
+
+def fused_tile_channels(cout):
+    """Output channels a CTA of the fused kernel computes: the narrowest of 16, 32 and 64 that
+    holds cout, so narrow layers do no MMA work on padding; 64 for wider layers."""
+    return next((width for width in _FUSED_TILE_CHANNELS if cout <= width),
+                _FUSED_TILE_CHANNELS[-1])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1056,9 +1063,11 @@ def _fused_plan(device, dtype, vector, stage, n_out, cout, taps):
     """The kernel, its grid (sites, channels, tap splits), the taps a split sums and, for split
     taps, the kernel that adds the splits (else None)."""
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
-    function = _launch.function(device, "submanifold", "submanifold_fused", ctype, vector, stage)
-    tiles = (_checks.grid_dim("output sites", -(-n_out // _FUSED_TILE), 2**31 - 1),
-             _checks.grid_dim("output channels", -(-cout // _FUSED_TILE)))
+    channels = fused_tile_channels(cout)
+    function = _launch.function(device, "submanifold", "submanifold_fused", ctype, vector, stage,
+                                channels)
+    tiles = (_checks.grid_dim("output sites", -(-n_out // _FUSED_SITES), 2**31 - 1),
+             _checks.grid_dim("output channels", -(-cout // channels)))
     split_taps = -(-taps // fused_splits(device, tiles[0] * tiles[1], taps))
     splits = -(-taps // split_taps)
     split_sum = (_launch.function(device, "submanifold", "split_sum", ctype)
@@ -1081,9 +1090,11 @@ def instantiations():
     fused = [_kernels.ARITHMETIC_CTYPES[dtype] for dtype in ("float16", "bfloat16", "float32")]
     return ([_kernels.name_expression(rule, dims) for rule in rules
              for dims in range(1, _MAX_DIMS + 1)]
-            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage)
+            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage, channels)
                for ctype in fused
-               for vector, stage in ((False, 32), (True, 32), (True, 64), (True, 128))]
+               for vector, stage in ((False, 32), (False, 64), (True, 32), (True, 64),
+                                     (True, 128))
+               for channels in _FUSED_TILE_CHANNELS]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
             + [_kernels.name_expression("submanifold_gather", word)
                for word in _kernels.STORAGE_CTYPES.values()])

@@ -146,12 +146,14 @@ def test_dtypes(xp, rng, case, dtype):
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
-@pytest.mark.parametrize("cin, cout", [(4, 8), (6, 10), (16, 64), (24, 72), (40, 130), (64, 16)])
+@pytest.mark.parametrize("cin, cout", [(4, 8), (6, 10), (16, 64), (24, 72), (32, 24), (40, 130),
+                                       (64, 16)])
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
 def test_fused_matches_loops(rng, subm, cin, cout, dtype):
-    """The fused tensor-core kernel: vector loads (cin x itemsize a multiple of 16 bytes: whole
-    32-byte stages, or a last one half filled) and scalar loads (not), partial tiles of sites and
-    channels, taps no site of a tile has."""
+    """The fused tensor-core kernel: vector loads (cin x itemsize a multiple of 16 bytes:
+    several taps a stage, one, or a tap over stages with a last one part filled) and scalar
+    loads (not), tiles 16, 32 and 64 channels wide, partial tiles of sites and channels, taps no
+    site of a tile has."""
     import cupy
 
     from conftest import _poison_pool
@@ -243,6 +245,39 @@ def test_fused_split_taps(rng, fused_splits, shape, kernel, n, cin, cout, splits
     # The kernels are deterministic: the second layer equals itself run on the settled y.
     settled = sm.rulebook_conv(y, rulebook, w2, algo="fused")
     numpy.testing.assert_array_equal(y2.get(), settled.get())
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
+@pytest.mark.parametrize("cin", [8, 24, 40, 5])
+@pytest.mark.parametrize("stage, tile", [(s, t) for s in (32, 64, 128) for t in (16, 32, 64)])
+def test_fused_every_configuration(rng, monkeypatch, stage, tile, cin, dtype):
+    """Every stage and tile width the kernels are built for (bench.submanifold_tiles times them
+    all), whatever the rule would pick: rows of one, several and a part of a stage, odd rows
+    through registers (stages of 32 and 64 bytes)."""
+    import cupy
+
+    from conftest import _poison_pool
+
+    vector = cin * numpy.dtype(dtype).itemsize % 16 == 0
+    if not vector and stage == 128:
+        pytest.skip("odd rows are staged 32 or 64 bytes at a time")
+    monkeypatch.setattr(sm, "fused_stage_bytes", lambda vector, itemsize: stage)
+    monkeypatch.setattr(sm, "fused_tile_channels", lambda cout: tile)
+    sm._fused_plan.cache_clear()
+    _poison_pool()
+    shape = (12, 14, 16)
+    rulebook = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, shape, 700)), shape, 2,
+                                       3)
+    x = cupy.asarray(random_array(rng, (700, cin), dtype))
+    w = cupy.asarray(random_array(rng, (40, 3, 3, 3, cin), dtype))
+    b = cupy.asarray(random_array(rng, (40,), dtype))
+    try:
+        y = sm.rulebook_conv(x, rulebook, w, b, algo="fused")
+    finally:
+        sm._fused_plan.cache_clear()
+    f64 = cupy.float64
+    close(y, sm.rulebook_conv(x.astype(f64), rulebook, w.astype(f64), b.astype(f64)).get(), dtype)
 
 
 def test_fused_splits_fill_the_gpu(monkeypatch):

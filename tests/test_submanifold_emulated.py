@@ -144,11 +144,13 @@ def _bits(a, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("n_in, n_out, cin, cout, taps", [
     (50, 70, 16, 24, 9), (200, 130, 40, 70, 27), (30, 20, 3, 8, 5), (90, 64, 8, 16, 40),
-    (10, 1, 64, 64, 1)])
+    (10, 1, 64, 64, 1), (120, 150, 24, 32, 27), (80, 100, 32, 16, 27)])
 def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, taps):
-    """16-byte rows through cp.async and odd ones through registers, part tiles of sites and
-    channels, absent neighbours, taps no site has, more taps than a group of 32, bias, and taps
-    split over CTAs (their float sums added in order by split_sum) where the sites are few."""
+    """16-byte rows through cp.async and odd ones through registers, several taps a stage
+    (rows narrower than a stage, a whole number of them or not), tiles 16, 32 and 64 channels
+    wide, part tiles of sites and channels, absent neighbours, taps no site has, more taps than
+    a group of 32, bias, and taps split over CTAs (their float sums added in order by
+    split_sum) where the sites are few."""
     features = random_array(rng, (n_in, cin), numpy.float32)
     weight = random_array(rng, (cout, taps, cin), numpy.float32)
     bias = random_array(rng, (cout,), numpy.float32)
@@ -179,6 +181,36 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
                                   atol=tolerance * scale)
     assert [name.split("<")[0] for name, *_ in launched] == (
         ["submanifold_fused", "split_sum"] if scratch else ["submanifold_fused"])
+
+
+@pytest.mark.parametrize("cin", [8, 24, 5])
+@pytest.mark.parametrize("stage, tile", [(s, t) for s in (32, 64, 128) for t in (16, 32, 64)])
+def test_fused_every_configuration(rng, launched, monkeypatch, stage, tile, cin):
+    """Every stage and tile width the kernels are built for, whatever the rule would pick
+    (float16: rows of one, several and a part of a 32-byte stage; odd rows through registers)."""
+    if cin % 8 and stage == 128:
+        pytest.skip("odd rows are staged 32 or 64 bytes at a time")
+    monkeypatch.setattr(submanifold, "fused_stage_bytes", lambda vector, itemsize: stage)
+    monkeypatch.setattr(submanifold, "fused_tile_channels", lambda cout: tile)
+    n_in, n_out, cout, taps = 60, 70, 40, 27
+    features = random_array(rng, (n_in, cin), numpy.float32).astype(numpy.float16)
+    weight = random_array(rng, (cout, taps, cin), numpy.float32).astype(numpy.float16)
+    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
+    neighbors[rng.random((taps, n_out)) < 0.5] = -1
+    out = numpy.full((n_out, cout), numpy.nan, numpy.float16)
+    scratch = []
+
+    def float_scratch(n):
+        scratch.append(numpy.full(n, numpy.nan, numpy.float32))
+        return scratch[-1].ctypes.data, scratch[-1]
+
+    submanifold.launch_fused(0, 0, features.ctypes.data, weight.ctypes.data, 0,
+                             neighbors.ctypes.data, out.ctypes.data, n_out, cin, cout, taps,
+                             "float16", float_scratch)
+    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
+    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight)
+    numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
+                                  atol=2e-3 * max(1.0, numpy.abs(want).max()))
 
 
 @pytest.mark.parametrize("dtype, channels", [(numpy.float32, 5), (numpy.float16, 3),
