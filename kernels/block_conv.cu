@@ -13,33 +13,8 @@
 // width, C] of per-block intermediates (block m at (m, 0, 0)), so a bottleneck unit is three
 // launches: image -> stack (1x1), stack -> stack (3x3), stack -> image (1x1, residual add).
 
-struct BlockSide {
-    int height, width;      // the image's, or the stack's block size
-    int off_h, off_w;       // image: block (n, hi, wi) starts at (off_h + str_h * hi, ...)
-    int str_h, str_w;
-    int stack;              // 1: a stack; block m is (m, 0, 0)
-};
-
-struct BlockConvArgs {
-    const void* src;
-    void* dst;
-    const void* weight;     // [cout, kh, kw, cin] (OHWI), in T
-    const float* bias;      // [cout] or null
-    const float* scale;     // [cin] or null: the prologue's affine and ReLU
-    const float* shift;
-    const int* indices;     // the block list [rows, 3] and its count (see BlockList)
-    const int* count;
-    int rows, n_batch, cin, cout, kh, kw, out_h, out_w;
-    BlockSide in, out;
-    int relu_out, zero_outside;
-    int paired;             // cout even and dst aligned: two channels written as one access
-    int k_groups;           // warp groups of the CTA that split the reduction (blockDim.x / 128)
-    // A group's step from one of its stages to the next, k_groups stages of the reduction, as
-    // taps (step_taps_y rows and step_taps_x columns of the kernel) and channels.
-    int step_taps_y, step_taps_x, step_channels;
-    int halo_chunk;         // block_conv_halo: channels a chunk (a multiple of the MMA's k)
-};
-static_assert(sizeof(BlockConvArgs) == 184, "BlockConvArgs must match sbnet_cupy/block_conv.py");
+// Arguments: BlockConvArgs, its two sides BlockSide (in: the source, out: the destination),
+// declared in sbnet_cupy/_records.py, which defines them in front of kernels/common.cuh.
 
 namespace block_conv_tile {
 constexpr int THREADS = 128;  // a warp group: 4 warps as 2 x 2, each 32 pixels x BN / 2 channels
@@ -695,16 +670,8 @@ block_conv_halo(const BlockConvArgs a) {
 // list (no bias, no ReLU: the unit's residual add). This saves the second stack's round trip
 // through memory and a launch. Dynamic shared memory: the larger of stream_tiles' and (BM +
 // k_groups * BN2) rows of K words + 4.
-struct BlockConvPairArgs {
-    BlockConvArgs conv;
-    void* dst2;             // the 1x1's destination (an NHWC image through the block list)
-    const void* weight2;    // [cout2, 1, 1, conv.cout] (OHWI), in T
-    int cout2;
-    BlockSide out2;
-    int paired2;            // cout2 even and dst2 aligned: two channels written as one access
-};
-static_assert(sizeof(BlockConvPairArgs) == 240,
-              "BlockConvPairArgs must match sbnet_cupy/block_conv.py");
+// Arguments: BlockConvPairArgs (sbnet_cupy/_records.py): the 3x3's BlockConvArgs `conv`, then
+// the 1x1's dst2, weight2, cout2, its side out2 and paired2.
 
 template <typename T, int BN, int BN2>
 __global__ void __launch_bounds__(4 * block_conv_tile::THREADS)

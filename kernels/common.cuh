@@ -153,31 +153,15 @@ struct AtomicAdd {
     }
 };
 
-// Every kernel takes its arguments as one struct passed by value: sbnet_cupy/_launch.py packs it
-// with Python's struct module (native alignment), which makes a launch cheap on the host. Each
-// struct's size is asserted here and in the Python layout, so the two cannot drift apart.
-
-// A list of blocks in an NHWC tensor [n_batch, height, width, ...]: rows (n, hi, wi) of
-// `indices`, the first *count of `rows` valid (capacity mode reports the true count, which may
-// exceed the rows); block (n, hi, wi) is bh x bw pixels from (off_h + str_h*hi, off_w + str_w*wi).
-struct BlockList {
-    const int* indices;
-    const int* count;
-    int rows, n_batch, height, width, bh, bw, off_h, off_w, str_h, str_w;
-};
-
-// Arguments of the gather and scatter kernels: `src` is read and `dst` written (x and the stack
-// for a gather, the stack and y for a scatter).
-struct StackArgs {
-    const void* src;
-    void* dst;
-    const void* scale;  // sparse_gather_affine: per-channel scale and shift, in the Acc type
-    const void* shift;
-    BlockList list;
-    int words_per_pixel;  // row-copy kernels: words a pixel; transposing kernels: channels
-    int tile_rows, log2_tile_c, pitch;  // transposing kernels only (see tile_index)
-};
-static_assert(sizeof(StackArgs) == 104, "StackArgs must match sbnet_cupy/_blocks.py");
+// Every kernel takes its arguments as one struct passed by value, packed on the host into the
+// launch's argument buffer. The structs (BlockList, the gather's and scatter's StackArgs,
+// split_sum's SplitSumArgs and each kernel file's) are declared once, in
+// sbnet_cupy/_records.py, which writes their definitions (with static_asserts of every
+// field's offset) in front of this file and packs them in Python from the same declaration.
+// A BlockList is a list of blocks in an NHWC tensor [n_batch, height, width, ...]: rows
+// (n, hi, wi) of `indices`, the first *count of `rows` valid (capacity mode reports the true
+// count, which may exceed the rows); block (n, hi, wi) is bh x bw pixels from
+// (off_h + str_h*hi, off_w + str_w*wi).
 
 static __device__ __forceinline__ int valid_rows(const BlockList& list) {
     return min(max(*list.count, 0), list.rows);
@@ -227,14 +211,7 @@ static __device__ __forceinline__ block_row locate_row(const BlockList& list, in
 // the pruned-kernel convolution's input channels): out [rows, cols] = bias [cols] (or none) +
 // each split's float sums, partial [splits, rows, pitch], added in split order (deterministic,
 // no atomics). sbnet_cupy._launch.launch_split_sum launches it.
-struct SplitSumArgs {
-    const float* partial;
-    const void* bias;
-    void* out;
-    i64 rows;
-    int cols, pitch, splits;
-};
-static_assert(sizeof(SplitSumArgs) == 48, "SplitSumArgs: sbnet_cupy/_launch.py, SPLIT_SUM_ARGS");
+// Its arguments: SplitSumArgs (sbnet_cupy/_records.py).
 
 template <typename T> __global__ void split_sum(const SplitSumArgs a) {
     const i64 total = a.rows * a.cols;

@@ -18,29 +18,7 @@
 #define P2V_RANK_THREADS 1024
 #define P2V_SELECT_UNROLL 8
 
-struct P2VArgs {
-    const void* points;    // [n, features]
-    void* voxels;          // p2v_gather: [voxels, max_points, features]
-    i64* table;            // keys [mask + 1] (P2V_EMPTY where free), then int first [mask + 1]
-                           // (a key's first point; from p2v_assign on, its voxel or -1) and
-                           // int count [mask + 1] (its points)
-    int* slot;             // [n]: the point's slot in the table, -1 outside the grid
-    unsigned* bits;        // [(n + 127) / 128 * 4]: the points that come first in their voxel
-    int* word_rank;        // [(n + 127) / 128 * 4]: first points before each word
-    int* total;            // [2]: voxels found; points given a place in a bucket
-    i64* voxel;            // keys [cap], then int count [cap] and int start [cap] (of the
-                           // voxel's bucket; p2v_scatter moves it to the bucket's end)
-    int* bucket;           // [n]: the points of each kept voxel, in any order
-    int* selected;         // [cap, max_points]: a voxel's first points, in point order
-    int* coords;           // p2v_select: [voxels, ndim], z first
-    int* num_points;       // p2v_select: [voxels]
-    i64* point_voxel_id;   // [n]: the point's voxel, -1 for none
-    i64 mask, n;           // table slots - 1 (a power of two minus one); points
-    int features, ndim, max_voxels, max_points, empty_mean, cap;  // cap: min(n, max_voxels)
-    int grid[4];                     // cells along each axis, z first
-    double lower[4], vsize[4];       // float32 values, z first
-};
-static_assert(sizeof(P2VArgs) == 224, "P2VArgs must match sbnet_cupy/point_to_voxel.py");
+// Every kernel takes P2VArgs, declared in sbnet_cupy/_records.py (P2V_MAX_DIMS axes at most).
 
 static __device__ __forceinline__ i64 p2v_first() {
     return (i64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -31,19 +31,9 @@ static __device__ __forceinline__ int cta_inclusive_scan(int value, int* warp_su
     return before + value;
 }
 
-// Arguments. tickets: one counter, zero before the launch; the last CTA sets it back to zero.
-// capacity: rows of `indices`; rows past the count up to fill_rows are set to -1.
-struct ReduceMaskArgs {
-    const void* mask;
-    unsigned* words;
-    unsigned* tickets;
-    int* indices;
-    int* count;
-    double tol;
-    int n_batch, height, width, bh, bw, off_h, off_w, str_h, str_w, bcount_h, bcount_w;
-    int capacity, fill_rows;
-};
-static_assert(sizeof(ReduceMaskArgs) == 104, "ReduceMaskArgs must match sbnet_cupy/reduce_mask.py");
+// Arguments: ReduceMaskArgs (sbnet_cupy/_records.py). tickets: one counter, zero before the
+// launch; the last CTA sets it back to zero. capacity: rows of `indices`; rows past the count
+// up to fill_rows are set to -1.
 
 // BH, BW: block size, or 0 to read it from the arguments at run time.
 template <typename T, bool AVG, int BH, int BW>

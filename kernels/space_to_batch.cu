@@ -13,13 +13,11 @@
 
 // Division by a positive int known at launch, for dividends in [0, 2^31): the host picks
 // mul = ceil(2^shift / d) with shift = 31 + ceil(log2(d)) (sbnet_cupy/space_to_batch.py, _divisor).
-struct divisor {
-    int d;
-    unsigned mul, shift;
-    __device__ __forceinline__ int div(int n) const {
-        return (int)(((unsigned long long)(unsigned)n * mul) >> shift);
-    }
-};
+// The struct `divisor` (d, mul, shift) and the kernels' arguments nhwc_args and nchw_args are
+// declared in sbnet_cupy/_records.py, which defines them in front of kernels/common.cuh.
+static __device__ __forceinline__ int divide(const divisor& by, int n) {
+    return (int)(((unsigned long long)(unsigned)n * by.mul) >> by.shift);
+}
 
 // ---- NHWC ------------------------------------------------------------------------------------
 // A pixel is `words` words of Word (1 to 16 bytes, the widest access that the pixel's bytes and
@@ -27,14 +25,7 @@ struct divisor {
 // so writes are coalesced, and reads are runs of whole pixels. A CTA moves `chunk` words of
 // blockDim.y rows (grid.y cuts long rows, so that few rows still make many CTAs).
 
-struct nhwc_args {
-    void* x;
-    void* y;
-    int n, height, width, out_w;  // x: [n, height, width, words], y: [block_h * block_w * n,
-    int off_h, off_w, chunk;      //    out_h, out_w, words]
-    divisor words, block_h, block_w, out_h;
-};
-static_assert(sizeof(nhwc_args) == 96, "nhwc_args: sbnet_cupy/space_to_batch.py, _NHWC_ARGS");
+// Arguments: nhwc_args (sbnet_cupy/_records.py).
 
 // Grid: (ceil(rows of y / blockDim.y), chunks). The rows run through the sub-lattice columns j
 // fastest, ((b * out_h + hq) * block_h + i) * block_w + j, so the block_w rows that read one
@@ -45,9 +36,9 @@ __global__ void space_to_batch_nhwc(const nhwc_args a) {
     Word* __restrict__ y = static_cast<Word*>(a.y);
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= a.block_h.d * a.block_w.d * a.n * a.out_h.d) return;
-    const int r1 = a.block_w.div(row), j = row - r1 * a.block_w.d;
-    const int r2 = a.block_h.div(r1), i = r1 - r2 * a.block_h.d;
-    const int b = a.out_h.div(r2), hq = r2 - b * a.out_h.d;
+    const int r1 = divide(a.block_w, row), j = row - r1 * a.block_w.d;
+    const int r2 = divide(a.block_h, r1), i = r1 - r2 * a.block_h.d;
+    const int b = divide(a.out_h, r2), hq = r2 - b * a.out_h.d;
     const int h = hq * a.block_h.d + i - a.off_h;
     const bool inside = h >= 0 && h < a.height;
     const i64 image_row = ((i64)b * a.height + h) * a.width;  // first pixel of x's row h
@@ -61,7 +52,7 @@ __global__ void space_to_batch_nhwc(const nhwc_args a) {
             const int k = k0 + s * blockDim.x;
             v[s] = Word{};
             if (inside && k < end) {
-                const int wq = a.words.div(k), w = wq * a.block_w.d + j - a.off_w;
+                const int wq = divide(a.words, k), w = wq * a.block_w.d + j - a.off_w;
                 if (w >= 0 && w < a.width)
                     v[s] = x[(image_row + w) * a.words.d + k - wq * a.words.d];
             }
@@ -82,7 +73,7 @@ __global__ void batch_to_space_nhwc(const nhwc_args a) {
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= a.n * a.height) return;
     const int b = row / a.height, hp = row - b * a.height + a.off_h;
-    const int hq = a.block_h.div(hp), i = hp - hq * a.block_h.d;
+    const int hq = divide(a.block_h, hp), i = hp - hq * a.block_h.d;
     const int row_words = a.width * a.words.d;
     const int end = min(row_words, (int)(blockIdx.y + 1) * a.chunk);
     Word* out = x + (i64)row * row_words;
@@ -92,8 +83,8 @@ __global__ void batch_to_space_nhwc(const nhwc_args a) {
         for (int s = 0; s < UNROLL; ++s) {  // all loads first, so several are in flight
             const int k = k0 + s * blockDim.x;
             if (k < end) {
-                const int w = a.words.div(k), wp = w + a.off_w;
-                const int wq = a.block_w.div(wp), j = wp - wq * a.block_w.d;
+                const int w = divide(a.words, k), wp = w + a.off_w;
+                const int wq = divide(a.block_w, wp), j = wp - wq * a.block_w.d;
                 const i64 pixel =
                     (((i64)(i * a.block_w.d + j) * a.n + b) * a.out_h.d + hq) * a.out_w + wq;
                 v[s] = y[pixel * a.words.d + k - w * a.words.d];
@@ -139,19 +130,7 @@ __global__ void batch_to_space_nhwc(const nhwc_args a) {
 // conflict least on (sbnet_cupy/space_to_batch.py, _tile_pitches).
 // Grid: (ceil(bands / tile_bands), ceil(block_h / tile_rows), ceil(out_w / tile_cols)).
 
-struct nchw_args {
-    void* x;
-    void* y;
-    int height, width;          // x: [n * channels, height, width]
-    int out_w, block_h, bands;  // bands: n * channels * out_h
-    int off_h, off_w;
-    int row_words, band_words;
-    divisor out_h, block_w, channels, tile_rows, tile_bands, tile_cols;
-    divisor row_vectors;   // vectors of a padded tile row
-    divisor col_vectors;   // vectors of y in a tile's run of one (i, j) (CL: of a tile column's
-                           // tile_bands)
-};
-static_assert(sizeof(nchw_args) == 152, "nchw_args: sbnet_cupy/space_to_batch.py, _NCHW_ARGS");
+// Arguments: nchw_args (sbnet_cupy/_records.py).
 
 // Vectors a thread loads before it stores any: 32 to 64 bytes in flight for 4 to 16-byte vectors.
 template <int BYTES> struct loads_in_flight {
@@ -219,16 +198,16 @@ struct x_vector {
 
 template <int V, int SIZE, bool CL>
 static __device__ __forceinline__ x_vector locate_x(const nchw_args& a, const nchw_tile& c, int t) {
-    const int r = a.row_vectors.div(t), k = t - r * a.row_vectors.d;
-    const int g = a.tile_rows.div(r), ii = r - g * a.tile_rows.d;
+    const int r = divide(a.row_vectors, t), k = t - r * a.row_vectors.d;
+    const int g = divide(a.tile_rows, r), ii = r - g * a.tile_rows.d;
     const int band = c.band0 + g;
     int plane, hq;
     if (CL) {
-        const int bq = a.channels.div(band), b = a.out_h.div(bq);
+        const int bq = divide(a.channels, band), b = divide(a.out_h, bq);
         plane = b * a.channels.d + band - bq * a.channels.d;
         hq = bq - b * a.out_h.d;
     } else {
-        plane = a.out_h.div(band);
+        plane = divide(a.out_h, band);
         hq = band - plane * a.out_h.d;
     }
     const int h = hq * a.block_h + c.i0 + ii - a.off_h;
@@ -259,19 +238,19 @@ static __device__ __forceinline__ int y_vectors(const nchw_args& a, const nchw_t
 
 template <int VY, bool CL>
 static __device__ __forceinline__ y_vector locate_y(const nchw_args& a, const nchw_tile& c, int t) {
-    const int r = a.col_vectors.div(t), v = t - r * a.col_vectors.d;
+    const int r = divide(a.col_vectors, t), v = t - r * a.col_vectors.d;
     if (CL) {  // v: vector of channels, o: tile column
-        const int ij = a.tile_cols.div(r), o = r - ij * a.tile_cols.d;
-        const int ii = a.block_w.div(ij), j = ij - ii * a.block_w.d;
+        const int ij = divide(a.tile_cols, r), o = r - ij * a.tile_cols.d;
+        const int ii = divide(a.block_w, ij), j = ij - ii * a.block_w.d;
         const i64 sub_lattice = (i64)((c.i0 + ii) * a.block_w.d + j) * a.bands * a.out_w;
-        const int q = c.q0 + o, bq = a.channels.div(c.band0);
+        const int q = c.q0 + o, bq = divide(a.channels, c.band0);
         const int channel = c.band0 - bq * a.channels.d + v * VY;
         return {sub_lattice + ((i64)bq * a.out_w + q) * a.channels.d + channel,
                 v * VY * a.band_words + ii * a.row_words, o * a.block_w.d + j, 0, q < a.out_w};
     }
-    const int ii = a.block_w.div(r), j = r - ii * a.block_w.d;
+    const int ii = divide(a.block_w, r), j = r - ii * a.block_w.d;
     const i64 sub_lattice = (i64)((c.i0 + ii) * a.block_w.d + j) * a.bands * a.out_w;
-    const int flat = v * VY, o = a.tile_cols.div(flat), q = c.q0 + flat - o * a.tile_cols.d;
+    const int flat = v * VY, o = divide(a.tile_cols, flat), q = c.q0 + flat - o * a.tile_cols.d;
     return {sub_lattice + (i64)(c.band0 + o) * a.out_w + q, ii * a.row_words, j, flat,
             o < c.bands && q < a.out_w};
 }
@@ -280,7 +259,7 @@ static __device__ __forceinline__ y_vector locate_y(const nchw_args& a, const nc
 template <bool CL, int SIZE>
 static __device__ __forceinline__ int y_element(const nchw_args& a, const y_vector& p, int e) {
     if (CL) return tile_at(p.row + e * a.band_words, p.column * SIZE);
-    const int f = p.flat + e, o = a.tile_cols.div(f);
+    const int f = p.flat + e, o = divide(a.tile_cols, f);
     return tile_at(p.row + o * a.band_words,
                    ((f - o * a.tile_cols.d) * a.block_w.d + p.column) * SIZE);
 }

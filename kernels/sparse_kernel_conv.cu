@@ -11,35 +11,8 @@
 // output rows at a stride of str_h, warps_y warps stacked vertically, warps_q warps side by side
 // on different output channels of the same tile.
 
-// The forward kernels' arguments.
-struct ConvArgs {
-    const void* x;        // [n, in_h, in_w, cin] of T
-    void* out;            // [n, out_h, out_w, cout] of T
-    const void* bias;     // [cout] of T, or null
-    const int* ranges;    // direct: taps of (co, ci), [cout * cin + 1]; compiled: null
-    const int* taps;      // direct: ci << 16 | kh << 8 | kw; compiled: null
-    const void* values;   // [taps] of T, in the kernel's order
-    float* partial;       // direct, channels split: [splits, n, out_h, out_w, groups * Q]; else null
-    int n, in_h, in_w, cin, out_h, out_w, cout;
-    int str_h, str_w, dil_h, dil_w, pad_h, pad_w, idil_h, idil_w;
-    int tile_rows, tile_cols, pitch, chunk;  // the staged tile; channels staged at a time
-    int warps_y, warps_q, groups;  // groups: of Q output channels
-    int split_cin;  // direct: input channels a split (blockIdx.z) sums (cin: one split)
-};
-static_assert(sizeof(ConvArgs) == 152, "ConvArgs layout changed: update sparse_kernel_conv.py");
-
-// The arguments of the gradient with respect to the non-zero weights.
-struct GradValuesArgs {
-    const void* x;       // [n, in_h, in_w, cin] of T
-    const void* dy;      // [n, out_h, out_w, cout] of T
-    const int* ranges;   // taps of (co, ci), [cout * cin + 1]
-    const int* taps;     // ci << 16 | kh << 8 | kw
-    void* grad;          // [taps] of the accumulation type, added to with atomics
-    int n, in_h, in_w, cin, out_h, out_w, cout;
-    int str_h, str_w, dil_h, dil_w, pad_h, pad_w;
-    int tile_rows, tile_cols, pitch, chunk, co_chunk;
-};
-static_assert(sizeof(GradValuesArgs) == 112, "GradValuesArgs layout changed: update sparse_kernel_conv.py");
+// The forward kernels take ConvArgs, the gradient with respect to the non-zero weights
+// GradValuesArgs: both declared in sbnet_cupy/_records.py.
 
 static __device__ __forceinline__ float fma_acc(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 static __device__ __forceinline__ double fma_acc(double a, double b, double c) { return __fma_rn(a, b, c); }

@@ -6,11 +6,11 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _launch
+from . import _checks, _launch, _records
 
-# kernels/common.cuh StackArgs: src, dst, scale, shift, then BlockList (indices, count and ten
-# ints), then words_per_pixel, tile_rows, log2_tile_c, pitch.
-STACK_ARGS = _launch.layout("6P14i", 104)
+# The gather's and scatter's argument record: src, dst, scale, shift, then a BlockList (indices,
+# count and ten ints), then words_per_pixel, tile_rows, log2_tile_c, pitch.
+STACK_ARGS = _records.STACK_ARGS
 
 # A gather or scatter kernel (its address, compiled for one device) and its launch shape, except
 # the grid's x (the stack's rows, which change from call to call with capacity): what the ops
@@ -97,7 +97,7 @@ def launch(plan, device, stream, src, dst, indices, counts, rows, image_shape, g
         raise ValueError(f"active_block_indices has too many rows: {rows}")
     _launch.launch(device, stream, plan.function, (rows, *plan.grid_yz), plan.block,
                    plan.shared_mem,
-                   STACK_ARGS,
+                   STACK_ARGS,  # its values in order
                    (src, dst, scale, shift, indices, counts, rows, n_batch, height, width, bh, bw,
                     oh, ow, sh, sw, plan.words_per_pixel, plan.tile_rows, plan.log2_tile_c,
                     plan.pitch))

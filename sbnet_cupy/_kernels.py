@@ -9,6 +9,8 @@ place that says which types and sizes the kernels are instantiated for.
 import functools
 import pathlib
 
+from . import _records
+
 COMPILE_OPTIONS = ("--std=c++17",)
 
 # Block sizes that reduce_mask has a kernel of its own for (its loop over a block's pixels
@@ -51,9 +53,11 @@ def _source_dir():
 
 @functools.cache
 def kernel_source(op):
-    """Source of kernels/<op>.cu with kernels/common.cuh in front of it."""
+    """Source of kernels/<op>.cu with kernels/common.cuh in front of it, and in front of both
+    the argument records of the two (_records.header)."""
     folder = _source_dir()
-    return (folder / "common.cuh").read_text() + "\n" + (folder / f"{op}.cu").read_text()
+    return "\n".join([_records.header(op), (folder / "common.cuh").read_text(),
+                      (folder / f"{op}.cu").read_text()])
 
 
 @functools.cache

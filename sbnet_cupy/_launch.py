@@ -1,12 +1,13 @@
 """Kernel launches that cost little host time: every kernel takes its arguments as one struct,
 packed here into a per-thread buffer and handed straight to the driver (cuLaunchKernel).
 
-A launch through CuPy's ``Function.__call__`` converts every argument into a CuPy object (a
-kernel of 15-19 scalars and arrays cost ~17 us of host time on the H100 machine), and the
-bridges used to wrap every tensor in a CuPy array and every stream in a CuPy Stream. Here a call
-is one ``Struct.pack_into`` and one driver call on raw pointers, whatever produced them (CuPy
-arrays, torch tensors, DLPack capsules). Launch geometry, compiled functions and the structs'
-layouts are computed once and cached by the ops.
+A launch through CuPy's ``Function.__call__`` converts every argument into a CuPy object, which
+costs more host time than the kernels of a small op take, and the bridges used to wrap every
+tensor in a CuPy array and every stream in a CuPy Stream. Here a call is one ``pack_into`` of
+the kernel's argument record (sbnet_cupy/_records.py) and one driver call on raw pointers,
+whatever produced them (CuPy arrays, torch tensors, DLPack capsules). Launch geometry and
+compiled functions are computed once and cached by the ops, from the device's facts
+(device_info), never from one GPU's numbers.
 
 A launch with ``dependent=True`` is a programmatic dependent launch (cuLaunchKernelEx, called
 through ctypes: CuPy exposes no launch with attributes) on GPUs of compute capability 9.0 and
@@ -22,17 +23,18 @@ import ctypes
 import os
 import struct
 import threading
+from collections import namedtuple
 
 import numpy
 
-from . import _kernels
+from . import _kernels, _records
 
 try:
     from cupy.cuda import Device, driver, runtime
 except ImportError:  # the NumPy backend launches nothing
     Device = driver = runtime = None
 
-# The largest argument struct any kernel takes (kernels/common.cuh static_asserts each size).
+# The largest argument struct any kernel takes (sbnet_cupy/_records.py checks each size).
 _ARG_BYTES = 256
 
 DEPENDENT_LAUNCH = os.environ.get("SBNET_DEPENDENT_LAUNCH", "1") != "0"
@@ -70,8 +72,10 @@ def _driver_launch_ex():
 
 
 def layout(fmt, size):
-    """struct.Struct for a kernel's argument struct: native alignment ('@'), as the compiler lays
-    out the C++ struct; `size` is the struct's sizeof, which the kernel source asserts too."""
+    """struct.Struct for an argument struct still written by hand in its kernel file (only
+    kernels/submanifold.cu's, until they move to sbnet_cupy/_records.py): native alignment
+    ('@'), as the compiler lays out the C++ struct; `size` is the struct's sizeof, which the
+    kernel source asserts too."""
     packed = struct.Struct("@" + fmt)
     if struct.calcsize("@" + fmt + "0P") != size or size > _ARG_BYTES:
         raise AssertionError(f"argument layout {fmt!r} is not {size} bytes")  # a library bug
@@ -111,9 +115,40 @@ def function(device, op, kernel, *template_args):
     return entry[0]
 
 
+DeviceInfo = namedtuple("DeviceInfo", ["sms", "shared_per_block_optin", "shared_per_sm",
+                                       "compute_capability"])
+DeviceInfo.__doc__ = """The facts of a GPU that the launch plans are made from: its SMs, the
+dynamic shared memory a CTA may opt into and an SM holds (bytes), its compute capability
+(major, minor). Plans take it from device_info(device); planning without a GPU (tests, the
+benchmarks' tables) passes one explicitly, such as H100."""
+
+# An H100 SXM: what the rules measured on it assume, for planning where there is no GPU.
+H100 = DeviceInfo(sms=132, shared_per_block_optin=232448, shared_per_sm=233472,
+                  compute_capability=(9, 0))
+
+_device_infos = {}  # device -> DeviceInfo
+
+
+def device_info(device):
+    """The DeviceInfo of CUDA device `device` (an ordinal), read from the runtime once."""
+    try:
+        return _device_infos[device]
+    except KeyError:
+        def attribute(which):
+            return runtime.deviceGetAttribute(which, device)
+
+        capability = int(Device(device).compute_capability)
+        info = _device_infos[device] = DeviceInfo(
+            attribute(runtime.cudaDevAttrMultiProcessorCount),
+            attribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin),
+            attribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor),
+            divmod(capability, 10))
+        return info
+
+
 def multiprocessors(device):
     """The number of SMs of `device`: how many CTAs fill it, as the ops size their grids."""
-    return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
+    return device_info(device).sms
 
 
 def cupy_float_scratch(n):
@@ -125,7 +160,7 @@ def cupy_float_scratch(n):
     return scratch.data.ptr, scratch
 
 
-SPLIT_SUM_ARGS = layout("3Pq3i", 48)  # kernels/common.cuh, SplitSumArgs
+SPLIT_SUM_ARGS = _records.SPLIT_SUM_ARGS
 _SPLIT_SUM_THREADS, _SPLIT_SUM_BLOCKS = 256, 2048  # a grid-stride loop: enough to fill a GPU
 
 
@@ -141,9 +176,11 @@ def launch_split_sum(device, stream, kernel, partial, bias, out, rows, cols, pit
 
 def launch(device, stream, kernel, grid, block, shared_mem, arguments, values, dependent=False):
     """Launch `kernel` (an address from function()) on `device` and `stream` (a cudaStream_t
-    address), grid and block as 3-tuples, with `values` packed by the Struct `arguments`;
-    dependent: a programmatic dependent launch where the GPU takes it (the kernel must call
-    wait_for_previous_kernel before it touches memory the previous kernel may use)."""
+    address), grid and block as 3-tuples, with `values` packed by `arguments`: the kernel's
+    Record (sbnet_cupy/_records.py), `values` its leaves' values in its order (Record.values
+    and Record.tail build them by name); dependent: a programmatic dependent launch where the
+    GPU takes it (the kernel must call wait_for_previous_kernel before it touches memory the
+    previous kernel may use)."""
     state = _state
     arguments.pack_into(state.arguments, 0, *values)
     current = runtime.getDevice()
@@ -183,6 +220,6 @@ def _dependent_launch(device):
     try:
         return _dependent[device]
     except KeyError:
-        major = int(Device(device).compute_capability) // 10
+        major = device_info(device).compute_capability[0]
         launch_ex = _dependent[device] = _driver_launch_ex() if major >= 9 else None
         return launch_ex

@@ -16,12 +16,13 @@ import math
 import os
 from collections import namedtuple
 
-from . import _checks, _kernels, _launch
+from . import _checks, _kernels, _launch, _records
 
-# kernels/block_conv.cu BlockConvArgs: 8 pointers, 8 ints, two BlockSides of 7 ints, 8 ints.
-BLOCK_CONV_ARGS = _launch.layout("8P8i7i7i8i", 184)
-# BlockConvPairArgs: BlockConvArgs, then dst2, weight2, cout2, a BlockSide, paired2.
-BLOCK_CONV_PAIR_ARGS = _launch.layout("8P8i7i7i8i2Pi7ii", 240)
+# The kernels' argument records (sbnet_cupy/_records.py): the launches below pass their values
+# in these records' order.
+BLOCK_SIDE = _records.BLOCK_SIDE
+BLOCK_CONV_ARGS = _records.BLOCK_CONV_ARGS
+BLOCK_CONV_PAIR_ARGS = _records.BLOCK_CONV_PAIR_ARGS
 # As block_conv_tile in the kernel: threads of a warp group, output pixels a tile, words of the
 # reduction a stage, words a shared-memory tile row, stages a warp group keeps in shared memory.
 THREADS, TILE_PIXELS, TILE_WORDS, PITCH, SLOTS = 128, 64, 32, 36, 3
@@ -43,12 +44,14 @@ HaloPlan = namedtuple("HaloPlan", ["function", "chunk", "chunks", "shared", "cta
 
 def image_side(height, width, boffset, bstride):
     """A side that is an NHWC image [N, height, width, C]: block (n, hi, wi) of the list starts
-    at (boffset[0] + bstride[0] * hi, boffset[1] + bstride[1] * wi)."""
+    at (boffset[0] + bstride[0] * hi, boffset[1] + bstride[1] * wi). The values of a BlockSide,
+    in its order (tests/test_records.py checks them against BLOCK_SIDE.values)."""
     return (height, width, boffset[0], boffset[1], bstride[0], bstride[1], 0)
 
 
 def stack_side(bh, bw):
-    """A side that is a stack [rows, bh, bw, C], one entry per row of the block list."""
+    """A side that is a stack [rows, bh, bw, C], one entry per row of the block list (a
+    BlockSide's values, as image_side's)."""
     return (bh, bw, 0, 0, 0, 0, 1)
 
 
@@ -89,8 +92,8 @@ _kernels.register_instantiations("block_conv", instantiations)
 STAGING = "auto"
 # "auto" takes the halo for float32 (TF32) where its channels are one chunk of at most
 # HALO_AUTO_CHANNELS, or where the launch splits its chunks over at least HALO_AUTO_GROUPS warp
-# groups: where it was faster on an H100 (bench/README.md, "Staging"). Two groups were level with
-# the streamed stages (faster in T1, slower in T2); fp16 and bf16 stream.
+# groups: where it measured faster (bench/README.md, "Staging"). Two groups measured level with
+# the streamed stages; fp16 and bf16 stream.
 HALO_AUTO_CHANNELS = 24
 HALO_AUTO_GROUPS = 3
 
@@ -131,9 +134,7 @@ def tile_channels(cout, rows, pixel_tiles, sms):
     of the widths that pad cout least, or the widest width where it pads as little and its tiles
     still give each of the `sms` SMs two. Wide tiles load each input tile once for more
     channels; where blocks are few, narrow ones keep more of the GPU busy; 48 pays only where it
-    pads less (H100, T2 / T1 units graphed: 64 4-6% faster at conv-3's 48 -> 192, 32 up to 20%
-    at conv-4, 48 slower than 32 on 96 channels: 1.37x against 1.65x cuDNN's speed at conv-2
-    with every block active)."""
+    pads less (measured on the res-unit benchmarks: bench/README.md)."""
     padded = [math.ceil(cout / bn) * bn for bn in TILE_CHANNELS]
     least = [bn for bn, p in zip(TILE_CHANNELS, padded) if p == min(padded)]
     widest = max(TILE_CHANNELS)
@@ -149,15 +150,13 @@ def _plan(device, dtype_name, cin, width, alignment, op):
                   if v * itemsize <= 16 and cin % v == 0 and alignment % (v * itemsize) == 0)
     function = _launch.function(device, "block_conv", "block_conv",
                                 _kernels.ARITHMETIC_CTYPES[dtype_name], width, vector, op)
-    driver, runtime = _launch.driver, _launch.runtime
+    driver, info = _launch.driver, _launch.device_info(device)
     group_bytes = SLOTS * (TILE_PIXELS + width) * PITCH * 4
-    shared_limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                              device)
-    max_groups = max(1, min(MAX_K_GROUPS, shared_limit // group_bytes))
+    max_groups = max(1, min(MAX_K_GROUPS, info.shared_per_block_optin // group_bytes))
     driver.funcSetAttribute(function,
                             driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             max_groups * group_bytes)
-    sms = _launch.multiprocessors(device)
+    sms = info.sms
     ctas = tuple(sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
         function, THREADS * groups, groups * group_bytes))
         for groups in range(1, max_groups + 1))
@@ -174,8 +173,8 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
     if (staging == "streamed" or kernel_size == (1, 1) or cin == 0 or cin % vector
             or alignment % 16):
         return None
-    runtime, driver = _launch.runtime, _launch.driver
-    limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
+    driver, info = _launch.driver, _launch.device_info(device)
+    limit = info.shared_per_block_optin
     chunk = halo_chunk(itemsize, cin, kernel_size, out_size, width, limit)
     if chunk is None or staging == "auto" and dtype_name != "float32":
         return None
@@ -189,7 +188,7 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
                                 _kernels.ARITHMETIC_CTYPES[dtype_name], width, op)
     driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             limit)
-    sms = _launch.multiprocessors(device)
+    sms = info.sms
     ctas = tuple(bytes_ and sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
         function, THREADS * groups, bytes_)) for groups, bytes_ in enumerate(shared, 1))
     return HaloPlan(function, chunk, chunks, shared, ctas, sms)
@@ -197,7 +196,7 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
 
 @functools.lru_cache(maxsize=4096)
 def _tile_channels(device, cout, rows, pixel_tiles):
-    return tile_channels(cout, rows, pixel_tiles, _launch.multiprocessors(device))
+    return tile_channels(cout, rows, pixel_tiles, _launch.device_info(device).sms)
 
 
 def k_groups(tiles, stages, ctas):
@@ -240,6 +239,7 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
     alignment = _checks.alignment(src, weight)
     width, tiles, halo, groups = _tiling(device, dtype_name, cin, cout, rows, kernel_size,
                                          out_size, alignment, op, prologue=bool(scale))
+    # BLOCK_CONV_ARGS's fields up to `paired`, in order; then k_groups, the steps, halo_chunk.
     arguments = (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin, cout,
                  kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out), bool(zero_outside),
                  _paired(dtype_name, cout, dst))
@@ -314,8 +314,8 @@ def _pair_plan(device, dtype_name, bn, bn2):
     itemsize = _kernels.ITEMSIZES[dtype_name]
     function = _launch.function(device, "block_conv", "block_conv_pair",
                                 _kernels.ARITHMETIC_CTYPES[dtype_name], bn, bn2)
-    driver, runtime = _launch.driver, _launch.runtime
-    limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
+    driver, info = _launch.driver, _launch.device_info(device)
+    limit = info.shared_per_block_optin
     pitch2 = bn * itemsize // 4 + 4
     shared = tuple(max(groups * SLOTS * (TILE_PIXELS + bn) * PITCH,
                        (TILE_PIXELS + groups * bn2) * pitch2) * 4
@@ -323,7 +323,7 @@ def _pair_plan(device, dtype_name, bn, bn2):
     shared = tuple(b for b in shared if b <= limit)
     driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             shared[-1])
-    sms = _launch.multiprocessors(device)
+    sms = info.sms
     ctas = tuple(sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
         function, THREADS * groups, bytes_)) for groups, bytes_ in enumerate(shared, 1))
     return function, shared, ctas
@@ -369,6 +369,7 @@ def launch_res_unit(device, stream, dtype_name, x, y, weights, indices, counts, 
         function, shared, ctas = _pair_plan(device, dtype_name, bn, bn2)
         tiles = _tile_count(rows, (oh, ow), bottleneck, bn)
         groups, steps = _streamed_groups(dtype_name, bottleneck, (3, 3), tiles, ctas)
+        # BLOCK_CONV_PAIR_ARGS in order: the 3x3's BlockConvArgs, then the 1x1's fields.
         _launch.launch(device, stream, function, (min(tiles, ctas[groups - 1]), 1, 1),
                        (THREADS * groups, 1, 1), shared[groups - 1], BLOCK_CONV_PAIR_ARGS,
                        (first, middle, w2, b2, 0, 0, indices, counts, rows, n, bottleneck,

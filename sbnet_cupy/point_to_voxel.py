@@ -20,7 +20,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels, _launch
+from . import _checks, _kernels, _launch, _records
 from .submanifold import _CUPY, table_capacity
 
 # Voxel sizes (float32 values), grid minimum and cells along each axis, z first.
@@ -29,11 +29,11 @@ VoxelGrid = namedtuple("VoxelGrid", ["vsize", "lower", "shape"])
 CTYPES = {"float16": "half_t", "float32": "float", "float64": "double"}
 KERNELS = ("p2v_clear", "p2v_insert", "p2v_mark", "p2v_rank", "p2v_assign", "p2v_scatter",
            "p2v_select", "p2v_gather")  # in launch order; each a template on the points' type
-_MAX_DIMS = 4
+_MAX_DIMS = _records.P2V_MAX_DIMS
 _THREADS = 256
 _RANK_THREADS = 1024  # kernels/point_to_voxel.cu, P2V_RANK_THREADS
 _MAX_BLOCKS = 65535 * 16  # grid-stride loops beyond this
-_ARGS = _launch.layout("13P2q6i4i8d", 224)  # kernels/point_to_voxel.cu, P2VArgs
+_ARGS = _records.P2V_ARGS  # every kernel's argument record
 
 
 def voxel_grid(vsize_xyz, coors_range_xyz):
@@ -272,30 +272,37 @@ def voxelize_raw(alloc, device, stream, points, n, features, dtype, grid, max_vo
     owner, base = alloc.empty((size // 4,), "int32")
     table, slot, bits, word_rank, total, voxel, bucket, selected = (base + o for o in offsets)
     pad = _MAX_DIMS - ndim
-    fixed = (capacity - 1, n, features, ndim, max_voxels, max_points, int(empty_mean), cap,
-             *grid.shape, *(1,) * pad, *grid.lower, *(0.0,) * pad, *grid.vsize, *(1.0,) * pad)
     ctype = CTYPES[dtype]
 
-    def launch(kernel, items, voxels=0, coords=0, num_points=0, blocks=None, block=_THREADS):
+    def arguments(voxels=0, coords=0, num_points=0):  # the outputs: 0 until their count is known
+        return _ARGS.values(
+            points=points, voxels=voxels, table=table, slot=slot, bits=bits,
+            word_rank=word_rank, total=total, voxel=voxel, bucket=bucket, selected=selected,
+            coords=coords, num_points=num_points, point_voxel_id=ids, mask=capacity - 1, n=n,
+            features=features, ndim=ndim, max_voxels=max_voxels, max_points=max_points,
+            empty_mean=int(empty_mean), cap=cap, grid=(*grid.shape, *(1,) * pad),
+            lower=(*grid.lower, *(0.0,) * pad), vsize=(*grid.vsize, *(1.0,) * pad))
+
+    def launch(kernel, items, values, blocks=None, block=_THREADS):
         function = _launch.function(device, "point_to_voxel", kernel, ctype)
         _launch.launch(device, stream, function, blocks or _grid(items), (block, 1, 1), 0, _ARGS,
-                       (points, voxels, table, slot, bits, word_rank, total, voxel, bucket,
-                        selected, coords, num_points, ids, *fixed))
+                       values)
 
-    launch("p2v_clear", capacity)
-    launch("p2v_insert", n)
-    launch("p2v_mark", n)
-    launch("p2v_rank", 1, blocks=(1, 1, 1), block=_RANK_THREADS)
-    launch("p2v_assign", n)
-    launch("p2v_scatter", n)
+    values = arguments()
+    launch("p2v_clear", capacity, values)
+    launch("p2v_insert", n, values)
+    launch("p2v_mark", n, values)
+    launch("p2v_rank", 1, values, blocks=(1, 1, 1), block=_RANK_THREADS)
+    launch("p2v_assign", n, values)
+    launch("p2v_scatter", n, values)
     count = min(int(alloc.host(owner[offsets[4] // 4:offsets[4] // 4 + 1])[0]), max_voxels)
     voxels, voxels_ptr = new_voxels(count)
     coords, coords_ptr = alloc.empty((count, ndim), "int32")
     num_points, num_points_ptr = alloc.empty((count,), "int32")
     if count:
-        outputs = dict(voxels=voxels_ptr, coords=coords_ptr, num_points=num_points_ptr)
-        launch("p2v_select", count, **outputs)
-        launch("p2v_gather", count * features, **outputs)
+        values = arguments(voxels_ptr, coords_ptr, num_points_ptr)
+        launch("p2v_select", count, values)
+        launch("p2v_gather", count * features, values)
     return voxels, coords, num_points, point_voxel_id
 
 

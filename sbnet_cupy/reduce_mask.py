@@ -7,7 +7,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels, _launch
+from . import _checks, _kernels, _launch, _records
 
 _THREADS = 1024  # 32 warps, one block each; kernels/reduce_mask.cu assumes this
 
@@ -194,8 +194,8 @@ def shared_workspace(device, stream, n_words):
     return buffer.data.ptr
 
 
-# kernels/reduce_mask.cu ReduceMaskArgs: mask, words, tickets, indices, count, tol, 13 ints.
-_ARGS = _launch.layout("5Pd13i", 104)
+# ReduceMaskArgs (sbnet_cupy/_records.py): mask, words, tickets, indices, count, tol, 13 ints.
+_ARGS = _records.REDUCE_MASK_ARGS
 
 
 def launch_reduce_mask(device, stream, mask, mask_shape, mask_dtype, bcount, geometry, tol,
@@ -208,7 +208,7 @@ def launch_reduce_mask(device, stream, mask, mask_shape, mask_dtype, bcount, geo
     n, height, width = mask_shape
     n_words = workspace_words(n * bcount[0] * bcount[1]) - 1
     _launch.launch(device, stream, _function(device, mask_dtype, avgpool, bh, bw),
-                   (n_words, 1, 1), (_THREADS, 1, 1), 0, _ARGS,
+                   (n_words, 1, 1), (_THREADS, 1, 1), 0, _ARGS,  # its values in order
                    (mask, workspace + 4, workspace, indices, count, tol, n, height, width, bh,
                     bw, oh, ow, sh, sw, bcount[0], bcount[1], rows, fill_rows))
 

@@ -8,7 +8,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels, _launch
+from . import _checks, _kernels, _launch, _records
 from .sparse_conv import conv2d_valid
 
 DATA_FORMATS = ("NHWC", "NCHW")
@@ -25,9 +25,10 @@ _SECTOR = 32  # bytes: the unit of a memory transaction, which a warp's accesses
 _BANKS = 32
 _INT32_LIMIT = 2**31
 
-# The kernels' argument structs: two pointers, ints, and (d, mul, shift) divisors.
-_NHWC_ARGS = _launch.layout("2P7i" + "i2I" * 4, 96)
-_NCHW_ARGS = _launch.layout("2P9i" + "i2I" * 8, 152)
+# The kernels' argument records (sbnet_cupy/_records.py): x, y, ints and (d, mul, shift)
+# divisors; the plans build all but x and y by name (Record.tail).
+_NHWC_ARGS = _records.NHWC_ARGS
+_NCHW_ARGS = _records.NCHW_ARGS
 
 
 class Reshape(namedtuple("Reshape", ["x_dims", "y_hw", "block", "margins", "data_format",
@@ -409,7 +410,7 @@ def _divisor(d):
     mul = ceil(2**shift / d) with shift = 31 + ceil(log2(d)), so mul < 2**32 and the error
     n * (mul * d - 2**shift) / 2**shift stays below 1 / d."""
     shift = 31 + (d - 1).bit_length()
-    return (d, -(-(1 << shift) // d), shift)
+    return _records.DIVISOR.values(d=d, mul=-(-(1 << shift) // d), shift=shift)
 
 
 @functools.lru_cache(maxsize=256)
@@ -461,8 +462,9 @@ def _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, pixel_bytes, align):
                         math.ceil(row_words / (threads_x * _UNROLL))))
     chunk = math.ceil(row_words / chunks)
     _check_int32(rows=rows, row_words=row_words + chunk, padded_width=bw * wq)
-    values = (n, h, w, wq, top, left, chunk, *_divisor(words), *_divisor(bh), *_divisor(bw),
-              *_divisor(hq))
+    values = _NHWC_ARGS.tail(n=n, height=h, width=w, out_w=wq, off_h=top, off_w=left,
+                             chunk=chunk, words=_divisor(words), block_h=_divisor(bh),
+                             block_w=_divisor(bw), out_h=_divisor(hq))
     return (f"{op}_nhwc", (_kernels.STORAGE_CTYPES[word],), (row_ctas, chunks, 1),
             (threads_x, threads_y, 1), 0, _NHWC_ARGS, values)
 
@@ -518,10 +520,12 @@ def _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, chann
                  y_run=tile_bands * tile_cols)
     grid = (math.ceil(bands / tile_bands), _checks.grid_dim("block rows", row_tiles),
             _checks.grid_dim("columns", column_tiles))
-    values = (h, w, wq, bh, bands, top, left, row_words, band_words,
-              *_divisor(hq), *_divisor(bw), *_divisor(c), *_divisor(tile_rows),
-              *_divisor(tile_bands), *_divisor(tile_cols), *_divisor(row_vectors),
-              *_divisor(col_vectors))
+    values = _NCHW_ARGS.tail(
+        height=h, width=w, out_w=wq, block_h=bh, bands=bands, off_h=top, off_w=left,
+        row_words=row_words, band_words=band_words, out_h=_divisor(hq), block_w=_divisor(bw),
+        channels=_divisor(c), tile_rows=_divisor(tile_rows), tile_bands=_divisor(tile_bands),
+        tile_cols=_divisor(tile_cols), row_vectors=_divisor(row_vectors),
+        col_vectors=_divisor(col_vectors))
     return (f"{op}_nchw", (_kernels.STORAGE_CTYPES[itemsize], vector, vector_y, channels_last),
             grid, (_THREADS, 1, 1), tile_bands * band_words * 4, _NCHW_ARGS, values)
 

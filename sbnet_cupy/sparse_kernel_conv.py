@@ -27,7 +27,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels, _launch
+from . import _checks, _kernels, _launch, _records
 
 STRATEGIES = ("compiled", "direct")
 
@@ -41,37 +41,41 @@ _COMPILED_WARPS = 8  # warps a CTA, stacked vertically (__launch_bounds__(256, 2
 # runs "direct" and "compiled" refuses.
 COMPILED_MAX_TAPS = 8192
 _COMPILED_MAX_EXTENT = 33  # kernel rows (with dilation) a window may span: registers
-_SMS = 132  # the rule's H100
 _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
 _SPLIT_CTAS_PER_SM = 2  # "direct" splits its input channels until the grid has this many an SM
 _SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
-# "compiled" opts in to more (the kernel attribute), as much as keeps its 2 CTAs an SM on the
-# H100 (228 KB an SM): larger chunks of input channels, fewer passes over them.
+# "compiled" opts in to more (the kernel attribute): at most this, and no more than keeps
+# _COMPILED_CTAS_PER_SM CTAs on an SM of the device: larger chunks of input channels, fewer
+# passes over them.
 _COMPILED_SMEM_LIMIT = 100 * 1024
-_CONV_ARGS = _launch.layout("7P23i", 152)
-_GRAD_VALUES_ARGS = _launch.layout("5P18i", 112)
+_COMPILED_CTAS_PER_SM = 2
+_RESERVED_SMEM = 1024  # shared memory the GPU keeps for each CTA (compute capability 8.0 on)
+# The kernels' argument records (sbnet_cupy/_records.py): the plans build the int fields by
+# name (Record.tail), and the launches put the pointers in front of them.
+_CONV_ARGS = _records.CONV_ARGS
+_GRAD_VALUES_ARGS = _records.GRAD_VALUES_ARGS
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _MAX_KERNEL_SIDE = 255  # the kernels pack kh and kw in 8 bits and the input channel in 15
 _MAX_CIN = 32767
 
 
 def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
-                    input_dilation, nnz):
-    """The strategy sparse_kernel_conv2d uses when none is given, for conv_plan's arguments:
-    "compiled" where it applies, unless it takes two passes or more over the input channels with
-    fewer CTAs than the GPU has SMs; "direct" elsewhere.
+                    input_dilation, nnz, *, info):
+    """The strategy sparse_kernel_conv2d uses when none is given, for conv_plan's arguments on
+    a GPU of DeviceInfo `info` (_launch.device_info): "compiled" where it applies, unless it
+    takes two passes or more over the input channels with fewer CTAs than the GPU has SMs;
+    "direct" elsewhere.
 
     "compiled" applies with unit vertical stride, no input dilation, float32 arithmetic, at most
     COMPILED_MAX_TAPS taps, a kernel extent (KH - 1) * DH + 1 <= 33 rows and room in shared
     memory for its tile and its values. It stages the input tile a chunk of input channels at a
     time (3-4 channels of 16-64 at 11x11xCinx3; "direct" 3), one group of output channels a CTA.
-    On one image with few output channels its CTAs are fewer than the SMs (32 on 1x256x512 with
-    3 outputs), where "direct" has 64 tiles and splits their input channels over more CTAs; with
-    one pass there is nothing to split. Elsewhere "compiled" was the faster in every case of the
-    benchmark, 11x11x32x64 at 1% non-zeros (19 taps a staged channel a group) and inputs larger
-    than L2 read in 22 passes included.
+    On one image with few output channels its CTAs are fewer than the SMs, where "direct" has
+    more tiles and splits their input channels over more CTAs; with one pass there is nothing to
+    split. Elsewhere "compiled" was the faster in every case of the benchmark, very sparse
+    kernels and inputs larger than L2 read in many passes included.
 
     The measurements behind it: bench/README.md, "The strategies and the rule";
     test_rule_matches_the_benchmark checks it against the committed run.
@@ -82,11 +86,11 @@ def choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dila
         return "direct"
     try:
         plan = _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations,
-                              pads, input_dilation, nnz)
+                              pads, input_dilation, nnz, info)
     except ValueError:  # no room in shared memory
         return "direct"
     passes, ctas = -(-cin // plan.layout[4]), math.prod(plan.grid)
-    return "direct" if passes >= 2 and 0 < ctas < _SMS else "compiled"  # 0: an empty output
+    return "direct" if passes >= 2 and 0 < ctas < info.sms else "compiled"  # 0: empty output
 
 
 # --- the converted weight -----------------------------------------------------------------
@@ -278,7 +282,7 @@ class _Program:
             driver = _launch.driver
             driver.funcSetAttribute(compiled.ptr,
                                     driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                    _compiled_smem_limit(device))
+                                    _compiled_smem_limit(_launch.device_info(device)))
             entry = self._functions[key] = (compiled.ptr, module, compiled)  # keeps it loaded
         return entry[0]
 
@@ -767,33 +771,35 @@ def _round_up(value, multiple):
 
 @functools.lru_cache(maxsize=1024)
 def conv_plan(strategy, dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
-              input_dilation, nnz, device=None):
+              input_dilation, nnz, device=None, info=None):
     """The ConvPlan of a convolution of an [n, *in_hw, cin] input (with input_dilation - 1
     zeros between its pixels) into [n, *out_hw, cout] by a kernel_hw weight of nnz taps, padded
     by pads (top, left); strategy None applies choose_strategy (and "direct" where the rule's
-    "compiled" finds no room in shared memory). With a device, a "direct" plan carries the
-    compiled kernel."""
+    "compiled" finds no room in shared memory). The plan is made for the GPU of DeviceInfo
+    `info`, by default `device`'s; without a device (planning with no GPU), `info` must be
+    given (such as _launch.H100). With a device, a "direct" plan carries the compiled kernel."""
+    if info is None:
+        if device is None:
+            raise ValueError("conv_plan needs a device or a DeviceInfo (info) to plan for")
+        info = _launch.device_info(device)
     if strategy is None:
         strategy = choose_strategy(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides,
-                                   dilations, pads, input_dilation, nnz)
+                                   dilations, pads, input_dilation, nnz, info=info)
     if strategy == "compiled":
         return _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations,
-                              pads, input_dilation, nnz, device)
+                              pads, input_dilation, nnz, info)
     return _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
-                        input_dilation, device)
+                        input_dilation, device, info)
 
 
-def _compiled_smem_limit(device):
-    """Dynamic shared memory a "compiled" CTA may take on `device` (None: the rule's H100)."""
-    if device is None:
-        return _COMPILED_SMEM_LIMIT
-    runtime = _launch.runtime
-    return min(_COMPILED_SMEM_LIMIT, runtime.deviceGetAttribute(
-        runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device))
+def _compiled_smem_limit(info):
+    """Dynamic shared memory a "compiled" CTA may take on a GPU of DeviceInfo `info`."""
+    return min(_COMPILED_SMEM_LIMIT, info.shared_per_block_optin,
+               info.shared_per_sm // _COMPILED_CTAS_PER_SM - _RESERVED_SMEM)
 
 
 def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
-                   input_dilation, nnz, device=None):
+                   input_dilation, nnz, info):
     (k_h, k_w), (sh, sw), (dh, dw) = kernel_hw, strides, dilations
     if sh != 1 or tuple(input_dilation) != (1, 1):
         raise ValueError(f"strategy 'compiled' needs unit vertical strides (and, for the input "
@@ -803,7 +809,7 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
     if nnz > COMPILED_MAX_TAPS:
         raise ValueError(f"strategy 'compiled' takes kernels of at most {COMPILED_MAX_TAPS} "
                          f"non-zero taps, got {nnz}")
-    limit = _compiled_smem_limit(device)
+    limit = _compiled_smem_limit(info)
     q, p = next((t for t in _COMPILED_TILES if t[0] >= min(cout, 16)), _COMPILED_TILES[-1])
     groups = -(-cout // q)
     warps_y = max(1, min(_COMPILED_WARPS, -(-out_hw[0] // p)))
@@ -827,8 +833,11 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
                          f"{dilations}")
     grid = (groups * -(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // (warps_y * p))),
             _checks.grid_dim("x (batch)", n))
-    ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, 1, 1, rows, cols, pitch,
-            chunk, warps_y, 1, groups, max(cin, 1))
+    ints = _CONV_ARGS.tail(
+        n=n, in_h=in_hw[0], in_w=in_hw[1], cin=cin, out_h=out_hw[0], out_w=out_hw[1], cout=cout,
+        str_h=sh, str_w=sw, dil_h=dh, dil_w=dw, pad_h=pads[0], pad_w=pads[1], idil_h=1,
+        idil_w=1, tile_rows=rows, tile_cols=cols, pitch=pitch, chunk=chunk, warps_y=warps_y,
+        warps_q=1, groups=groups, split_cin=max(cin, 1))
     # The outputs pass through the same room on their way out (store_output_staged).
     output_bytes = warps_y * 32 * q * _kernels.ITEMSIZES[dtype]
     smem = max(chunk * channel_bytes + value_bytes, output_bytes)
@@ -838,7 +847,7 @@ def _compiled_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilat
 
 
 def _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilations, pads,
-                 input_dilation, device):
+                 input_dilation, device, info):
     acc_size = 8 if dtype == "float64" else 4
     (k_h, k_w), (sh, sw), (dh, dw) = kernel_hw, strides, dilations
     p, q = _DIRECT_P, _DIRECT_Q
@@ -859,12 +868,16 @@ def _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilatio
                          f"larger than the GPU kernels' shared memory ({channel_bytes} bytes "
                          f"a channel)")
     tiles = (-(-out_hw[1] // 32), -(-out_hw[0] // (warps_y * p)), n * -(-groups // warps_q))
-    split_cin = _split_cin(dtype, math.prod(tiles), cin, chunk, device)
+    split_cin = _split_cin(dtype, math.prod(tiles), cin, chunk, info.sms)
     splits = -(-cin // split_cin)
     grid = (tiles[0], _checks.grid_dim("out_h", tiles[1]),
             _checks.grid_dim("x (batch x channel groups)", tiles[2] * splits))
-    ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, *input_dilation, rows, cols,
-            pitch, chunk, warps_y, warps_q, groups, split_cin)
+    ints = _CONV_ARGS.tail(
+        n=n, in_h=in_hw[0], in_w=in_hw[1], cin=cin, out_h=out_hw[0], out_w=out_hw[1], cout=cout,
+        str_h=sh, str_w=sw, dil_h=dh, dil_w=dw, pad_h=pads[0], pad_w=pads[1],
+        idil_h=input_dilation[0], idil_w=input_dilation[1], tile_rows=rows, tile_cols=cols,
+        pitch=pitch, chunk=chunk, warps_y=warps_y, warps_q=warps_q, groups=groups,
+        split_cin=split_cin)
     template = (_kernels.ARITHMETIC_CTYPES[dtype], p, q)
     function = split_function = None
     if device is not None:
@@ -880,12 +893,11 @@ def _direct_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dilatio
                     (32 * warps_y * warps_q, 1, 1), chunk * channel_bytes, ints, None, split_sum)
 
 
-def _split_cin(dtype, tiles, cin, chunk, device):
+def _split_cin(dtype, tiles, cin, chunk, sms):
     """The input channels a split of "direct" sums: all of them (one split) where its tiles
-    fill the GPU (or there is one chunk of them, or float64); else whole chunks, as few as make
-    _SPLIT_CTAS_PER_SM CTAs an SM. One image with few output channels has fewer tiles than
-    SMs (64 at 11x11xCinx3 on 1x256x512) and a long chain of chunks in each."""
-    sms = _SMS if device is None else _launch.multiprocessors(device)
+    fill the GPU of `sms` SMs (or there is one chunk of them, or float64); else whole chunks, as
+    few as make _SPLIT_CTAS_PER_SM CTAs an SM. One image with few output channels has fewer
+    tiles than SMs and a long chain of chunks in each."""
     passes = -(-cin // chunk)
     if dtype == "float64" or passes < 2 or not 0 < tiles < sms:
         return max(cin, 1)
@@ -923,6 +935,7 @@ def launch_conv(device, stream, plan, function, x, out, bias, ranges, taps, valu
     if plan.split_sum is not None:
         split_function, rows, cols, pitch, splits = plan.split_sum
         partial, _owner = float_scratch(splits * rows * pitch)
+    # _CONV_ARGS: its seven pointers in order, then the plan's int fields.
     _launch.launch(device, stream, function, plan.grid, plan.block, plan.smem, _CONV_ARGS,
                    (x, out, bias, ranges, taps, values, partial, *plan.ints))
     if partial:  # _owner keeps the scratch until both launches are queued
@@ -982,8 +995,10 @@ def grad_values_plan(dtype, n, in_hw, cin, out_hw, cout, kernel_hw, strides, dil
                          f"a channel)")
     grid = (-(-out_hw[1] // 32), _checks.grid_dim("out_h", -(-out_hw[0] // p)),
             _checks.grid_dim("x (batch x channel groups)", n * -(-cout // co_chunk)))
-    ints = (n, *in_hw, cin, *out_hw, cout, sh, sw, dh, dw, *pads, rows, cols, pitch, chunk,
-            co_chunk)
+    ints = _GRAD_VALUES_ARGS.tail(
+        n=n, in_h=in_hw[0], in_w=in_hw[1], cin=cin, out_h=out_hw[0], out_w=out_hw[1], cout=cout,
+        str_h=sh, str_w=sw, dil_h=dh, dil_w=dw, pad_h=pads[0], pad_w=pads[1], tile_rows=rows,
+        tile_cols=cols, pitch=pitch, chunk=chunk, co_chunk=co_chunk)
     template = (_kernels.ARITHMETIC_CTYPES[dtype], p)
     function = (None if device is None else
                 _launch.function(device, "sparse_kernel_conv", "sparse_kernel_conv_grad_values",
@@ -999,7 +1014,7 @@ def launch_grad_values(device, stream, plan, x, dy, ranges, taps, grad):
     if plan.grid[0] * plan.grid[1] * plan.grid[2] == 0:
         return
     _launch.launch(device, stream, plan.function, plan.grid, plan.block, plan.smem,
-                   _GRAD_VALUES_ARGS, (x, dy, ranges, taps, grad, *plan.ints))
+                   _GRAD_VALUES_ARGS, (x, dy, ranges, taps, grad, *plan.ints))  # pointers first
 
 
 def _grad_values_cupy(x, dy, kernel, strides, dilations, pads):

@@ -17,11 +17,11 @@ import traceback
 
 import pytest
 
-from sbnet_cupy import _kernels, _launch
+from sbnet_cupy import _kernels, _launch, _records
 
 HEADER = pathlib.Path(__file__).with_name("cuda_emulation.h")
 _AFTER_COMMON = "// ---- after kernels/common.cuh ----\n"  # the header's second part starts here
-SHARED_MEMORY_OPTIN = 232448  # an H100's, bytes a CTA may opt into
+SHARED_MEMORY_OPTIN = _launch.H100.shared_per_block_optin  # bytes a CTA may opt into
 
 
 def available():
@@ -62,9 +62,10 @@ def _without_inline_ptx(text):
 
 
 def _emulated_source(op, kernels):
-    """The header's CUDA features, kernels/common.cuh and kernels/<op>.cu without their inline
-    PTX (the header's emulations of it in between), the kernel's dynamic shared memory the
-    emulated one; then one C entry point per kernel (name expression: argument struct)."""
+    """The header's CUDA features, the argument records (sbnet_cupy/_records.py, as NVRTC gets
+    them), kernels/common.cuh and kernels/<op>.cu without their inline PTX (the header's
+    emulations of it in between), the kernel's dynamic shared memory the emulated one; then one
+    C entry point per kernel (name expression: argument struct)."""
     folder = _kernels._source_dir()
     features, emulations = HEADER.read_text().split(_AFTER_COMMON)
     text = _without_inline_ptx((folder / f"{op}.cu").read_text())
@@ -76,7 +77,8 @@ def _emulated_source(op, kernels):
         f"    {struct} a;\n    std::memcpy(&a, args, sizeof a);\n"
         f"    return emu_run(gx, gy, gz, block, shared, [&] {{ {name}(a); }});\n}}\n"
         for i, (name, struct) in enumerate(kernels.items()))
-    return "\n".join([features, _without_inline_ptx((folder / "common.cuh").read_text()),
+    return "\n".join([features, _records.header(op),
+                      _without_inline_ptx((folder / "common.cuh").read_text()),
                       emulations, text, entries])
 
 
@@ -132,6 +134,9 @@ def install(monkeypatch, entries, sms):
             raise AssertionError(f"{kernel}: {fault.decode()}")
 
     monkeypatch.setattr(_launch, "runtime", _Runtime(sms))
+    info = _launch.DeviceInfo(sms=sms, shared_per_block_optin=SHARED_MEMORY_OPTIN,
+                              shared_per_sm=SHARED_MEMORY_OPTIN + 1024, compute_capability=(9, 0))
+    monkeypatch.setattr(_launch, "device_info", lambda device: info)
     monkeypatch.setattr(_launch, "driver", _Driver())
     monkeypatch.setattr(_launch, "function",
                         lambda device, op, kernel, *args: _kernels.name_expression(kernel, *args))

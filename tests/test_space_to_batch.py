@@ -227,12 +227,14 @@ def test_launch_plans_fit_the_kernels(layouts):
             kernel, template, grid, block, smem, arguments, values = _shape_plan(
                 op, g, itemsize, align)
             arguments.pack(0, 0, *values)
+            named = dict(zip(arguments.names[2:], values))  # the fields after x and y
             assert smem <= 48 * 1024 and max(grid[1:]) < 2**16 and numpy.prod(block) <= 1024
             if kernel.endswith("_nchw"):
                 vector, vector_y, channels_last = template[1:]
                 assert max(vector, vector_y) * itemsize <= align
                 assert channels_last == (batch_format == "NHWC")
-                tile_bands, tile_cols, col_vectors = values[21], values[24], values[30]
+                tile_bands, tile_cols, col_vectors = (
+                    named["tile_bands.d"], named["tile_cols.d"], named["col_vectors.d"])
                 if channels_last:
                     assert c % tile_bands == 0 and tile_bands % vector == 0
                     assert vector_y == vector
@@ -250,10 +252,14 @@ def _transliterated_nchw(op, g, src, itemsize, align):
     vectors (locate_y, y_element) out of it, or the other way round. Checks the tile's bounds,
     that nothing reads a slot no one wrote, and that every output element is written once.
     Returns y as [block_h * block_w, bands * out_w] or x as [planes, h, w]."""
-    _, (_, vx, vy, cl), grid, _, smem, _, values = _shape_plan(op, g, itemsize, align)
-    h, w, out_w, block_h, bands, off_h, off_w, row_words, band_words = values[:9]
+    _, (_, vx, vy, cl), grid, _, smem, arguments, values = _shape_plan(op, g, itemsize, align)
+    a = dict(zip(arguments.names[2:], values))  # nchw_args's fields after x and y, by name
+    h, w, out_w, block_h, bands, off_h, off_w, row_words, band_words = (a[name] for name in (
+        "height", "width", "out_w", "block_h", "bands", "off_h", "off_w", "row_words",
+        "band_words"))
     out_h, block_w, channels, tile_rows, tile_bands, tile_cols, row_vectors, col_vectors = (
-        values[9 + 3 * i] for i in range(8))
+        a[f"{name}.d"] for name in ("out_h", "block_w", "channels", "tile_rows", "tile_bands",
+                                    "tile_cols", "row_vectors", "col_vectors"))
 
     def tile_at(row, byte):  # a pad word after every 32
         word = byte >> 2

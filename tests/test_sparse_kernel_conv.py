@@ -7,7 +7,7 @@ import numpy
 import pytest
 
 import sbnet_cupy
-from sbnet_cupy import SparseKernel, _kernels, sparse_kernel_conv as skc
+from sbnet_cupy import SparseKernel, _kernels, _launch, _records, sparse_kernel_conv as skc
 from axes import random_array
 from reference import zero_inserted_kernel
 from conftest import cupy, require, requires_gpu, to_numpy
@@ -290,7 +290,8 @@ def test_direct_split_matches_reference(rng, case):
     out_hw, pads = _geometry(x_shape[1:3], w_shape[:2], strides, skc._padding(padding),
                              dilations)
     plan = skc.conv_plan("direct", "float32", x_shape[0], x_shape[1:3], w_shape[2], out_hw,
-                         w_shape[3], w_shape[:2], strides, dilations, pads, (1, 1), 1)
+                         w_shape[3], w_shape[:2], strides, dilations, pads, (1, 1), 1,
+                         info=_launch.H100)
     assert plan.split_sum is not None
     _check_strategy(rng, case, "direct")
 
@@ -459,7 +460,7 @@ def _rule(dtype, n, hw, k, cin, cout, nnz, strides=(1, 1), dilations=(1, 1),
     out_hw = tuple(-(-size // s) for size, s in zip(hw, strides))
     pads = tuple((k - 1) * d // 2 for d in dilations)
     return skc.choose_strategy(dtype, n, hw, cin, out_hw, cout, (k, k), strides, dilations, pads,
-                               input_dilation, nnz)
+                               input_dilation, nnz, info=_launch.H100)
 
 
 def test_rule():
@@ -529,11 +530,13 @@ def test_rule_falls_back_where_compiled_finds_no_room():
     args = ("float32", 1, (300, 300), 64, (300, 300), 64, (11, 11), (1, 1), (1, 100), (5, 500),
             (1, 1), 8192)
     with pytest.raises(ValueError, match=r"dilations \(1, 100\) with a 11x11 kernel need"):
-        skc.conv_plan(None, *args)
+        skc.conv_plan(None, *args, info=_launch.H100)
     with pytest.raises(ValueError, match="strategy 'compiled' needs an input tile"):
-        skc.conv_plan("compiled", *args)
+        skc.conv_plan("compiled", *args, info=_launch.H100)
     with pytest.raises(ValueError, match="at most 8192 non-zero taps"):
-        skc.conv_plan("compiled", *args[:-1], 8193)
+        skc.conv_plan("compiled", *args[:-1], 8193, info=_launch.H100)
+    with pytest.raises(ValueError, match="needs a device or a DeviceInfo"):
+        skc.conv_plan("compiled", *args)
 
 
 # --- The CUDA kernels, transliterated -------------------------------------------------------
@@ -543,11 +546,9 @@ def test_rule_falls_back_where_compiled_finds_no_room():
 # is bounds-checked, so a word the kernels would read before staging it, or a tile too small for
 # its plan, fails the comparison; so does an output the kernels would not write.
 
-CONV_FIELDS = ("n", "in_h", "in_w", "cin", "out_h", "out_w", "cout", "str_h", "str_w", "dil_h",
-               "dil_w", "pad_h", "pad_w", "idil_h", "idil_w", "tile_rows", "tile_cols", "pitch",
-               "chunk", "warps_y", "warps_q", "groups", "split_cin")
-GRAD_FIELDS = ("n", "in_h", "in_w", "cin", "out_h", "out_w", "cout", "str_h", "str_w", "dil_h",
-               "dil_w", "pad_h", "pad_w", "tile_rows", "tile_cols", "pitch", "chunk", "co_chunk")
+# The int fields of the records, whose values a plan's `ints` hold (the pointers come first).
+CONV_FIELDS = _records.CONV_ARGS.names[_records.CONV_ARGS.names.index("n"):]
+GRAD_FIELDS = _records.GRAD_VALUES_ARGS.names[_records.GRAD_VALUES_ARGS.names.index("n"):]
 
 
 def _read(smem, index):
@@ -789,7 +790,7 @@ def _emulate(kernel, strategy, transposed, x, out_shape, dtype, n, in_hw, cin, o
              strides, dilations, pads, input_dilation=(1, 1), bias=None):
     """The plan of `strategy` and the emulated kernel's output."""
     plan = skc.conv_plan(strategy, dtype, n, in_hw, cin, out_hw, cout, kernel.shape[:2], strides,
-                         dilations, pads, input_dilation, kernel.nnz)
+                         dilations, pads, input_dilation, kernel.nnz, info=_launch.H100)
     assert plan.strategy == strategy
     program = None
     if strategy == "compiled":
@@ -857,7 +858,7 @@ def test_kernels_transliterated_on_large_dilation(rng):
     out_hw, pads = _geometry(x.shape[1:3], w.shape[:2], (1, 1), "SAME", (5, 2))
     for strategy in ("compiled", "direct"):
         plan = skc.conv_plan(strategy, "float32", 1, x.shape[1:3], 70, out_hw, 19, w.shape[:2],
-                             (1, 1), (5, 2), pads, (1, 1), kernel.nnz)
+                             (1, 1), (5, 2), pads, (1, 1), kernel.nnz, info=_launch.H100)
         assert dict(zip(CONV_FIELDS, plan.ints))["chunk"] < 20
         out = _emulate(kernel, strategy, False, x, expected.shape, "float32", 1, x.shape[1:3], 70,
                        out_hw, 19, (1, 1), (5, 2), pads)
@@ -874,7 +875,7 @@ def test_kernels_transliterated_where_the_outputs_need_more_room_than_the_tile(r
     kernel = SparseKernel.from_dense(w)
     expected = reference(x, w, (1, 1), "SAME", (1, 1), bias)
     plan = skc.conv_plan("compiled", dtype, 1, (35, 70), 1, (35, 70), 32, (1, 1), (1, 1), (1, 1),
-                         (0, 0), (1, 1), kernel.nnz)
+                         (0, 0), (1, 1), kernel.nnz, info=_launch.H100)
     a = dict(zip(CONV_FIELDS, plan.ints))
     assert a["tile_cols"] * a["pitch"] * 4 < a["warps_y"] * 32 * 16 * numpy.dtype(dtype).itemsize
     out = _emulate(kernel, "compiled", False, x, expected.shape, dtype, 1, (35, 70), 1, (35, 70),
@@ -920,7 +921,7 @@ def test_compiled_programs_compile(rng, arch):
         kernel = SparseKernel.from_dense(pruned_weight(rng, shape, density))
         cin, cout = shape[2:][::-1] if transposed else shape[2:]
         plan = skc.conv_plan("compiled", dtype, 1, (40, 50), cin, (40, 50), cout, shape[:2],
-                             strides, dilations, (1, 1), (1, 1), kernel.nnz)
+                             strides, dilations, (1, 1), (1, 1), kernel.nnz, info=_launch.H100)
         taps = kernel._taps.transposed()[0] if transposed else kernel._taps
         program = taps.program(plan.layout)
         sources.append(program.source)
