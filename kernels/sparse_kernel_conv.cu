@@ -21,8 +21,8 @@ static __device__ __forceinline__ double fma_acc(double a, double b, double c) {
 // Consecutive threads read consecutive channels, then pixels: coalesced when nci == cin. A
 // thread steps through its words (row, col, c) by adding blockDim.x with carries: a division
 // per word cost more than the products of a small kernel. It loads LOADS words before it stores
-// any, so that their latencies overlap (one at a time, a load's wait was 40% of the H100's stall
-// samples at 3x3x3x64; the compiled kernel's first chunk takes 8).
+// any, so that their latencies overlap (one at a time, a load's wait was a large share of the
+// profiler's stall samples on small kernels; the compiled kernel's first chunk takes 8).
 template <typename T, int LOADS = 4>
 static __device__ __forceinline__ void stage_tile(
     typename acc_type<T>::type* tile, const T* __restrict__ x, int n, int in_h, int in_w, int cin,
@@ -254,8 +254,8 @@ __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
 // column of each later chunk that it reads (chunks without taps are not staged).
 // Grid (groups * ceil(out_w / 32), ceil(out_h / (warps_y * P)), n), a tile's groups adjacent:
 // the CTAs running at a time write every output channel of their pixels and read the same input
-// (group-major, which shared their code, measured up to 1.4x slower at batch 8 on the H100 and
-// 5-9% faster on some single images); block 32 * warps_y threads (warps_q = 1).
+// (group-major, which shared their code, measured slower on batches and only slightly faster
+// on some single images); block 32 * warps_y threads (warps_q = 1).
 template <typename T>
 struct CompiledFrame {
     typedef typename acc_type<T>::type Acc;

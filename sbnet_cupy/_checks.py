@@ -104,7 +104,7 @@ def dtype_name(a):
 
 def name_of(dtype):
     """NumPy's name of a NumPy or torch dtype (torch.float32 prints as 'torch.float32'). NumPy's
-    are remembered: numpy.dtype.name is computed in Python on every access (~2 us), and the ops
+    are remembered: numpy.dtype.name is computed in Python on every access (slowly), and the ops
     ask for it several times a call. Torch's are not: torch.compile (2.11) cannot trace a
     lookup in a dict with NumPy dtypes among its keys."""
     if not isinstance(dtype, numpy.dtype):

@@ -105,8 +105,8 @@ def check_scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffse
 
 
 def _copy(a):
-    """A C-contiguous copy of `a` (CuPy's own copy costs ~10 us of host time; a contiguous
-    array is one memcpy on the current stream)."""
+    """A C-contiguous copy of `a` (CuPy's own copy costs more host time than the op; a
+    contiguous array is one memcpy on the current stream)."""
     if isinstance(a, numpy.ndarray) or not a.flags.c_contiguous:
         return a.copy(order="C")
     import cupy

@@ -355,8 +355,8 @@ def _channels_last_copy(y, weight):
 
 def _conv_weight(weight, y):
     """weight as the route's convolution of y takes it. cuDNN convolves a channels_last y by a
-    channels_last weight, and converts an NCHW one on every call (a kernel, and ~40 us of host
-    time on the H100's host); where no gradient of the weight is recorded and nothing traces the
+    channels_last weight, and converts an NCHW one on every call (a kernel, and host time of its
+    own); where no gradient of the weight is recorded and nothing traces the
     call, a copy made once per parameter version (_weights.prepared) saves both."""
     if (_traced((y, weight)) or not y.is_cuda or not _channels_last(y)
             or weight.device != y.device  # F.conv2d says what is wrong
