@@ -1,7 +1,6 @@
 """The fused submanifold kernel's tile configurations, layer by layer: GPU time of one
 convolution for every stage width and tile width on the sites of a LiDAR scene, so that the
-rule choosing them (sbnet_cupy.submanifold.fused_stage_bytes, fused_tile_channels) is a
-measured one.
+rule choosing them (sbnet_cupy.submanifold.fused_config) is a measured one.
 
     python -m bench.submanifold_tiles [--scale waymo] [--repeats 5] [--out DIR]
 
@@ -10,7 +9,8 @@ them) and the same at strides 2, 4 and 8 (coordinates halved, duplicates merged,
 as strided rulebooks emit them), as a detector's stages see them; a 3x3x3
 submanifold rulebook at each level. Layers: the channel widths detectors and segmentation
 U-Nets use at each level. For each layer, dtype (float16; float32 as TF32), stage (bytes of a
-row a stage holds: 32, 64, 128) and tile width (16, 32, 64 output channels a CTA): the median
+row a stage holds: 32, 64, 128) and tile width (16, 32, 64, 128 output channels a CTA) the
+kernels are built for (sbnet_cupy.submanifold.FUSED_CONFIGS): the median
 over --repeats of CUDA events around 20 back-to-back calls, divided by 20 (the kernels queue
 faster than they run, so this is GPU time). `rule` marks the configuration the library picks.
 Writes DIR/submanifold_tiles_<device>.csv.
@@ -31,8 +31,6 @@ from bench._common import RESULTS, require_gpu, write_csv
 # MinkUNet's (32 at the input sites, up to 256).
 LAYERS = [(0, 5, 16), (0, 16, 16), (0, 32, 32), (1, 32, 32), (1, 64, 64), (2, 64, 64),
           (2, 128, 128), (3, 64, 64), (3, 128, 128), (3, 256, 256), (0, 96, 96)]
-STAGES = (32, 64, 128)
-TILES = (16, 32, 64)
 CALLS = 20
 
 
@@ -83,7 +81,7 @@ def main(argv=None):
     rulebooks = [sm.submanifold_rulebook(cupy.asarray(c), s, args.batch, 3)
                  for c, s in levels(coords, shape)]
     rng = numpy.random.default_rng(0)
-    rule_stage, rule_tile = sm.fused_stage_bytes, sm.fused_tile_channels
+    rule = sm.fused_config
     rows = []
     layers = [LAYERS[i] for i in args.layers] if args.layers else LAYERS
     try:
@@ -93,11 +91,10 @@ def main(argv=None):
             x = cupy.asarray(rng.standard_normal((n, cin)), dtype)
             w = cupy.asarray(rng.standard_normal((cout, 3, 3, 3, cin)) / (27 * cin) ** 0.5, dtype)
             vector = cin * x.itemsize % 16 == 0
-            chosen = (rule_stage(vector, x.itemsize), rule_tile(cout))
+            chosen = rule(vector, x.itemsize, cout)
             want = sm.rulebook_conv(x, rulebook, w, algo="fused")
-            for stage, tile in itertools.product(STAGES if vector else (32, 64), TILES):
-                sm.fused_stage_bytes = lambda vector, itemsize, stage=stage: stage
-                sm.fused_tile_channels = lambda cout, tile=tile: tile
+            for stage, tile in [(s, t) for v, s, t in sm.FUSED_CONFIGS if v == vector]:
+                sm.fused_config = lambda vector, itemsize, cout, config=(stage, tile): config
                 sm._fused_plan.cache_clear()
                 got = sm.rulebook_conv(x, rulebook, w, algo="fused")
                 err = float(cupy.abs(got.astype(cupy.float32) - want.astype(cupy.float32)).max())
@@ -107,7 +104,7 @@ def main(argv=None):
                                  rule=int((stage, tile) == chosen)))
                 print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     finally:
-        sm.fused_stage_bytes, sm.fused_tile_channels = rule_stage, rule_tile
+        sm.fused_config = rule
         sm._fused_plan.cache_clear()
     device = re.sub(r"[^A-Za-z0-9_.-]", "_", cupy.cuda.runtime.getDeviceProperties(
         cupy.cuda.Device().id)["name"].decode())

@@ -343,7 +343,8 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 //
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
 // weight[:, k, ci], for a tile of FUSED_BM output sites x BN output channels a CTA (4 warps;
-// BN 16, 32 or 64, the launch's choice by cout, so narrow layers do no MMA work on padding).
+// BN 16, 32, 64 or 128, the launch's choice by cout: narrow layers do no MMA work on padding,
+// wide ones gather each neighbour row once).
 // The reduction runs in stages of STAGE bytes a row: the tile's rows (zeros for absent
 // neighbours) and the weight's slice [BN, STAGE bytes] staged in shared memory and multiplied
 // with mma.sync (tensor_core_mma, common.cuh): m16n8k16 for half and bfloat16, m16n8k8 TF32
@@ -365,10 +366,11 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 
 // A tile of FUSED_BM sites x BN channels in stages of STAGE bytes a row (32: one k-step of the
 // MMA; 64 or 128: two or four, for fewer barriers and copy rounds) and the stages that fit in
-// FUSED_SLOT_BYTES. Four warps of WM x WN: 2 x 2 for BN 64 and 32, 4 x 1 for 16.
+// FUSED_SLOT_BYTES. Four warps of WM x WN: 2 x 2 for BN 128, 64 and 32, 4 x 1 for 16.
 template <int STAGE, int BN> struct fused_tile {
     static_assert(STAGE == 32 || STAGE == 64 || STAGE == 128, "a stage is 1, 2 or 4 k-steps");
-    static_assert(BN == 16 || BN == 32 || BN == 64, "a tile is 16, 32 or 64 channels wide");
+    static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128,
+                  "a tile is 16, 32, 64 or 128 channels wide");
     static constexpr int WARPS_N = BN == 16 ? 1 : 2, WARPS_M = 4 / WARPS_N;
     static constexpr int WM = FUSED_BM / WARPS_M, WN = BN / WARPS_N;
     static constexpr int MT = WM / 16, NT = WN / 8;  // m16 and n8 MMA tiles a warp

@@ -72,9 +72,14 @@ _BITMAP_MAX_BITS = 1 << 27
 _GATHER_ARGS = _launch.layout("3Pq2i", 40)
 _FUSED_ARGS = _launch.layout("6Pq4i", 72)
 _FUSED_SITES, _FUSED_THREADS = 64, 128  # output sites a CTA; its threads
-_FUSED_TILE_CHANNELS = (16, 32, 64)  # output channels a CTA (fused_tile_channels)
+FUSED_TILES = (16, 32, 64, 128)  # output channels a CTA (fused_config)
+# The (vector, stage, tile) the fused kernel is built for: every stage a row can take with
+# every tile, but for 128-byte stages of 128-wide tiles (two slots of them would not fit).
+FUSED_CONFIGS = tuple((vector, stage, tile) for vector in (False, True)
+                      for stage in ((32, 64, 128) if vector else (32, 64)) for tile in FUSED_TILES
+                      if stage * tile < 128 * 128)
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
-MAX_STAGE = 128  # the fused kernel's stage, bytes of a row (fused_stage_bytes)
+MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config)
 ALGOS = ("gemm", "fused")
 
 
@@ -1029,9 +1034,9 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
         return
     itemsize = _kernels.ITEMSIZES[dtype]
     vector = cin * itemsize % 16 == 0 and _checks.alignment(features, weight) == 16
-    stage = fused_stage_bytes(vector, itemsize)
-    function, grid, split_taps, split_sum = _fused_plan(device, dtype, vector, stage, n_out,
-                                                        cout, taps)
+    stage, tile = fused_config(vector, itemsize, cout)
+    function, grid, split_taps, split_sum = _fused_plan(device, dtype, vector, stage, tile,
+                                                        n_out, cout, taps)
     splits = grid[2]
     # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest.
     partial, _owner = (0, None) if splits == 1 else float_scratch(splits * n_out * cout)
@@ -1043,31 +1048,33 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
                                  cout, splits, dependent=True)
 
 
-def fused_stage_bytes(vector, itemsize):
-    """Bytes of a row the fused kernel stages at a time: MAX_STAGE where rows are 16-byte
-    vectors (narrower rows pack several taps into a stage, so every stage is whole k-steps of
-    the MMA), else 16 elements, one k-step of a 16-bit MMA or two of TF32: the registers' loads
-    of odd rows are the stage's time, and bench.submanifold_tiles measured no gain beyond."""
-    return MAX_STAGE if vector else min(MAX_STAGE, 16 * itemsize)
-
-
-def fused_tile_channels(cout):
-    """Output channels a CTA of the fused kernel computes: the narrowest of 16, 32 and 64 that
-    holds cout, so narrow layers do no MMA work on padding; 64 for wider layers."""
-    return next((width for width in _FUSED_TILE_CHANNELS if cout <= width),
-                _FUSED_TILE_CHANNELS[-1])
+def fused_config(vector, itemsize, cout):
+    """(stage, tile) of the fused kernel: bytes of a row staged at a time, and output channels
+    a CTA. The tile is the narrowest of 16, 32 and 64 that holds cout, so narrow layers do no
+    MMA work on padding; wider layers take tiles of 64 where cout is a multiple of 64, else of
+    128, which gather each neighbour row once where 64-wide tiles would pad as much. Rows of
+    16-byte vectors are staged MAX_STAGE bytes at a time (narrower rows pack several taps into
+    a stage, so every stage is whole k-steps of the MMA), 64 in 128-wide tiles (whose slots of
+    128 would not fit twice); odd rows 16 elements at a time, one k-step of a 16-bit MMA or two
+    of TF32, as their loads through registers are the stage's time. bench.submanifold_tiles
+    measures every pair per layer."""
+    tile = next((width for width in FUSED_TILES if cout <= width), FUSED_TILES[-1])
+    if tile == 128 and cout % 64 == 0:
+        tile = 64
+    if not vector:
+        return min(MAX_STAGE, 16 * itemsize), tile
+    return (MAX_STAGE if tile < 128 else min(MAX_STAGE, 64)), tile
 
 
 @functools.lru_cache(maxsize=1024)
-def _fused_plan(device, dtype, vector, stage, n_out, cout, taps):
+def _fused_plan(device, dtype, vector, stage, tile, n_out, cout, taps):
     """The kernel, its grid (sites, channels, tap splits), the taps a split sums and, for split
     taps, the kernel that adds the splits (else None)."""
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
-    channels = fused_tile_channels(cout)
     function = _launch.function(device, "submanifold", "submanifold_fused", ctype, vector, stage,
-                                channels)
+                                tile)
     tiles = (_checks.grid_dim("output sites", -(-n_out // _FUSED_SITES), 2**31 - 1),
-             _checks.grid_dim("output channels", -(-cout // channels)))
+             _checks.grid_dim("output channels", -(-cout // tile)))
     split_taps = -(-taps // fused_splits(device, tiles[0] * tiles[1], taps))
     splits = -(-taps // split_taps)
     split_sum = (_launch.function(device, "submanifold", "split_sum", ctype)
@@ -1090,11 +1097,8 @@ def instantiations():
     fused = [_kernels.ARITHMETIC_CTYPES[dtype] for dtype in ("float16", "bfloat16", "float32")]
     return ([_kernels.name_expression(rule, dims) for rule in rules
              for dims in range(1, _MAX_DIMS + 1)]
-            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage, channels)
-               for ctype in fused
-               for vector, stage in ((False, 32), (False, 64), (True, 32), (True, 64),
-                                     (True, 128))
-               for channels in _FUSED_TILE_CHANNELS]
+            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage, tile)
+               for ctype in fused for vector, stage, tile in FUSED_CONFIGS]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
             + [_kernels.name_expression("submanifold_gather", word)
                for word in _kernels.STORAGE_CTYPES.values()])
