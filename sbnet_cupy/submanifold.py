@@ -460,9 +460,9 @@ def _submanifold_maps(coords, keys, shape, geometry):
     else:
         first[valid[:half]] = table.find((keys[None, :] + delta[:half, None])[valid[:half]])
     neighbors[half] = numpy.arange(n)
-    tap, row = numpy.nonzero(first >= 0)
-    read = first[tap, row]
-    neighbors[taps - 1 - tap, read] = row
+    flat, tap, row = _nonzero(first >= 0)
+    read = first.reshape(-1)[flat]
+    neighbors.reshape(-1)[(taps - 1 - tap) * n + read] = row
     pairs = _split_pairs(tap, row, read, half)
     pairs = pairs + [None] + [(i, o) for o, i in reversed(pairs)]
     return neighbors, numpy.ascontiguousarray(neighbors[::-1]), pairs
@@ -472,14 +472,15 @@ def _find_runs(table, keys, delta, valid, run, out):
     """out[t] = the row in `table` of keys + delta[t] where valid[t], -1 elsewhere, for taps
     whose keys come in runs of `run` consecutive integers (the last axis' offsets at dilation
     1): one binary search a run; each next key then lies at the next position or is absent."""
-    sorted_keys, order, last = table.sorted, table.order, table.sorted.size - 1
+    # After the last key, one that matches none (positions run up to the table's size).
+    sorted_keys = numpy.append(table.sorted, numpy.iinfo(numpy.int64).max)
+    order = numpy.append(table.order, numpy.int32(-1))
     for start in range(0, out.shape[0], run):
-        pos = numpy.searchsorted(sorted_keys, keys + delta[start])
+        pos = numpy.searchsorted(table.sorted, keys + delta[start])
         for t in range(start, min(start + run, out.shape[0])):
-            at = numpy.minimum(pos, last)
-            hit = sorted_keys[at] == keys + delta[t]
-            out[t] = numpy.where(hit & valid[t], order[at], -1)
-            pos += hit
+            hit = sorted_keys[pos] == keys + delta[t]
+            out[t] = numpy.where(hit & valid[t], order[pos], -1)
+            pos += hit  # an invalid key's match (another row's site) still moves on
 
 
 def _tap_valid(coords, shape, kernel, stride, padding, dilation):
@@ -497,8 +498,16 @@ def _split_pairs(tap, out_rows, in_rows, taps):
     """Pairs (output row, input row) listed tap by tap (tap ascending), as a list of taps'
     (out_rows, in_rows) int64 arrays."""
     bounds = numpy.cumsum(numpy.bincount(tap, minlength=taps))[:-1]
-    return list(zip(numpy.split(out_rows.astype(numpy.int64), bounds),
-                    numpy.split(in_rows.astype(numpy.int64), bounds)))
+    return list(zip(numpy.split(out_rows.astype(numpy.int64, copy=False), bounds),
+                    numpy.split(in_rows.astype(numpy.int64, copy=False), bounds)))
+
+
+def _nonzero(mask):
+    """The flat indices, rows and columns of a 2-D mask's True entries (row-major, as
+    numpy.nonzero's, which is slower on 2-D masks)."""
+    flat = numpy.flatnonzero(mask)
+    rows = flat // mask.shape[1]
+    return flat, rows, flat - rows * mask.shape[1]
 
 
 def _targets(coords, shape, kernel, stride, padding, dilation):
@@ -514,10 +523,11 @@ def _targets(coords, shape, kernel, stride, padding, dilation):
         q, rem = numpy.divmod(coords[:, 1 + axis] + padding[axis] - offsets, stride[axis])
         valid = valid[..., None, :] & (rem == 0) & (q >= 0) & (q < size)
         outputs.append(q)
-    tap, row = numpy.nonzero(valid.reshape(math.prod(kernel), n))
-    keys = coords[row, 0].astype(numpy.int64)
+    _, tap, row = _nonzero(valid.reshape(math.prod(kernel), n))
+    keys = coords[:, 0].astype(numpy.int64).take(row)
     for q, axis_tap, size in zip(outputs, numpy.unravel_index(tap, kernel), shape):
-        keys = keys * size + q[axis_tap, row]
+        keys *= size
+        keys += q.reshape(-1).take(axis_tap * n + row)
     return tap, row, keys
 
 
@@ -525,9 +535,9 @@ def _transposed_map(neighbors, n):
     """The map int32 [K, n] of the same pairs seen from the other side: out[k, neighbors[k, o]]
     = o, -1 elsewhere (a tap joins a site to at most one site across); and the pairs' taps and
     rows o in `neighbors` (numpy.nonzero's, tap by tap)."""
-    tap, row = numpy.nonzero(neighbors >= 0)
+    flat, tap, row = _nonzero(neighbors >= 0)
     out = numpy.full((neighbors.shape[0], n), -1, numpy.int32)
-    out[tap, neighbors[tap, row]] = row
+    out.reshape(-1)[tap * n + neighbors.reshape(-1)[flat]] = row
     return out, tap, row
 
 
