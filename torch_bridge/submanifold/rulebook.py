@@ -6,15 +6,20 @@ current stream), CPU tensors with its NumPy backend; a transposed convolution's 
 (transposed_rulebook). The convolution is the op sbnet::submanifold_conv (registered as in
 _ops.py: CPU and CUDA kernels, fake kernels, autograd; called directly when eager). On CUDA it
 is a gather through the rulebook and one cuBLAS product (torch.addmm), or the fused kernel; on
-the CPU, one product per tap over the pairs that tap has (index_select, mm, index_add_: torch's
-threaded kernels, no NumPy), which skips the absent neighbours a dense gather would multiply.
+the CPU, one product per tap over the pairs that tap has (index_select, mm: torch's threaded
+kernels), which skips the absent neighbours a dense gather would multiply, and one
+embedding_bag that sums each output site's products in spconv's order (see _SumGroup); the
+products go to a workspace each thread keeps (_workspace).
 The gradient of the features is the same op through the transposed map, that of the weight one
 more product (a tap at a time on the CPU), so the backward is deterministic.
 """
 
+import collections
 import functools
 import math
+import threading
 
+import numpy
 import torch
 
 from sbnet_cupy import _checks
@@ -38,49 +43,140 @@ def _gathered(features, neighbors):
 
 
 _DENSE_MAX_ENTRIES = 4096  # maps of at most this many entries gather densely (call overhead)
+_GROUP_BYTES = 1 << 24  # products of a group of taps the CPU sums at once (_workspace holds them)
+_WORKSPACE = threading.local()
+
+# A map's pairs for the CPU: centre, the tap that reads each output site's own row (output o
+# from input o, for every o; a submanifold kernel's), or None; blocks (k, start, end), the
+# other taps' pairs in in_rows and out_rows (int64); in_blocks and out_blocks, their views.
+_TapPairs = collections.namedtuple("_TapPairs", ["centre", "blocks", "in_rows", "out_rows",
+                                                 "in_blocks", "out_blocks"])
+
+# The sum of a group of taps (indices into blocks) is one embedding_bag over their products,
+# `sizes` rows each (in block order), after n_out lead rows where lead is set: the centre's
+# products in the first group, the sum so far in the others. order lists the rows output by
+# output, in tap order (the lead first), offsets where each output's list starts:
+# embedding_bag adds each output's rows in that order, spconv's (the centre first, then the
+# taps): the same bits.
+_SumGroup = collections.namedtuple("_SumGroup", ["taps", "lead", "sizes", "order", "offsets"])
 
 
 def _cpu_plan(neighbors):
     """How the CPU multiplies through a map int32 [K, N_out]: ("dense", rows int64 [N_out * K],
-    the input row each entry reads, -1 for none) for a small map, else ("taps", per tap
-    (out_rows, in_rows) int64 of its pairs, or None where output site o reads input row o for
-    every o: a submanifold kernel's centre). A tap at a time skips the absent entries that a
-    dense gather would multiply, at the cost of a few calls a tap: a small map's cost is the
-    calls. Cached on the map tensor, which a Rulebook keeps while it is used."""
+    the input row each entry reads, -1 for none) for a small map, else ("taps", _TapPairs). A
+    tap at a time skips the absent entries that a dense gather would multiply, at the cost of a
+    few calls a tap: a small map's cost is the calls. Built from the pairs build_rulebook seeds
+    (_seed_cpu_plans) or from the map, and cached on the map tensor, which a Rulebook keeps
+    while it is used."""
     plan = getattr(neighbors, "_sbnet_cpu_plan", None)
     if plan is None:
         taps, n_out = neighbors.shape
-        plan = (("dense", neighbors.t().reshape(-1).long()) if taps * n_out <= _DENSE_MAX_ENTRIES
-                else ("taps", _tap_pairs(neighbors)))
+        if taps * n_out <= _DENSE_MAX_ENTRIES:
+            plan = ("dense", neighbors.t().reshape(-1).long())
+        else:
+            pairs = getattr(neighbors, "_sbnet_tap_pairs", None)
+            plan = ("taps", _tap_plan(_tap_pairs(neighbors) if pairs is None else pairs))
         neighbors._sbnet_cpu_plan = plan
     return plan
 
 
 def _tap_pairs(neighbors):
-    """_cpu_plan's per-tap pairs of the map int32 [K, N_out]."""
-    valid = neighbors >= 0
-    counts = valid.sum(1).tolist()
-    out_rows = valid.nonzero()[:, 1].split(counts)  # row-major: grouped by tap
-    in_rows = neighbors[valid].long().split(counts)
+    """Per tap of the map int32 [K, N_out]: its pairs (out_rows, in_rows) int64 NumPy arrays, or
+    None where output site o reads input row o for every o (a submanifold kernel's centre)."""
+    neighbors = neighbors.numpy()
+    flat, tap, out_rows = _core._nonzero(neighbors >= 0)  # row-major: grouped by tap
+    in_rows = neighbors.reshape(-1)[flat].astype(numpy.int64)
+    bounds = numpy.cumsum(numpy.bincount(tap, minlength=neighbors.shape[0]))[:-1]
     n_out = neighbors.shape[1]
-    return [None if count == n_out and torch.equal(i, o) else (o, i)
-            for count, o, i in zip(counts, out_rows, in_rows)]
+    return [None if o.size == n_out and numpy.array_equal(o, i) else (o, i)
+            for o, i in zip(numpy.split(out_rows, bounds), numpy.split(in_rows, bounds))]
+
+
+def _tap_plan(pairs):
+    """The _TapPairs of per-tap pairs (_tap_pairs')."""
+    centre = next((k for k, pair in enumerate(pairs) if pair is None), None)
+    taps = [(k, pair) for k, pair in enumerate(pairs) if pair is not None and pair[0].size]
+    sizes = [pair[0].size for _, pair in taps]
+    starts = numpy.cumsum([0] + sizes).tolist()
+    blocks = [(k, start, end) for (k, _), start, end in zip(taps, starts, starts[1:])]
+    in_rows, out_rows = (torch.from_numpy(numpy.concatenate(
+        [pair[side] for _, pair in taps] or [numpy.empty(0, numpy.int64)])) for side in (1, 0))
+    return _TapPairs(centre, blocks, in_rows, out_rows, in_rows.split(sizes),
+                     out_rows.split(sizes))
+
+
+def _sum_groups(neighbors, plan, pairs):
+    """The _SumGroups of a "taps" plan of the map `neighbors`, at most `pairs` pairs a group
+    (a larger tap alone), cached on the map."""
+    cache = neighbors.__dict__.setdefault("_sbnet_sum_groups", {})
+    if pairs not in cache:
+        groups, group, size = [], [], 0
+        for i, (_, start, end) in enumerate(plan.blocks):
+            if group and size + end - start > pairs:
+                groups.append(group)
+                group, size = [], 0
+            group.append(i)
+            size += end - start
+        if group or plan.centre is not None:
+            groups.append(group)
+        out_rows = plan.out_rows.numpy()
+        cache[pairs] = [_sum_group(plan.blocks, out_rows, neighbors.shape[1], group,
+                                   g > 0 or plan.centre is not None)
+                        for g, group in enumerate(groups)]
+    return cache[pairs]
+
+
+def _sum_group(blocks, out_rows, n_out, taps, lead):
+    """The _SumGroup of blocks[i] for i in taps: each output's list of product rows filled a
+    tap at a time, a counting sort (a tap's outputs are distinct, so each moves its output's
+    cursor by one; NumPy, whose indexing costs less a call than torch's)."""
+    sizes = [n_out] * lead + [blocks[i][2] - blocks[i][1] for i in taps]
+    counts = lead + sum(numpy.bincount(out_rows[blocks[i][1]:blocks[i][2]], minlength=n_out)
+                        for i in taps)
+    offsets = numpy.cumsum(counts) - counts
+    rows = numpy.arange(sum(sizes))
+    order = numpy.empty_like(rows)
+    cursor = offsets.copy()
+    at = 0
+    if lead:
+        order[cursor] = rows[:n_out]
+        cursor += 1
+        at = n_out
+    for i in taps:
+        _, start, end = blocks[i]
+        outputs = out_rows[start:end]
+        place = cursor[outputs]
+        order[place] = rows[at:at + end - start]
+        place += 1
+        cursor[outputs] = place
+        at += end - start
+    return _SumGroup(taps, lead, sizes, torch.from_numpy(order), torch.from_numpy(offsets))
 
 
 def _seed_cpu_plans(rulebook, tap_pairs):
-    """_cpu_plan's plans of a CPU rulebook's two maps, from the NumPy backend's tap_pairs (see
-    sbnet_cupy.submanifold.Rulebook): the maps hold the same pairs, turned around."""
+    """Seeds _cpu_plan with the pairs of a CPU rulebook's two maps, from the NumPy backend's
+    tap_pairs (see sbnet_cupy.submanifold.Rulebook): the maps hold the same pairs, turned
+    around. The plans are built when a product first needs them."""
     neighbors, neighbors_t = rulebook.neighbors, rulebook.neighbors_t
     taps, n_out = neighbors.shape
     n_in = neighbors_t.shape[1]
     if tap_pairs is None or taps * min(n_out, n_in) <= _DENSE_MAX_ENTRIES:
         return  # a small map gathers densely (_cpu_plan)
-    pairs = [None if pair is None else tuple(map(torch.from_numpy, pair)) for pair in tap_pairs]
-    neighbors._sbnet_cpu_plan = ("taps", pairs)
+    neighbors._sbnet_tap_pairs = tap_pairs
     # None (each site reads its own row) comes of submanifold rulebooks only: the same sites
     # both ways, so the turned-around tap is None too.
-    neighbors_t._sbnet_cpu_plan = ("taps", [None if pair is None else pair[::-1]
-                                            for pair in pairs])
+    neighbors_t._sbnet_tap_pairs = [None if pair is None else pair[::-1] for pair in tap_pairs]
+
+
+def _workspace(shapes, dtype):
+    """Tensors of `shapes` and dtype, one after the other in a block this thread keeps between
+    calls: fresh blocks of megabytes come from the system as new pages, a page fault every
+    4 KiB, which cost the CPU convolution as much as its sums."""
+    sizes = [math.prod(shape) for shape in shapes]
+    block = getattr(_WORKSPACE, "block", None)
+    if block is None or block.dtype != dtype or block.numel() < sum(sizes):
+        block = _WORKSPACE.block = torch.empty(sum(sizes), dtype=dtype)
+    return [part.view(shape) for part, shape in zip(block[:sum(sizes)].split(sizes), shapes)]
 
 
 def _acc(t):
@@ -102,21 +198,28 @@ def _conv_cpu(features, weight, bias, neighbors):
         g = _gathered_cpu(x, plan, n_out)
         w = w.reshape(w.shape[0], -1).t()
         return (g @ w if bias is None else torch.addmm(_acc(bias), g, w)).to(features.dtype)
-    taps = w.reshape(w.shape[0], -1, w.shape[-1]).permute(1, 2, 0)  # [K, Cin, Cout]
-    # The first tap that reads every site's own row (a submanifold centre) starts the sum.
-    first = next((k for k, pair in enumerate(plan) if pair is None), None)
-    if first is not None:
-        y = x[:n_out] @ taps[first] if bias is None else torch.addmm(_acc(bias), x[:n_out],
-                                                                     taps[first])
-    else:
-        y = x.new_zeros((n_out, w.shape[0])) if bias is None else (
-            _acc(bias).expand(n_out, -1).clone())
-    for k, (tap, pair) in enumerate(zip(taps, plan)):
-        if pair is None and k != first:
-            y.addmm_(x[:n_out], tap)
-        elif pair is not None and pair[0].numel():
-            out_rows, in_rows = pair
-            y.index_add_(0, out_rows, x.index_select(0, in_rows) @ tap)
+    cout = w.shape[0]
+    taps = w.reshape(cout, -1, w.shape[-1]).permute(1, 2, 0)  # [K, Cin, Cout]
+    pairs = max(1, _GROUP_BYTES // (cout * x.element_size()))
+    groups = _sum_groups(neighbors, plan, 1 << (pairs.bit_length() - 1))  # few distinct sizes
+    # A tap's rows are gathered into `scratch`, still in cache for its product.
+    products, scratch = _workspace(
+        [(max((sum(g.sizes) for g in groups), default=0), cout),
+         (max((end - start for _, start, end in plan.blocks), default=0), x.shape[1])], x.dtype)
+    y = x.new_zeros((n_out, cout)) if not groups else None  # no pairs at all
+    for g, group in enumerate(groups):
+        parts = products[:sum(group.sizes)].split(group.sizes)
+        if group.lead and g == 0:
+            torch.mm(x[:n_out], taps[plan.centre], out=parts[0])
+        elif group.lead:
+            parts[0].copy_(y)
+        for i, part in zip(group.taps, parts[group.lead:]):
+            rows = torch.index_select(x, 0, plan.in_blocks[i], out=scratch[:part.shape[0]])
+            torch.mm(rows, taps[plan.blocks[i][0]], out=part)
+        y = torch.nn.functional.embedding_bag(group.order, products[:sum(group.sizes)],
+                                              group.offsets, mode="sum")
+    if bias is not None:
+        y += _acc(bias)
     return y.to(features.dtype)
 
 
@@ -127,13 +230,11 @@ def _grad_weight_cpu(features, dy, neighbors, weight_shape):
     if kind == "dense":
         g_x = _gathered_cpu(x, plan, dy.shape[0])
         return (g.t() @ g_x).reshape(weight_shape).to(features.dtype)
-    dw = x.new_zeros((weight_shape[0], len(plan), weight_shape[-1]))
-    for k, pair in enumerate(plan):
-        if pair is None:
-            dw[:, k] = g.t() @ x[:dy.shape[0]]
-        elif pair[0].numel():
-            out_rows, in_rows = pair
-            dw[:, k] = g.index_select(0, out_rows).t() @ x.index_select(0, in_rows)
+    dw = x.new_zeros((weight_shape[0], math.prod(weight_shape[1:-1]), weight_shape[-1]))
+    if plan.centre is not None:
+        dw[:, plan.centre] = g.t() @ x[:dy.shape[0]]
+    for (k, _, _), out_rows, in_rows in zip(plan.blocks, plan.out_blocks, plan.in_blocks):
+        dw[:, k] = g.index_select(0, out_rows).t() @ x.index_select(0, in_rows)
     return dw.reshape(weight_shape).to(features.dtype)
 
 
