@@ -43,7 +43,7 @@ def _gathered(features, neighbors):
 
 
 _DENSE_MAX_ENTRIES = 4096  # maps of at most this many entries gather densely (call overhead)
-_GROUP_BYTES = 1 << 24  # products of a group of taps the CPU sums at once (_workspace holds them)
+_GROUP_BYTES = 1 << 25  # products of a group of taps the CPU sums at once (_workspace holds them)
 _WORKSPACE = threading.local()
 
 # A map's pairs for the CPU: centre, the tap that reads each output site's own row (output o
@@ -127,29 +127,27 @@ def _sum_groups(neighbors, plan, pairs):
 
 
 def _sum_group(blocks, out_rows, n_out, taps, lead):
-    """The _SumGroup of blocks[i] for i in taps: each output's list of product rows filled a
-    tap at a time, a counting sort (a tap's outputs are distinct, so each moves its output's
-    cursor by one; NumPy, whose indexing costs less a call than torch's)."""
+    """The _SumGroup of blocks[i] for i in taps (consecutive): each output's list of product
+    rows filled a tap at a time, a counting sort (a tap's outputs are distinct, so each moves
+    its output's cursor by one; NumPy, whose indexing costs less a call than torch's)."""
     sizes = [n_out] * lead + [blocks[i][2] - blocks[i][1] for i in taps]
-    counts = lead + sum(numpy.bincount(out_rows[blocks[i][1]:blocks[i][2]], minlength=n_out)
-                        for i in taps)
+    pairs = out_rows[blocks[taps[0]][1]:blocks[taps[-1]][2]] if taps else out_rows[:0]
+    counts = numpy.bincount(pairs, minlength=n_out) + lead
     offsets = numpy.cumsum(counts) - counts
     rows = numpy.arange(sum(sizes))
     order = numpy.empty_like(rows)
     cursor = offsets.copy()
-    at = 0
     if lead:
         order[cursor] = rows[:n_out]
         cursor += 1
-        at = n_out
+    at = n_out if lead else 0
     for i in taps:
-        _, start, end = blocks[i]
-        outputs = out_rows[start:end]
-        place = cursor[outputs]
-        order[place] = rows[at:at + end - start]
+        outputs = out_rows[blocks[i][1]:blocks[i][2]]
+        place = cursor.take(outputs)
+        order.put(place, rows[at:at + outputs.size])
         place += 1
-        cursor[outputs] = place
-        at += end - start
+        cursor.put(outputs, place)
+        at += outputs.size
     return _SumGroup(taps, lead, sizes, torch.from_numpy(order), torch.from_numpy(offsets))
 
 
@@ -199,7 +197,7 @@ def _conv_cpu(features, weight, bias, neighbors):
         w = w.reshape(w.shape[0], -1).t()
         return (g @ w if bias is None else torch.addmm(_acc(bias), g, w)).to(features.dtype)
     cout = w.shape[0]
-    taps = w.reshape(cout, -1, w.shape[-1]).permute(1, 2, 0)  # [K, Cin, Cout]
+    taps = w.reshape(cout, -1, w.shape[-1]).permute(1, 2, 0).unbind()  # K x [Cin, Cout]
     pairs = max(1, _GROUP_BYTES // (cout * x.element_size()))
     groups = _sum_groups(neighbors, plan, 1 << (pairs.bit_length() - 1))  # few distinct sizes
     # A tap's rows are gathered into `scratch`, still in cache for its product.
