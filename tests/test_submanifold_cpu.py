@@ -51,7 +51,7 @@ def test_products_summed_in_spconvs_order(rng, monkeypatch, kind, group_bytes):
     assert module._cpu_plan(rulebook.neighbors)[0] == "taps"
     y = ours.rulebook_conv(x, rulebook, weight, bias)
     (groups,) = rulebook.neighbors._sbnet_sum_groups.values()
-    blocks = module._cpu_plan(rulebook.neighbors)[1].blocks
+    blocks = module._cpu_plan(rulebook.neighbors)[1].taps
     assert len(groups) == (1 if group_bytes > 1 else len(blocks)) and len(blocks) >= 20
     assert torch.equal(y, spconv_order(x, weight, bias, rulebook.neighbors))
 

@@ -47,12 +47,12 @@ _GROUP_BYTES = 1 << 25  # products of a group of taps the CPU sums at once (_wor
 _WORKSPACE = threading.local()
 
 # A map's pairs for the CPU: centre, the tap that reads each output site's own row (output o
-# from input o, for every o; a submanifold kernel's), or None; blocks (k, start, end), the
-# other taps' pairs in in_rows and out_rows (int64); in_blocks and out_blocks, their views.
-_TapPairs = collections.namedtuple("_TapPairs", ["centre", "blocks", "in_rows", "out_rows",
-                                                 "in_blocks", "out_blocks"])
+# from input o, for every o; a submanifold kernel's), or None; and a block for each other tap
+# with pairs: its tap k (taps), its pairs' output and input rows (out_rows, in_rows: lists of
+# int64 tensors, a block each).
+_TapPairs = collections.namedtuple("_TapPairs", ["centre", "taps", "out_rows", "in_rows"])
 
-# The sum of a group of taps (indices into blocks) is one embedding_bag over their products,
+# The sum of a group of blocks (their indices, `taps`) is one embedding_bag over their products,
 # `sizes` rows each (in block order), after n_out lead rows where lead is set: the centre's
 # products in the first group, the sum so far in the others. order lists the rows output by
 # output, in tap order (the lead first), offsets where each output's list starts:
@@ -96,13 +96,8 @@ def _tap_plan(pairs):
     """The _TapPairs of per-tap pairs (_tap_pairs')."""
     centre = next((k for k, pair in enumerate(pairs) if pair is None), None)
     taps = [(k, pair) for k, pair in enumerate(pairs) if pair is not None and pair[0].size]
-    sizes = [pair[0].size for _, pair in taps]
-    starts = numpy.cumsum([0] + sizes).tolist()
-    blocks = [(k, start, end) for (k, _), start, end in zip(taps, starts, starts[1:])]
-    in_rows, out_rows = (torch.from_numpy(numpy.concatenate(
-        [pair[side] for _, pair in taps] or [numpy.empty(0, numpy.int64)])) for side in (1, 0))
-    return _TapPairs(centre, blocks, in_rows, out_rows, in_rows.split(sizes),
-                     out_rows.split(sizes))
+    return _TapPairs(centre, [k for k, _ in taps],
+                     *([torch.from_numpy(pair[side]) for _, pair in taps] for side in (0, 1)))
 
 
 def _sum_groups(neighbors, plan, pairs):
@@ -111,27 +106,28 @@ def _sum_groups(neighbors, plan, pairs):
     cache = neighbors.__dict__.setdefault("_sbnet_sum_groups", {})
     if pairs not in cache:
         groups, group, size = [], [], 0
-        for i, (_, start, end) in enumerate(plan.blocks):
-            if group and size + end - start > pairs:
+        for i, rows in enumerate(plan.out_rows):
+            if group and size + rows.shape[0] > pairs:
                 groups.append(group)
                 group, size = [], 0
             group.append(i)
-            size += end - start
+            size += rows.shape[0]
         if group or plan.centre is not None:
             groups.append(group)
-        out_rows = plan.out_rows.numpy()
-        cache[pairs] = [_sum_group(plan.blocks, out_rows, neighbors.shape[1], group,
+        out_rows = [rows.numpy() for rows in plan.out_rows]
+        cache[pairs] = [_sum_group(out_rows, neighbors.shape[1], group,
                                    g > 0 or plan.centre is not None)
                         for g, group in enumerate(groups)]
     return cache[pairs]
 
 
-def _sum_group(blocks, out_rows, n_out, taps, lead):
-    """The _SumGroup of blocks[i] for i in taps (consecutive): each output's list of product
-    rows filled a tap at a time, a counting sort (a tap's outputs are distinct, so each moves
-    its output's cursor by one; NumPy, whose indexing costs less a call than torch's)."""
-    sizes = [n_out] * lead + [blocks[i][2] - blocks[i][1] for i in taps]
-    pairs = out_rows[blocks[taps[0]][1]:blocks[taps[-1]][2]] if taps else out_rows[:0]
+def _sum_group(out_rows, n_out, taps, lead):
+    """The _SumGroup of the blocks `taps` (their output rows out_rows[i], NumPy): each output's
+    list of product rows filled a block at a time, a counting sort (a tap's outputs are
+    distinct, so each moves its output's cursor by one; NumPy, whose indexing costs less a call
+    than torch's)."""
+    sizes = [n_out] * lead + [out_rows[i].size for i in taps]
+    pairs = numpy.concatenate([out_rows[i] for i in taps] or [numpy.empty(0, numpy.int64)])
     counts = numpy.bincount(pairs, minlength=n_out) + lead
     offsets = numpy.cumsum(counts) - counts
     rows = numpy.arange(sum(sizes))
@@ -142,7 +138,7 @@ def _sum_group(blocks, out_rows, n_out, taps, lead):
         cursor += 1
     at = n_out if lead else 0
     for i in taps:
-        outputs = out_rows[blocks[i][1]:blocks[i][2]]
+        outputs = out_rows[i]
         place = cursor.take(outputs)
         order.put(place, rows[at:at + outputs.size])
         place += 1
@@ -203,7 +199,7 @@ def _conv_cpu(features, weight, bias, neighbors):
     # A tap's rows are gathered into `scratch`, still in cache for its product.
     products, scratch = _workspace(
         [(max((sum(g.sizes) for g in groups), default=0), cout),
-         (max((end - start for _, start, end in plan.blocks), default=0), x.shape[1])], x.dtype)
+         (max((rows.shape[0] for rows in plan.in_rows), default=0), x.shape[1])], x.dtype)
     y = x.new_zeros((n_out, cout)) if not groups else None  # no pairs at all
     for g, group in enumerate(groups):
         parts = products[:sum(group.sizes)].split(group.sizes)
@@ -212,8 +208,8 @@ def _conv_cpu(features, weight, bias, neighbors):
         elif group.lead:
             parts[0].copy_(y)
         for i, part in zip(group.taps, parts[group.lead:]):
-            rows = torch.index_select(x, 0, plan.in_blocks[i], out=scratch[:part.shape[0]])
-            torch.mm(rows, taps[plan.blocks[i][0]], out=part)
+            rows = torch.index_select(x, 0, plan.in_rows[i], out=scratch[:part.shape[0]])
+            torch.mm(rows, taps[plan.taps[i]], out=part)
         y = torch.nn.functional.embedding_bag(group.order, products[:sum(group.sizes)],
                                               group.offsets, mode="sum")
     if bias is not None:
@@ -231,7 +227,7 @@ def _grad_weight_cpu(features, dy, neighbors, weight_shape):
     dw = x.new_zeros((weight_shape[0], math.prod(weight_shape[1:-1]), weight_shape[-1]))
     if plan.centre is not None:
         dw[:, plan.centre] = g.t() @ x[:dy.shape[0]]
-    for (k, _, _), out_rows, in_rows in zip(plan.blocks, plan.out_blocks, plan.in_blocks):
+    for k, out_rows, in_rows in zip(plan.taps, plan.out_rows, plan.in_rows):
         dw[:, k] = g.index_select(0, out_rows).t() @ x.index_select(0, in_rows)
     return dw.reshape(weight_shape).to(features.dtype)
 
