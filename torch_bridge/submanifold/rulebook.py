@@ -52,13 +52,14 @@ _WORKSPACE = threading.local()
 # int64 tensors, a block each).
 _TapPairs = collections.namedtuple("_TapPairs", ["centre", "taps", "out_rows", "in_rows"])
 
-# The sum of a group of blocks (their indices, `taps`) is one embedding_bag over their products,
+# The sum of a group of blocks (their indices) is one embedding_bag over their products,
 # `sizes` rows each (in block order), after n_out lead rows where lead is set: the centre's
 # products in the first group, the sum so far in the others. order lists the rows output by
 # output, in tap order (the lead first), offsets where each output's list starts:
 # embedding_bag adds each output's rows in that order, spconv's (the centre first, then the
 # taps): the same bits.
-_SumGroup = collections.namedtuple("_SumGroup", ["taps", "lead", "sizes", "order", "offsets"])
+_SumGroup = collections.namedtuple("_SumGroup", ["blocks", "lead", "sizes", "order",
+                                                 "offsets"])
 
 
 def _cpu_plan(neighbors):
@@ -121,13 +122,13 @@ def _sum_groups(neighbors, plan, pairs):
     return cache[pairs]
 
 
-def _sum_group(out_rows, n_out, taps, lead):
-    """The _SumGroup of the blocks `taps` (their output rows out_rows[i], NumPy): each output's
+def _sum_group(out_rows, n_out, blocks, lead):
+    """The _SumGroup of `blocks` (block i's output rows: out_rows[i], NumPy): each output's
     list of product rows filled a block at a time, a counting sort (a tap's outputs are
     distinct, so each moves its output's cursor by one; NumPy, whose indexing costs less a call
     than torch's)."""
-    sizes = [n_out] * lead + [out_rows[i].size for i in taps]
-    pairs = numpy.concatenate([out_rows[i] for i in taps] or [numpy.empty(0, numpy.int64)])
+    sizes = [n_out] * lead + [out_rows[i].size for i in blocks]
+    pairs = numpy.concatenate([out_rows[i] for i in blocks] or [numpy.empty(0, numpy.int64)])
     counts = numpy.bincount(pairs, minlength=n_out) + lead
     offsets = numpy.cumsum(counts) - counts
     rows = numpy.arange(sum(sizes))
@@ -137,14 +138,14 @@ def _sum_group(out_rows, n_out, taps, lead):
         order[cursor] = rows[:n_out]
         cursor += 1
     at = n_out if lead else 0
-    for i in taps:
+    for i in blocks:
         outputs = out_rows[i]
         place = cursor.take(outputs)
         order.put(place, rows[at:at + outputs.size])
         place += 1
         cursor.put(outputs, place)
         at += outputs.size
-    return _SumGroup(taps, lead, sizes, torch.from_numpy(order), torch.from_numpy(offsets))
+    return _SumGroup(blocks, lead, sizes, torch.from_numpy(order), torch.from_numpy(offsets))
 
 
 def _seed_cpu_plans(rulebook, tap_pairs):
@@ -193,7 +194,7 @@ def _conv_cpu(features, weight, bias, neighbors):
         w = w.reshape(w.shape[0], -1).t()
         return (g @ w if bias is None else torch.addmm(_acc(bias), g, w)).to(features.dtype)
     cout = w.shape[0]
-    taps = w.reshape(cout, -1, w.shape[-1]).permute(1, 2, 0).unbind()  # K x [Cin, Cout]
+    weights = w.reshape(cout, -1, w.shape[-1]).permute(1, 2, 0).unbind()  # K x [Cin, Cout]
     pairs = max(1, _GROUP_BYTES // (cout * x.element_size()))
     groups = _sum_groups(neighbors, plan, 1 << (pairs.bit_length() - 1))  # few distinct sizes
     # A tap's rows are gathered into `scratch`, still in cache for its product.
@@ -204,12 +205,12 @@ def _conv_cpu(features, weight, bias, neighbors):
     for g, group in enumerate(groups):
         parts = products[:sum(group.sizes)].split(group.sizes)
         if group.lead and g == 0:
-            torch.mm(x[:n_out], taps[plan.centre], out=parts[0])
+            torch.mm(x[:n_out], weights[plan.centre], out=parts[0])
         elif group.lead:
             parts[0].copy_(y)
-        for i, part in zip(group.taps, parts[group.lead:]):
+        for i, part in zip(group.blocks, parts[group.lead:]):
             rows = torch.index_select(x, 0, plan.in_rows[i], out=scratch[:part.shape[0]])
-            torch.mm(rows, taps[plan.taps[i]], out=part)
+            torch.mm(rows, weights[plan.taps[i]], out=part)
         y = torch.nn.functional.embedding_bag(group.order, products[:sum(group.sizes)],
                                               group.offsets, mode="sum")
     if bias is not None:
