@@ -140,10 +140,10 @@ def _sum_group(out_rows, n_out, blocks, lead):
     at = n_out if lead else 0
     for i in blocks:
         outputs = out_rows[i]
-        place = cursor.take(outputs)
-        order.put(place, rows[at:at + outputs.size])
+        place = cursor[outputs]
+        order[place] = rows[at:at + outputs.size]
         place += 1
-        cursor.put(outputs, place)
+        cursor[outputs] = place
         at += outputs.size
     return _SumGroup(blocks, lead, sizes, torch.from_numpy(order), torch.from_numpy(offsets))
 
