@@ -339,6 +339,26 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
     }
 }
 
+struct MaskArgs {
+    const int* map;  // [taps, n]: a rulebook's map, -1 for absent neighbours
+    void* masks;     // [n] of Mask: bit k set where row r has tap k, for the Mask's first taps
+    i64 n;
+    int taps;
+};
+static_assert(sizeof(MaskArgs) == 32, "MaskArgs must match sbnet_cupy/submanifold.py");
+
+// The neighbour mask of every row of a map: sorted by it, rows that have the same taps share
+// tiles of the fused kernel, which then skips the taps none of a tile's rows has.
+template <typename Mask> __global__ void tap_masks(const MaskArgs a) {
+    constexpr int BITS = 8 * sizeof(Mask);
+    const int taps = min(a.taps, BITS);
+    for (i64 r = subm_first(); r < a.n; r += subm_step()) {
+        unsigned long long mask = 0;
+        for (int k = 0; k < taps; ++k) mask |= (unsigned long long)(a.map[k * a.n + r] >= 0) << k;
+        ((Mask*)a.masks)[r] = (Mask)mask;
+    }
+}
+
 // --- the fused convolution: gather and tensor-core matrix product in one kernel -------------
 //
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
@@ -354,10 +374,11 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
 // All but one of the stages in shared memory are in flight (cp.async where rows are whole
 // 16-byte vectors): with few sites the grid is small and each CTA's chain of loads is what
 // takes the time. The neighbour rows of up to FUSED_TAPS taps are read once, together; taps no
-// row of the tile has are skipped. Where tiles are fewer than the GPU has SMs, the taps are
-// split over blockIdx.z: each split writes its float sums to partial[z], and split_sum
-// (common.cuh) adds them up in split order (deterministic, no atomics). Both are programmatic
-// dependent launches (common.cuh).
+// row of the tile has are skipped, and where the launch gives an order of the output rows
+// sorted by their neighbour masks (tap_masks), a tile's rows have much the same taps. Where
+// tiles are fewer than the GPU has SMs, the taps are split over blockIdx.z: each split writes
+// its float sums to partial[z], and split_sum (common.cuh) adds them up in split order
+// (deterministic, no atomics). Both are programmatic dependent launches (common.cuh).
 
 #define FUSED_BM 64
 #define FUSED_THREADS 128
@@ -392,8 +413,10 @@ struct FusedArgs {
     i64 n_out;
     int cin, cout, taps;
     int split_taps;        // taps a split (blockIdx.z) sums
+    const int* order;      // [n_out]: the output rows in the order tiles take them (rows of
+                           // like neighbour masks together, tap_masks), or null: 0, 1, ...
 };
-static_assert(sizeof(FusedArgs) == 72, "FusedArgs must match sbnet_cupy/submanifold.py");
+static_assert(sizeof(FusedArgs) == 80, "FusedArgs must match sbnet_cupy/submanifold.py");
 
 // A staged word as the MMA takes it: 16-bit pairs as they are, float rounded to TF32.
 template <typename T> static __device__ __forceinline__ unsigned fused_operand(unsigned w) {
@@ -464,6 +487,7 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     static_assert(FUSED_TAPS <= 32, "the taps of a group are one warp's ballot");
     __shared__ __align__(16) unsigned slots[SLOTS * SLOT_WORDS];
     __shared__ int rows[FUSED_TAPS][FUSED_BM];  // neighbour rows of the group's taps
+    __shared__ int out_rows[FUSED_BM];          // the tile's output rows, -1 past n_out
     __shared__ int active[FUSED_TAPS];          // the group's taps some row has, in order
     __shared__ int n_active;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -482,6 +506,11 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     // Launched as a dependent (launch_fused): features may be the previous kernel's output.
     wait_for_previous_kernel();
     allow_next_kernel();
+    for (int r = threadIdx.x; r < FUSED_BM; r += FUSED_THREADS) {
+        const i64 o = m0 + r;
+        out_rows[r] = o < a.n_out ? (a.order ? a.order[o] : (int)o) : -1;
+    }
+    __syncthreads();
     float acc[MT][NT][4] = {};
     for (int k0 = tap_begin; k0 < tap_end; k0 += FUSED_TAPS) {
         const int group = min(FUSED_TAPS, tap_end - k0);
@@ -489,7 +518,8 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
         __syncthreads();
         for (int j = threadIdx.x; j < group * FUSED_BM; j += FUSED_THREADS) {
             const int t = j / FUSED_BM, r = j - t * FUSED_BM;
-            rows[t][r] = m0 + r < a.n_out ? a.map[(i64)(k0 + t) * a.n_out + m0 + r] : -1;
+            const int o = out_rows[r];
+            rows[t][r] = o >= 0 ? a.map[(i64)(k0 + t) * a.n_out + o] : -1;
         }
         __syncthreads();
         if (warp == 0) {  // in tap order, so the sum's order is fixed
@@ -576,9 +606,9 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
         for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const i64 o = m0 + wm + mt * 16 + gid + (i >> 1) * 8;
+                const i64 o = out_rows[wm + mt * 16 + gid + (i >> 1) * 8];
                 const int co = n0 + wn + nt * 8 + tig * 2 + (i & 1);
-                if (o < a.n_out && co < a.cout) {
+                if (o >= 0 && co < a.cout) {
                     if (partial) {
                         partial[o * a.cout + co] = acc[mt][nt][i];
                     } else {

@@ -70,7 +70,8 @@ _RANK_THREADS, _RANK_WORDS = 256, 1024  # rank_words' CTA and the bitmap words i
 # (16 MiB of bits and 16 MiB of ranks); larger grids hash and sort the candidates instead.
 _BITMAP_MAX_BITS = 1 << 27
 _GATHER_ARGS = _launch.layout("3Pq2i", 40)
-_FUSED_ARGS = _launch.layout("6Pq4i", 72)
+_FUSED_ARGS = _launch.layout("6Pq4iP", 80)
+_MASK_ARGS = _launch.layout("2Pqi", 32)
 _FUSED_SITES, _FUSED_THREADS = 64, 128  # output sites a CTA; its threads
 FUSED_TILES = (16, 32, 64, 128)  # output channels a CTA (fused_config)
 # The (vector, stage, tile) the fused kernel is built for: every stage a row can take with
@@ -80,6 +81,8 @@ FUSED_CONFIGS = tuple((vector, stage, tile) for vector in (False, True)
                       if stage * tile < 128 * 128)
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
 MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config)
+SORT_ROWS = True  # the fused kernel takes output rows sorted by neighbour mask (fused_sorts)
+_SORT_WORK = 1 << 29  # n_out x cin x cout from which it does
 ALGOS = ("gemm", "fused")
 
 
@@ -121,6 +124,8 @@ class Rulebook:
         # sites may reuse; torch_bridge's build_rulebook sets them, sbnet_cupy's keep none.
         self._tables = (None, None)
         self.tap_pairs = None
+        # (map, order) of neighbors and of neighbors_t once fused_order computed them.
+        self._orders = (None, None)
 
     @property
     def num_taps(self):
@@ -134,7 +139,34 @@ class Rulebook:
                              self.stride, self.padding, self.dilation, self.subm,
                              not self.inverted)
         inverse._tables = self._tables[::-1]
+        inverse._orders = self._orders[::-1]
         return inverse
+
+    def fused_order(self, transposed=False):
+        """The fused kernel's order of the output rows of `neighbors` (of `neighbors_t` if
+        transposed), int32 on the map's device: the rows sorted by their neighbour masks (the taps they have), so that a tile's rows have much the same
+        taps and the kernel skips the others. Computed on first use, kept while the map is the
+        same object."""
+        neighbors = self.neighbors_t if transposed else self.neighbors
+        cached = self._orders[transposed]
+        if cached is None or cached[0] is not neighbors:
+            cached = (neighbors, self._sorted_rows(neighbors))
+            self._orders = ((self._orders[0], cached) if transposed
+                            else (cached, self._orders[1]))
+        return cached[1]
+
+    @staticmethod
+    def _sorted_rows(neighbors):
+        """fused_order's rows of a CuPy map: argsort of their tap_masks (stable: rows of one mask
+        keep their order, which the rulebooks give sites of one neighbourhood)."""
+        import cupy
+
+        taps, n = neighbors.shape
+        with cupy.cuda.Device(neighbors.data.device_id):
+            masks = cupy.empty(n, cupy.int32)
+            launch_tap_masks(neighbors.data.device_id, cupy.cuda.get_current_stream().ptr,
+                             neighbors.data.ptr, masks.data.ptr, n, taps)
+            return cupy.argsort(masks).astype(cupy.int32)
 
     def __repr__(self):
         kind = "submanifold" if self.subm else "inverse" if self.inverted else "strided"
@@ -921,7 +953,10 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
         algo = "gemm" if xp is numpy else choose_algo(dtype, block_conv.tf32_allowed())
     check_algo(algo, dtype)
     with _checks.on_device(features):
-        return conv_arrays(xp, features, rulebook.neighbors, weight, bias, algo)
+        fused = xp is not numpy and algo == "fused"
+        order = (rulebook.fused_order() if fused and fused_sorts(
+            rulebook.neighbors.shape[1], features.shape[1], weight.shape[0]) else None)
+        return conv_arrays(xp, features, rulebook.neighbors, weight, bias, algo, order)
 
 
 def choose_algo(dtype, tf32):
@@ -935,8 +970,9 @@ def choose_algo(dtype, tf32):
     return "fused" if dtype in ("float16", "bfloat16") or (dtype == "float32" and tf32) else "gemm"
 
 
-def conv_arrays(xp, features, neighbors, weight, bias, algo="gemm"):
-    """rulebook_conv on checked arrays of module xp, through the map `neighbors` alone."""
+def conv_arrays(xp, features, neighbors, weight, bias, algo="gemm", order=None):
+    """rulebook_conv on checked arrays of module xp, through the map `neighbors` alone (and the
+    fused kernel's order of its rows, Rulebook.fused_order, or None)."""
     if xp is not numpy and algo == "fused":
         features, weight = xp.ascontiguousarray(features), xp.ascontiguousarray(weight)
         out = xp.empty((neighbors.shape[1], weight.shape[0]), dtype=features.dtype)
@@ -944,7 +980,8 @@ def conv_arrays(xp, features, neighbors, weight, bias, algo="gemm"):
                      features.data.ptr, weight.data.ptr, 0 if bias is None else
                      xp.ascontiguousarray(bias).data.ptr, neighbors.data.ptr, out.data.ptr,
                      neighbors.shape[1], features.shape[1], weight.shape[0], neighbors.shape[0],
-                     features.dtype.name, _launch.cupy_float_scratch)
+                     features.dtype.name, _launch.cupy_float_scratch,
+                     0 if order is None else order.data.ptr)
         return out
     g = gather(features, neighbors)
     cout = weight.shape[0]
@@ -1033,13 +1070,32 @@ def launch_gather(device, stream, features, out, neighbors, n_out, taps, row_byt
                    _GATHER_ARGS, (features, out, neighbors, n_out, taps, words))
 
 
+def fused_sorts(n_out, cin, cout):
+    """Whether the fused kernel takes the output rows in Rulebook.fused_order's order: where
+    SORT_ROWS is on and the layer's work (n_out x cin x cout) is large enough that the taps
+    its tiles skip pay for the sort's GPU and host time (wide layers at many sites: segmentation
+    U-Nets'; bench.detectors' A/B of SORT_ROWS)."""
+    return SORT_ROWS and n_out * cin * cout >= _SORT_WORK
+
+
+def launch_tap_masks(device, stream, neighbors, masks, n, taps):
+    """tap_masks on raw addresses: int32 masks [n] of the rows of int32 neighbors [taps, n],
+    bit k set where the row has tap k (the first 32 taps)."""
+    if n == 0:
+        return
+    function = _launch.function(device, "submanifold", "tap_masks", "int")
+    _launch.launch(device, stream, function, _grid(n), (_THREADS, 1, 1), 0, _MASK_ARGS,
+                   (neighbors, masks, n, taps))
+
+
 def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, cin, cout,
-                 taps, dtype, float_scratch):
+                 taps, dtype, float_scratch, order=0):
     """The fused convolution on raw addresses: C-contiguous features [N_in, cin], weight
     [cout, taps, cin], bias [cout] (0: none), int32 neighbors [taps, n_out], into out
     [n_out, cout]; dtype "float16", "bfloat16" or "float32" (TF32). float_scratch(n): the
     address and owner of n float32 on this device, usable on this stream (CuPy or torch), for
-    the partial sums of split taps."""
+    the partial sums of split taps. order: int32 [n_out], a permutation of the output rows in
+    which tiles take them (Rulebook.fused_order), or 0: 0, 1, ..."""
     if n_out == 0 or cout == 0:
         return
     itemsize = _kernels.ITEMSIZES[dtype]
@@ -1052,7 +1108,7 @@ def launch_fused(device, stream, features, weight, bias, neighbors, out, n_out, 
     partial, _owner = (0, None) if splits == 1 else float_scratch(splits * n_out * cout)
     _launch.launch(device, stream, function, grid, (_FUSED_THREADS, 1, 1), 0, _FUSED_ARGS,
                    (features, weight, 0 if partial else bias, neighbors, 0 if partial else out,
-                    partial, n_out, cin, cout, taps, split_taps), dependent=True)
+                    partial, n_out, cin, cout, taps, split_taps, order), dependent=True)
     if partial:  # _owner keeps the scratch until both launches are queued
         _launch.launch_split_sum(device, stream, split_sum, partial, bias, out, n_out, cout,
                                  cout, splits, dependent=True)
@@ -1110,6 +1166,7 @@ def instantiations():
             + [_kernels.name_expression("submanifold_fused", ctype, vector, stage, tile)
                for ctype in fused for vector, stage, tile in FUSED_CONFIGS]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
+            + [_kernels.name_expression("tap_masks", "int")]
             + [_kernels.name_expression("submanifold_gather", word)
                for word in _kernels.STORAGE_CTYPES.values()])
 

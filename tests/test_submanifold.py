@@ -233,6 +233,7 @@ def test_fused_split_taps(rng, fused_splits, shape, kernel, n, cin, cout, splits
     w2 = cupy.asarray(random_array(rng, (cin, *(kernel,) * len(shape), cout), dtype))
     b = cupy.asarray(random_array(rng, (cout,), dtype))
     side = cupy.cuda.Stream(non_blocking=True)
+    side.wait_event(cupy.cuda.get_current_stream().record())  # the rulebook's kernels are done
     with side if stream == "side" else contextlib.nullcontext():
         y = sm.rulebook_conv(x, rulebook, w, b, algo="fused")
         y2 = sm.rulebook_conv(y, rulebook, w2, algo="fused")
@@ -278,6 +279,41 @@ def test_fused_every_configuration(rng, monkeypatch, stage, tile, cin, dtype):
         sm._fused_plan.cache_clear()
     f64 = cupy.float64
     close(y, sm.rulebook_conv(x.astype(f64), rulebook, w.astype(f64), b.astype(f64)).get(), dtype)
+
+
+@requires_gpu
+def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
+    """Rulebook.fused_order: a permutation of the output rows, their tap masks in ascending
+    order (int32), computed once for the map it was computed for and again for a new one;
+    inverse() swaps the two orders. The convolution in that order equals the one without
+    (SORT_ROWS off)."""
+    import cupy
+
+    monkeypatch.setattr(sm, "_SORT_WORK", 0)  # every layer sorts
+
+    shape = (20, 22, 24)
+    coords = cupy.asarray(random_sites(rng, 2, shape, 2000))
+    for rulebook in (sm.submanifold_rulebook(coords, shape, 2, 3),
+                     sm.strided_rulebook(coords, shape, 2, 3, 2, 1)):
+        for transposed in (False, True):
+            order = rulebook.fused_order(transposed)
+            neighbors = (rulebook.neighbors_t if transposed else rulebook.neighbors).get()
+            assert order.dtype == cupy.int32 and order is rulebook.fused_order(transposed)
+            numpy.testing.assert_array_equal(numpy.sort(order.get()),
+                                             numpy.arange(neighbors.shape[1]))
+            masks = ((neighbors >= 0).astype(numpy.int64) << numpy.arange(27)[:, None]).sum(0)
+            assert numpy.all(numpy.diff(masks.astype(numpy.int32)[order.get()]) >= 0)
+        assert rulebook.inverse().fused_order() is rulebook.fused_order(True)
+        first = rulebook.fused_order()
+        rulebook.neighbors = rulebook.neighbors.copy()
+        assert rulebook.fused_order() is not first
+        x = cupy.asarray(random_array(rng, (2000, 16), numpy.float16))
+        w = cupy.asarray(random_array(rng, (24, 3, 3, 3, 16), numpy.float16))
+        ordered = sm.rulebook_conv(x, rulebook, w, algo="fused")
+        monkeypatch.setattr(sm, "SORT_ROWS", False)
+        assert not sm.fused_sorts(2000, 16, 24)
+        close(ordered, sm.rulebook_conv(x, rulebook, w, algo="fused").get(), numpy.float16)
+        monkeypatch.setattr(sm, "SORT_ROWS", True)
 
 
 def test_fused_splits_fill_the_gpu(monkeypatch):

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.skipif(not cuda_emulation.available(), reason="needs g
 
 
 ARGUMENTS = {"submanifold_fused": "FusedArgs", "split_sum": "SplitSumArgs",
-             "submanifold_gather": "GatherArgs"}
+             "submanifold_gather": "GatherArgs", "tap_masks": "MaskArgs"}
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +181,49 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
                                   atol=tolerance * scale)
     assert [name.split("<")[0] for name, *_ in launched] == (
         ["submanifold_fused", "split_sum"] if scratch else ["submanifold_fused"])
+
+
+@pytest.mark.parametrize("taps", [27, 40])
+def test_tap_masks_equal_numpy(rng, launched, taps):
+    """Bit k of row r's mask: the row has tap k, for the first 32 taps (bit 31 included)."""
+    n = 300
+    neighbors = rng.integers(0, 50, (taps, n)).astype(numpy.int32)
+    neighbors[rng.random((taps, n)) < 0.6] = -1
+    masks = numpy.full(n, -7, numpy.int32)
+    submanifold.launch_tap_masks(0, 0, neighbors.ctypes.data, masks.ctypes.data, n, taps)
+    bits = (neighbors[:32] >= 0).astype(numpy.uint64) << numpy.arange(min(taps, 32),
+                                                                       dtype=numpy.uint64)[:, None]
+    numpy.testing.assert_array_equal(masks.view(numpy.uint32), bits.sum(0).astype(numpy.uint32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("n_out, cin, cout", [(150, 16, 24), (70, 40, 130)])
+def test_fused_in_an_order_equals_definition(rng, launched, dtype, n_out, cin, cout):
+    """Tiles that take the output rows in a given order (Rulebook.fused_order's permutation)
+    write each row where it belongs: split taps, bias and part tiles too."""
+    n_in, taps = 90, 27
+    features = random_array(rng, (n_in, cin), numpy.float32)
+    weight = random_array(rng, (cout, taps, cin), numpy.float32)
+    bias = random_array(rng, (cout,), numpy.float32)
+    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
+    neighbors[rng.random((taps, n_out)) < 0.6] = -1
+    order = rng.permutation(n_out).astype(numpy.int32)
+    out = numpy.full((n_out, cout), numpy.nan, dtype)
+    scratch = []
+
+    def float_scratch(n):
+        scratch.append(numpy.full(n, numpy.nan, numpy.float32))
+        return scratch[-1].ctypes.data, scratch[-1]
+
+    f, w, b = (a.astype(dtype) for a in (features, weight, bias))
+    submanifold.launch_fused(0, 0, f.ctypes.data, w.ctypes.data, b.ctypes.data,
+                             neighbors.ctypes.data, out.ctypes.data, n_out, cin, cout, taps,
+                             dtype, float_scratch, order.ctypes.data)
+    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
+    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
+    tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
+    numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
+                                  atol=tolerance * max(1.0, numpy.abs(want).max()))
 
 
 @pytest.mark.parametrize("cin", [8, 24, 5])

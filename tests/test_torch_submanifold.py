@@ -9,6 +9,7 @@ from test_submanifold import random_sites
 
 torch = require("torch")
 spconv = pytest.importorskip("torch_bridge.submanifold")
+from sbnet_cupy import submanifold as _core  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not (HAS_GPU and torch.cuda.is_available()),
                                    reason="needs CUDA tensors")
@@ -171,11 +172,16 @@ def test_errors(rng):
 
 
 @requires_cuda
-@pytest.mark.parametrize("algo", ["gemm", "fused"])
+@pytest.mark.parametrize("algo", ["gemm", "fused", "fused-sorted"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_cuda_matches_cpu(rng, dtype, algo):
-    if algo == "fused" and dtype == torch.float64:
+def test_cuda_matches_cpu(rng, monkeypatch, dtype, algo):
+    """fused-sorted: every layer's tiles take the rows sorted by neighbour mask (the
+    rulebooks' fused_order, forward and the backward's transposed maps)."""
+    if algo.startswith("fused") and dtype == torch.float64:
         pytest.skip("the fused kernel computes on tensor cores: no float64")
+    if algo == "fused-sorted":
+        monkeypatch.setattr(_core, "_SORT_WORK", 0)
+        algo = "fused"
     x = sparse_input(rng, 2, (20, 30, 25), 400, 16)
     net = spconv.SparseSequential(
         spconv.SubMConv3d(16, 32, 3, indice_key="s"), torch.nn.ReLU(),
@@ -227,9 +233,12 @@ def test_compiles_with_a_built_rulebook(rng):
 
 
 @requires_cuda
-def test_cuda_graph_with_cached_rulebooks(rng):
+@pytest.mark.parametrize("sorted_rows", [False, True], ids=["unsorted", "sorted"])
+def test_cuda_graph_with_cached_rulebooks(rng, monkeypatch, sorted_rows):
     """Once its rulebooks are built, a forward makes no host sync: it captures in a CUDA graph
-    and replays the eager result."""
+    and replays the eager result (with the rulebooks' fused orders, which they keep)."""
+    if sorted_rows:
+        monkeypatch.setattr(_core, "_SORT_WORK", 0)
     x = sparse_input(rng, 2, (30, 40, 20), 2000, 16, torch.float16, "cuda")
     net = spconv.SparseSequential(
         spconv.SubMConv3d(16, 32, 3, indice_key="s"), torch.nn.ReLU(),

@@ -233,7 +233,7 @@ def _grad_weight_cpu(features, dy, neighbors, weight_shape):
     return dw.reshape(weight_shape).to(features.dtype)
 
 
-def _conv_impl(features, weight, bias, neighbors, neighbors_t, algo):
+def _conv_impl(features, weight, bias, neighbors, neighbors_t, order, order_t, algo):
     features, weight = _contiguous(features), _contiguous(weight)
     if not features.is_cuda:
         return _conv_cpu(features, weight, bias, neighbors)
@@ -245,43 +245,47 @@ def _conv_impl(features, weight, bias, neighbors, neighbors_t, algo):
                            0 if bias is None else _contiguous(bias).data_ptr(),
                            neighbors.data_ptr(), out.data_ptr(), n_out, features.shape[1],
                            weight.shape[0], taps, _checks.dtype_name(features),
-                           functools.partial(_float_scratch, features.device))
+                           functools.partial(_float_scratch, features.device),
+                           0 if order is None else order.data_ptr())
         return out
     taps = weight.reshape(weight.shape[0], -1)
     g = _gathered(features, neighbors)
     return g @ taps.t() if bias is None else torch.addmm(bias, g, taps.t())
 
 
-def _conv_fake(features, weight, bias, neighbors, neighbors_t, algo):
+def _conv_fake(features, weight, bias, neighbors, neighbors_t, order, order_t, algo):
     return features.new_empty((neighbors.shape[1], weight.shape[0]))
 
 
 def _conv_setup(ctx, inputs, output):
-    features, weight, bias, neighbors, neighbors_t, ctx.algo = inputs
+    features, weight, bias, neighbors, neighbors_t, order, order_t, ctx.algo = inputs
     ctx.has_bias = bias is not None
-    ctx.save_for_backward(features, weight, neighbors, neighbors_t)
+    ctx.orders = order is not None, order_t is not None
+    ctx.save_for_backward(features, weight, neighbors, neighbors_t,
+                          *(o for o in (order, order_t) if o is not None))
 
 
 def _conv_backward(ctx, grad):
-    features, weight, neighbors, neighbors_t = ctx.saved_tensors
+    features, weight, neighbors, neighbors_t, *orders = ctx.saved_tensors
+    order, order_t = (orders.pop(0) if given else None for given in ctx.orders)
     grad = _contiguous(grad)
     dx = dw = db = None
     if ctx.needs_input_grad[0]:  # the dual op: the transposed map, the transposed weight
         weight_t = weight.transpose(0, -1).contiguous()
         dx = _call(_conv_op, _conv_autograd, _conv_impl,
-                   (grad, weight_t, None, neighbors_t, neighbors, ctx.algo),
+                   (grad, weight_t, None, neighbors_t, neighbors, order_t, order, ctx.algo),
                    (grad, weight_t, neighbors_t, neighbors), (grad, weight_t))
     if ctx.needs_input_grad[1]:
         dw = _call(_grad_weight_op, None, _grad_weight_impl,
                    (features, grad, neighbors, list(weight.shape)), (features, grad, neighbors))
     if ctx.has_bias and ctx.needs_input_grad[2]:
         db = grad.sum(0)
-    return dx, dw, db, None, None, None
+    return dx, dw, db, None, None, None, None, None
 
 
 _conv_op, _conv_autograd = _register(
     "submanifold_conv(Tensor features, Tensor weight, Tensor? bias, Tensor neighbors, "
-    "Tensor neighbors_t, str algo) -> Tensor",
+    "Tensor neighbors_t, Tensor? order, Tensor? order_t, str algo) -> Tensor",
     _conv_impl, _conv_fake, _conv_setup, _conv_backward)
 
 
@@ -320,6 +324,16 @@ class Rulebook(_core.Rulebook):
         super().__init__(neighbors, neighbors_t, in_indices, out_indices, in_shape, out_shape,
                          batch_size, kernel_size, stride, padding, dilation, subm, inverted)
         self.transposed = transposed
+
+    @staticmethod
+    def _sorted_rows(neighbors):
+        """fused_order's rows of a CUDA map: a stable argsort of their tap_masks."""
+        taps, n = neighbors.shape
+        masks = torch.empty(n, dtype=torch.int32, device=neighbors.device)
+        device = neighbors.get_device()
+        _core.launch_tap_masks(device, _raw_stream(device), neighbors.data_ptr(),
+                               masks.data_ptr(), n, taps)
+        return torch.argsort(masks, stable=True).to(torch.int32)
 
     @property
     def in_indices(self):
@@ -541,7 +555,13 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
                                     tuple(rulebook.kernel_size), neighbors_t.shape[1], algo))
     _same_device(features, weight, bias, neighbors, features=features, weight=weight, bias=bias,
                  rulebook=neighbors)
-    args = (features, weight, bias, neighbors, neighbors_t, algo)
+    order = order_t = None
+    if features.is_cuda and algo == "fused" and _core.fused_sorts(
+            neighbors.shape[1], features.shape[1], weight.shape[0]):
+        order = rulebook.fused_order()  # and the backward's dual op's, on neighbors_t
+        if torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad):
+            order_t = rulebook.fused_order(transposed=True)
+    args = (features, weight, bias, neighbors, neighbors_t, order, order_t, algo)
     tensors = (features, weight, neighbors, neighbors_t) + (() if bias is None else (bias,))
     differentiable = (features, weight) + (() if bias is None else (bias,))
     return _call(_conv_op, _conv_autograd, _conv_impl, args, tensors, differentiable)
