@@ -4,9 +4,10 @@ equal to one process's on the whole batch, and no warning (DDP warns when a grad
 differ from its parameter's, and then copies it every step)."""
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
-import pathlib
 
 import pytest
 
@@ -22,9 +23,13 @@ pytestmark = pytest.mark.skipif(
 def test_ddp_step_equals_one_process(tmp_path):
     out = tmp_path / "ddp.json"
     step = pathlib.Path(__file__).with_name("ddp_step.py")
+    # The workers import the library as this process does, installed or from this checkout.
+    root = str(step.parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node=2", str(step), str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     results = json.loads(out.read_text())
     assert set(results) == {"sbnet_unit", "submanifold", "pruned_kernel", "dilated"}
