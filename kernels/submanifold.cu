@@ -10,32 +10,10 @@
 #define SUBM_FULL 2
 #define SUBM_OUTSIDE 4
 
-// Arguments of every rulebook kernel; each reads the fields it needs. A table of sites is either
-// the hash table (table_keys, table_vals, mask) or, for a strided convolution's output sites, a
-// bitmap of the output grid (bits, ranks, words): key q is present where bit q is set, and its
-// row is ranks[q / 32] plus the set bits below it in its word.
-struct RuleArgs {
-    const int* coords;    // sites [n, 1 + DIMS]: batch index, then coordinates
-    const i64* keys_in;   // insert_keys, decode_keys: keys [n]
-    i64* table_keys;      // [mask + 1], SUBM_EMPTY where free
-    int* table_vals;      // [mask + 1], the row each key came from
-    unsigned* bits;       // [words], or null: the table is the hash table
-    int* ranks;           // [words]: rank_words writes per-group ranks, emit_sites global ones
-    int* flags;           // [1], OR of the SUBM_* flags
-    int* counter;         // compact_table: keys appended; rank_words: groups done
-    int* out_map;         // [taps, n] maps; decode_keys, emit_sites: coords [n, 1 + DIMS]
-    int* out_map_t;       // query_subm, scatter_strided: the transposed map
-    i64* out_keys;        // compact_table: the occupied slots' keys, in no particular order
-    int* group;           // rank_words, emit_sites: [groups + 1] set bits before each group
-    i64 mask, n, words, n_out;  // capacity - 1 (a power of two minus one); sites; bitmap words;
-                                // scatter_strided's output sites
-    int batch, taps, transposed, symmetric;
-    int shape[SUBM_MAX_DIMS];        // grid of `coords`
-    int query_shape[SUBM_MAX_DIMS];  // grid of the table's keys
-    int kernel[SUBM_MAX_DIMS], stride[SUBM_MAX_DIMS], padding[SUBM_MAX_DIMS],
-        dilation[SUBM_MAX_DIMS];
-};
-static_assert(sizeof(RuleArgs) == 240, "RuleArgs must match sbnet_cupy/submanifold.py");
+// The kernels' argument records (RuleArgs, GatherArgs, MaskArgs, FusedArgs) are declared in
+// sbnet_cupy/_records.py, which puts their definitions in front of this file.
+static_assert(sizeof(((RuleArgs*)0)->shape) == SUBM_MAX_DIMS * sizeof(int),
+              "RuleArgs' grids hold SUBM_MAX_DIMS axes (sbnet_cupy/_records.py)");
 
 // rank_words: a CTA of RANK_THREADS threads ranks RANK_WORDS consecutive words of a bitmap.
 #define RANK_THREADS 256
@@ -314,14 +292,6 @@ template <int DIMS> __global__ void scatter_strided(const RuleArgs a) {
     }
 }
 
-struct GatherArgs {
-    const void* src;  // features [N_in, words] (Word units)
-    void* dst;        // [n_out, taps, words]
-    const int* map;   // [taps, n_out]: row of src, or -1 for zeros
-    i64 n_out;
-    int taps, words;
-};
-static_assert(sizeof(GatherArgs) == 40, "GatherArgs must match sbnet_cupy/submanifold.py");
 
 // dst[o, k, :] = src[map[k, o], :], zeros where map is -1. Consecutive threads write
 // consecutive words of dst.
@@ -339,13 +309,6 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
     }
 }
 
-struct MaskArgs {
-    const int* map;  // [taps, n]: a rulebook's map, -1 for absent neighbours
-    void* masks;     // [n] of Mask: bit k set where row r has tap k, for the Mask's first taps
-    i64 n;
-    int taps;
-};
-static_assert(sizeof(MaskArgs) == 32, "MaskArgs must match sbnet_cupy/submanifold.py");
 
 // The neighbour mask of every row of a map: sorted by it, rows that have the same taps share
 // tiles of the fused kernel, which then skips the taps none of a tile's rows has.
@@ -403,20 +366,6 @@ template <int STAGE, int BN> struct fused_tile {
     static_assert(SLOTS >= 2 && NT % 2 == 0, "a stage in flight; B fragments in pairs");
 };
 
-struct FusedArgs {
-    const void* features;  // [N_in, cin]
-    const void* weight;    // [cout, taps, cin]
-    const void* bias;      // [cout], or null
-    const int* map;        // [taps, n_out]: the input row tap k of output o reads, or -1
-    void* out;             // [n_out, cout]
-    float* partial;        // [splits, n_out, cout] for split taps (then out, bias unused), or null
-    i64 n_out;
-    int cin, cout, taps;
-    int split_taps;        // taps a split (blockIdx.z) sums
-    const int* order;      // [n_out]: the output rows in the order tiles take them (rows of
-                           // like neighbour masks together, tap_masks), or null: 0, 1, ...
-};
-static_assert(sizeof(FusedArgs) == 80, "FusedArgs must match sbnet_cupy/submanifold.py");
 
 // A staged word as the MMA takes it: 16-bit pairs as they are, float rounded to TF32.
 template <typename T> static __device__ __forceinline__ unsigned fused_operand(unsigned w) {

@@ -21,7 +21,6 @@ launches them as the others.
 
 import ctypes
 import os
-import struct
 import threading
 from collections import namedtuple
 
@@ -34,7 +33,7 @@ try:
 except ImportError:  # the NumPy backend launches nothing
     Device = driver = runtime = None
 
-# The largest argument struct any kernel takes (sbnet_cupy/_records.py checks each size).
+# The largest argument record any kernel takes (tests/test_records.py checks each size).
 _ARG_BYTES = 256
 
 DEPENDENT_LAUNCH = os.environ.get("SBNET_DEPENDENT_LAUNCH", "1") != "0"
@@ -69,17 +68,6 @@ def _driver_launch_ex():
                           ctypes.c_void_p]
     launch_ex.restype = ctypes.c_int
     return launch_ex
-
-
-def layout(fmt, size):
-    """struct.Struct for an argument struct still written by hand in its kernel file (only
-    kernels/submanifold.cu's, until they move to sbnet_cupy/_records.py): native alignment
-    ('@'), as the compiler lays out the C++ struct; `size` is the struct's sizeof, which the
-    kernel source asserts too."""
-    packed = struct.Struct("@" + fmt)
-    if struct.calcsize("@" + fmt + "0P") != size or size > _ARG_BYTES:
-        raise AssertionError(f"argument layout {fmt!r} is not {size} bytes")  # a library bug
-    return packed
 
 
 class _ThreadState(threading.local):

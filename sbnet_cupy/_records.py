@@ -22,13 +22,10 @@ Keyword calls of many arguments cost microseconds, so the launches that run per 
 (block_conv, the gather and scatter, reduce_mask, split_sum) pass their values by position, in
 the record's order, and build their nested records and plan constants by name.
 
-Adding a kernel's record (kernels/submanifold.cu's RuleArgs, GatherArgs and FusedArgs are still
-written by hand there and packed by _launch.layout): move the struct's body here as
-``RULE_ARGS = Record("RuleArgs", "submanifold", \"\"\"<the fields, as in the .cu>\"\"\")``
-(`#define`d array sizes become numbers, or a constant of this module in an f-string), delete the
-struct and its static_assert from the .cu file (the header defines it in front of common.cuh, so
-the kernels see the same name), and pass the record where the op passed its `layout(...)`.
-The NVRTC compile check and the emulated tests then check it.
+Adding a kernel's record: declare it here as ``NAME = Record("CName", "<op>", \"\"\"<fields>
+\"\"\")`` (array sizes as numbers, or a constant of this module in an f-string), use `CName` in
+kernels/<op>.cu (the header defines it in front of common.cuh) and pass the record to
+_launch.launch. The NVRTC compile check and the emulated tests then check it.
 """
 
 import keyword
@@ -402,4 +399,67 @@ GRAD_VALUES_ARGS = Record("GradValuesArgs", "sparse_kernel_conv", """
     int n, in_h, in_w, cin, out_h, out_w, cout;
     int str_h, str_w, dil_h, dil_w, pad_h, pad_w;
     int tile_rows, tile_cols, pitch, chunk, co_chunk;
+""")
+
+
+# --- kernels/submanifold.cu -----------------------------------------------------------------
+
+SUBM_MAX_DIMS = 4  # spatial axes a rulebook kernel's record holds (kernels/submanifold.cu)
+
+# Arguments of every rulebook kernel; each reads the fields it needs. A table of sites is either
+# the hash table (table_keys, table_vals, mask) or, for a strided convolution's output sites, a
+# bitmap of the output grid (bits, ranks, words): key q is present where bit q is set, and its
+# row is ranks[q / 32] plus the set bits below it in its word.
+RULE_ARGS = Record("RuleArgs", "submanifold", f"""
+    const int* coords;    // sites [n, 1 + DIMS]: batch index, then coordinates
+    const i64* keys_in;   // insert_keys, decode_keys: keys [n]
+    i64* table_keys;      // [mask + 1], SUBM_EMPTY where free
+    int* table_vals;      // [mask + 1], the row each key came from
+    unsigned* bits;       // [words], or null: the table is the hash table
+    int* ranks;           // [words]: rank_words writes per-group ranks, emit_sites global ones
+    int* flags;           // [1], OR of the SUBM_* flags
+    int* counter;         // compact_table: keys appended; rank_words: groups done
+    int* out_map;         // [taps, n] maps; decode_keys, emit_sites: coords [n, 1 + DIMS]
+    int* out_map_t;       // query_subm, scatter_strided: the transposed map
+    i64* out_keys;        // compact_table: the occupied slots' keys, in no particular order
+    int* group;           // rank_words, emit_sites: [groups + 1] set bits before each group
+    i64 mask, n, words, n_out;  // capacity - 1 (a power of two minus one); sites; bitmap words;
+                                // scatter_strided's output sites
+    int batch, taps, transposed, symmetric;
+    int shape[{SUBM_MAX_DIMS}];        // grid of `coords`
+    int query_shape[{SUBM_MAX_DIMS}];  // grid of the table's keys
+    int kernel[{SUBM_MAX_DIMS}], stride[{SUBM_MAX_DIMS}], padding[{SUBM_MAX_DIMS}];
+    int dilation[{SUBM_MAX_DIMS}];
+""")
+
+# submanifold_gather: the gemm algorithm's gathered rows.
+GATHER_ARGS = Record("GatherArgs", "submanifold", """
+    const void* src;  // features [N_in, words] (Word units)
+    void* dst;        // [n_out, taps, words]
+    const int* map;   // [taps, n_out]: row of src, or -1 for zeros
+    i64 n_out;
+    int taps, words;
+""")
+
+# tap_masks: the neighbour masks that Rulebook.fused_order sorts rows by.
+MASK_ARGS = Record("MaskArgs", "submanifold", """
+    const int* map;  // [taps, n]: a rulebook's map, -1 for absent neighbours
+    void* masks;     // [n] of Mask: bit k set where row r has tap k, for the Mask's first taps
+    i64 n;
+    int taps;
+""")
+
+# submanifold_fused: the fused convolution.
+FUSED_ARGS = Record("FusedArgs", "submanifold", """
+    const void* features;  // [N_in, cin]
+    const void* weight;    // [cout, taps, cin]
+    const void* bias;      // [cout], or null
+    const int* map;        // [taps, n_out]: the input row tap k of output o reads, or -1
+    void* out;             // [n_out, cout]
+    float* partial;        // [splits, n_out, cout] for split taps (then out, bias unused), or null
+    i64 n_out;
+    int cin, cout, taps;
+    int split_taps;        // taps a split (blockIdx.z) sums
+    const int* order;      // [n_out]: the output rows in the order tiles take them (rows of
+                           // like neighbour masks together, tap_masks), or null: 0, 1, ...
 """)

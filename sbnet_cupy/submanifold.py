@@ -56,22 +56,21 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels, _launch, block_conv
+from . import _checks, _kernels, _launch, _records, block_conv
 
-_MAX_DIMS = 4  # spatial axes the kernels' argument structs have room for
+_MAX_DIMS = _records.SUBM_MAX_DIMS  # spatial axes the kernels' argument records hold
 _DTYPES = ("float16", "float32", "float64")
 # Flags the insert kernels raise (kernels/submanifold.cu).
 _FLAG_DUPLICATE, _FLAG_FULL, _FLAG_OUTSIDE = 1, 2, 4
 _THREADS = 256
 _MAX_BLOCKS = 65535 * 16  # grid-stride loops beyond this
-_RULE_ARGS = _launch.layout("12P4q28i", 240)
+_RULE_ARGS = _records.RULE_ARGS
 _RANK_THREADS, _RANK_WORDS = 256, 1024  # rank_words' CTA and the bitmap words it ranks
 # Largest output grid (batch x sites) a strided rulebook finds its output sites in with a bitmap
 # (16 MiB of bits and 16 MiB of ranks); larger grids hash and sort the candidates instead.
 _BITMAP_MAX_BITS = 1 << 27
-_GATHER_ARGS = _launch.layout("3Pq2i", 40)
-_FUSED_ARGS = _launch.layout("6Pq4iP", 80)
-_MASK_ARGS = _launch.layout("2Pqi", 32)
+_GATHER_ARGS, _MASK_ARGS = _records.GATHER_ARGS, _records.MASK_ARGS
+_FUSED_ARGS = _records.FUSED_ARGS
 _FUSED_SITES, _FUSED_THREADS = 64, 128  # output sites a CTA; its threads
 FUSED_TILES = (16, 32, 64, 128)  # output channels a CTA (fused_config)
 # The (vector, stage, tile) the fused kernel is built for: every stage a row can take with
