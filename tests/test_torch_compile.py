@@ -136,7 +136,11 @@ def test_no_recompile_for_a_capacity_seen(rng):
     stage = _stage(rng, "cpu", torch.float64, units=2).fold_batchnorm()
     x = torch.randn(1, 40, 40, 16, dtype=torch.float64)
     mask = _mask(rng, 1, 40, 40, "cpu")
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    # A submodule that torch does not import by itself (the test failed where no earlier test
+    # of its worker had imported it).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(lambda x, mask, capacity: stage(x, mask, capacity=capacity),
                              fullgraph=True, backend=counter)
     with torch.no_grad():
