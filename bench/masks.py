@@ -26,7 +26,8 @@ def road(rng, n, height, width, sparsity):
         size = max(2, height // 60)  # objects scale with the image: cars of ~2 x 4 m at 400 px
         for _ in range(rng.integers(10, 25)):
             r, c = rng.integers(0, height), rng.integers(0, width)
-            objects[r:r + rng.integers(size, 3 * size), c:c + rng.integers(2 * size, 5 * size)] = True
+            h, w = rng.integers(size, 3 * size), rng.integers(2 * size, 5 * size)
+            objects[r:r + h, c:c + w] = True
         low, high = 0.0, width / 2
         for _ in range(30):  # bisect the road's half-width to reach the density
             half = (low + high) / 2

@@ -169,7 +169,8 @@ def write_results(out, device, copy_gbs, op_rows, mask_rows, command):
              f"{datetime.date.today()}, `{command}`. Copy bandwidth (1 GiB device-to-device, "
              f"read + write): **{copy_gbs:.0f} GB/s**. Full table: `ops_{slug}.csv`.", "",
              "## Fraction of copy bandwidth (min / median over C, block size, active fraction)",
-             "", "| op | dtype | transpose | C>=32 min | median | max |", "|---|---|---|---|---|---|"]
+             "", "| op | dtype | transpose | C>=32 min | median | max |",
+             "|---|---|---|---|---|---|"]
     keys = sorted({(r["op"], r["dtype"], r["transpose"]) for r in op_rows})
     for op, dtype, transpose in keys:
         fr = [r["of_copy"] for r in op_rows if (r["op"], r["dtype"], r["transpose"]) ==

@@ -372,7 +372,8 @@ def main(argv=None):
         cupy.get_default_memory_pool().free_all_blocks()  # the case's tensors are gone
         torch.cuda.empty_cache()
         print(_row_text(rows[-1]), f"[{time.time() - started:.0f} s]", flush=True)
-        write_csv(rows, args.out / f"{name}.csv", digits=5)  # after every row: a timeout keeps the rest
+        # After every row: a timeout keeps the rows done.
+        write_csv(rows, args.out / f"{name}.csv", digits=5)
     write_markdown(rows, args.out / f"{name}.md", device,
                    f"{datetime.date.today()}, `{command}`")
     plot(rows, args.out / f"{name}.png")

@@ -15,7 +15,8 @@ tests/test_spconv_port.py builds with both libraries.
 - sparse_encoder, sparse_unet: mmdetection3d's SparseEncoder and SparseUNet, their layers
   made by name through a registry (as mmdetection3d's build_conv_layer).
 - spunet: Pointcept's SpUNet (v1m1): a 5^3 stem, stride-2 kernel-2 downsampling, residual
-  blocks (a projection shortcut where the channels change), SparseInverseConv3d upsampling and skip concatenation.
+  blocks (a projection shortcut where the channels change), SparseInverseConv3d upsampling
+  and skip concatenation.
 """
 
 import functools

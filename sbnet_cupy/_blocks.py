@@ -56,9 +56,10 @@ def _round_up(value, multiple):
 
 def transpose_plan(device, op, kernel, element_types, bh, bw, channels, itemsize, alignment):
     """StackPlan of the transposing kernel `kernel` of kernels/<op>.cu, whose template
-    arguments are (element type, vector width V, *element_types[1:]). V elements (at most 16 bytes) move as one access; V divides
-    the channels, bh * bw and every tile's pixels, and the pointers' alignment. The tile is
-    [tile channels][pitch], pitch a multiple of 8 * V (kernels/common.cuh, tile_index)."""
+    arguments are (element type, vector width V, *element_types[1:]). V elements (at most 16
+    bytes) move as one access; V divides the channels, bh * bw and every tile's pixels, and the
+    pointers' alignment. The tile is [tile channels][pitch], pitch a multiple of 8 * V
+    (kernels/common.cuh, tile_index)."""
     vector = next(v for v in (8, 4, 2, 1)
                   if v * itemsize <= 16 and channels % v == 0 and (bh * bw) % v == 0
                   and alignment % (v * itemsize) == 0)

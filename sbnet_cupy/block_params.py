@@ -38,8 +38,9 @@ def calc_block_params(in_size, bsize, ksize, strides=(1, 1), padding="SAME"):
     Example: a 64x64 input, 18x18 blocks and a 3x3 SAME convolution give blocks every 16
     pixels starting at -1, 4x4 of them, each 16x16 after the convolution::
 
-        >>> calc_block_params((64, 64), (18, 18), (3, 3))
-        BlockParams(bsize=(18, 18), bsize_out=(16, 16), boffset=(-1, -1), bcount=(4, 4), bstrides=(16, 16))
+        >>> p = calc_block_params((64, 64), (18, 18), (3, 3))
+        >>> p.bsize, p.bsize_out, p.boffset, p.bcount, p.bstrides
+        ((18, 18), (16, 16), (-1, -1), (4, 4), (16, 16))
     """
     in_hw = _spatial("in_size", in_size, slice(1, 3))
     bsize = _spatial("bsize", bsize, slice(1, 3))

@@ -33,21 +33,22 @@ Its gradients are the same gather and one matrix product each (no atomics, so de
 dx = rulebook_conv(dy, rulebook.inverse(), transposed_weight(weight)) and
 dw = (dy.T @ g).reshape(weight.shape).
 
-The CUDA rulebook (kernels/submanifold.cu) keeps the coordinates in an open-addressing hash table
-(linearised int64 keys, linear probing, at most `capacity` probes, so a full table reports
-failure instead of hanging), and looks up both maps of a submanifold convolution in one pass.
-A strided convolution marks every candidate output site in a bitmap of the output grid, counts
-the set bits per word (one host sync for the total), writes the sites in bitmap order, which is
+The CUDA rulebook (kernels/submanifold.cu) keeps the coordinates in an open-addressing hash
+table (linearised int64 keys, linear probing, at most `capacity` probes, so a full table reports
+failure instead of hanging), and looks up both maps of a submanifold convolution in one pass. A
+strided convolution marks every candidate output site in a bitmap of the output grid, counts the
+set bits per word (one host sync for the total), writes the sites in bitmap order, which is
 sorted order, and writes both maps from its inputs' side: no hash table and no sort. The bitmap
 with its word ranks is the table of the output sites, which the next rulebook on them reuses
-(torch_bridge's modules pass it on; grids of more than 2**27 sites hash and sort instead). The rulebook is a dense [K, N_out] map (-1 for absent
-neighbours) rather than per-tap pair lists: building it needs no host sync for per-tap sizes,
-both convolution algorithms index it directly, and a tile of output sites reads its neighbours
-of one tap contiguously. The convolution (rulebook_conv's `algo`) either gathers [N_out, K*Cin]
-through the map and multiplies once with cuBLAS ("gemm"), or gathers rows tile by tile into
-shared memory and multiplies them on tensor cores with mma.sync in one kernel, skipping the
-taps that no site of a tile has ("fused"). NumPy arrays run a vectorised NumPy backend (sorted
-keys and searchsorted): the reference, and the CPU path.
+(torch_bridge's modules pass it on; grids of more than 2**27 sites hash and sort instead). The
+rulebook is a dense [K, N_out] map (-1 for absent neighbours) rather than per-tap pair lists:
+building it needs no host sync for per-tap sizes, both convolution algorithms index it directly,
+and a tile of output sites reads its neighbours of one tap contiguously. The convolution
+(rulebook_conv's `algo`) either gathers [N_out, K*Cin] through the map and multiplies once with
+cuBLAS ("gemm"), or gathers rows tile by tile into shared memory and multiplies them on tensor
+cores with mma.sync in one kernel, skipping the taps that no site of a tile has ("fused"). NumPy
+arrays run a vectorised NumPy backend (sorted keys and searchsorted): the reference, and the CPU
+path.
 """
 
 import functools
@@ -143,9 +144,9 @@ class Rulebook:
 
     def fused_order(self, transposed=False):
         """The fused kernel's order of the output rows of `neighbors` (of `neighbors_t` if
-        transposed), int32 on the map's device: the rows sorted by their neighbour masks (the taps they have), so that a tile's rows have much the same
-        taps and the kernel skips the others. Computed on first use, kept while the map is the
-        same object."""
+        transposed), int32 on the map's device: the rows sorted by their neighbour masks (the
+        taps they have), so that a tile's rows have much the same taps and the kernel skips the
+        others. Computed on first use, kept while the map is the same object."""
         neighbors = self.neighbors_t if transposed else self.neighbors
         cached = self._orders[transposed]
         if cached is None or cached[0] is not neighbors:
@@ -201,7 +202,8 @@ def check_grid(coords, spatial_shape, batch_size):
     try:
         shape = tuple(spatial_shape)
     except TypeError:
-        raise TypeError(f"spatial_shape must be a sequence of ints, got {spatial_shape!r}") from None
+        raise TypeError(
+            f"spatial_shape must be a sequence of ints, got {spatial_shape!r}") from None
     if not 1 <= len(shape) <= _MAX_DIMS:
         raise ValueError(f"spatial_shape must have 1 to {_MAX_DIMS} axes, got {shape}")
     shape = _ints("spatial_shape", shape, len(shape), 1)

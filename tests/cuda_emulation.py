@@ -92,7 +92,8 @@ def build(op, kernels, folder):
         cpp = library.with_suffix(".cpp")
         cpp.write_text(source)
         subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
-                        "-Wno-unknown-pragmas", "-D_FORTIFY_SOURCE=3", "-D_GLIBCXX_ASSERTIONS", "-o", str(library), str(cpp)], check=True)
+                        "-Wno-unknown-pragmas", "-D_FORTIFY_SOURCE=3", "-D_GLIBCXX_ASSERTIONS",
+                        "-o", str(library), str(cpp)], check=True)
     handle = ctypes.CDLL(str(library))
     entries = {name: getattr(handle, f"entry_{i}") for i, name in enumerate(kernels)}
     for entry in entries.values():

@@ -45,7 +45,8 @@ def test_count_past_rows_uses_all_rows(xp, rng):
     out = sbnet_cupy.sparse_gather(xp.asarray(x), xp.asarray([5], xp.int32), xp.asarray(indices),
                                    bsize=4)
     numpy.testing.assert_array_equal(to_numpy(out),
-                                     reference.sparse_gather(x, indices, 2, ((4, 4), (0, 0), (4, 4)), False))
+                                     reference.sparse_gather(x, indices, 2,
+                                                             ((4, 4), (0, 0), (4, 4)), False))
 
 
 def test_non_contiguous_input(xp, rng):

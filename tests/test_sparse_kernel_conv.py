@@ -552,7 +552,8 @@ GRAD_FIELDS = _records.GRAD_VALUES_ARGS.names[_records.GRAD_VALUES_ARGS.names.in
 
 
 def _read(smem, index):
-    assert index.size == 0 or index.min() >= 0 and index.max() < smem.size, "shared-memory read out of bounds"
+    assert index.size == 0 or index.min() >= 0 and index.max() < smem.size, \
+        "shared-memory read out of bounds"
     return smem[index]
 
 
@@ -656,8 +657,8 @@ def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
                     first = ranges[co * a["cin"] + ci0]
                     last = ranges[co * a["cin"] + ci0 + nci]
                     tap = taps[first:last]
-                    src = (((tap >> 16) - ci0) * a["tile_cols"] + (tap & 255) * a["dil_w"]) * a["pitch"] \
-                        + ((tap >> 8) & 255) * a["dil_h"]
+                    src = ((((tap >> 16) - ci0) * a["tile_cols"] + (tap & 255) * a["dil_w"])
+                           * a["pitch"] + ((tap >> 8) & 255) * a["dil_h"])
                     index = (src[:, None, None] + lane_base[:, None]
                              + numpy.arange(p_rows) * a["str_h"])  # [T, 32, P]
                     acc[wq, wy, q] += numpy.einsum("t,tlp->pl", values[first:last],
@@ -770,8 +771,8 @@ def emulate_grad_values(plan, x, dy, ranges, taps, nnz):
                 co = co0 + c
                 first, last = ranges[co * a["cin"] + ci0], ranges[co * a["cin"] + ci0 + nci]
                 tap = taps[first:last]
-                src = (((tap >> 16) - ci0) * a["tile_cols"] + (tap & 255) * a["dil_w"]) * a["pitch"] \
-                    + ((tap >> 8) & 255) * a["dil_h"]
+                src = ((((tap >> 16) - ci0) * a["tile_cols"] + (tap & 255) * a["dil_w"])
+                       * a["pitch"] + ((tap >> 8) & 255) * a["dil_h"])
                 index = (src[:, None, None] + (lanes * a["str_w"] * a["pitch"])[None, :, None]
                          + numpy.arange(p_rows) * a["str_h"])  # [T, 32, P]
                 grad[first:last] += numpy.einsum("pl,tlp->t", d[c], _read(smem, index))

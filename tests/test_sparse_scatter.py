@@ -111,8 +111,8 @@ def test_scatter_var_into_non_contiguous_base(xp, rng):
     out = sbnet_cupy.sparse_scatter_var(xp.asarray(blocks), xp.asarray([2], xp.int32),
                                         xp.asarray(indices), view, bsize=4, add=True)
     assert out is view
-    expected = reference.sparse_scatter(blocks, indices, 2, full[:, :, ::2], ((4, 4), (0, 0), (4, 4)),
-                                        True, False)
+    expected = reference.sparse_scatter(blocks, indices, 2, full[:, :, ::2],
+                                        ((4, 4), (0, 0), (4, 4)), True, False)
     numpy.testing.assert_array_equal(to_numpy(y_full)[:, :, ::2], expected)
     numpy.testing.assert_array_equal(to_numpy(y_full)[:, :, 1::2], full[:, :, 1::2])
 
@@ -200,5 +200,5 @@ def test_arrays_on_a_non_default_device(rng):
     stack = sbnet_cupy.sparse_gather(y, found.bin_counts, found.active_block_indices, bsize=4)
     assert found.active_block_indices.device.id == 1 and stack.device.id == 1
     numpy.testing.assert_array_equal(
-        cupy.asnumpy(y), reference.sparse_scatter(blocks, indices, 2, ybase, ((4, 4), (0, 0), (4, 4)),
-                                                  True, False))
+        cupy.asnumpy(y), reference.sparse_scatter(blocks, indices, 2, ybase,
+                                                  ((4, 4), (0, 0), (4, 4)), True, False))

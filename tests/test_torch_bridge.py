@@ -32,7 +32,8 @@ def _inputs(rng, geometry, channels=3, dtype=torch.float64, device="cpu", n_batc
 
 
 def _np(t):
-    return t.detach().cpu().float().numpy() if t.dtype == torch.bfloat16 else t.detach().cpu().numpy()
+    t = t.detach().cpu()
+    return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 @pytest.mark.parametrize("device", DEVICES)

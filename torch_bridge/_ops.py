@@ -46,8 +46,9 @@ def _register(schema, impl, fake, setup=None, backward=None):
 def _autograd(name, impl, setup, backward):
     """An autograd.Function running impl, setup and backward, as its C apply. Function.apply's
     Python wrapper binds the arguments with inspect.signature on every call when the Function
-    has a setup_context (more host time than a small op's launch) and unwraps functorch wrappers, which calls with functorch
-    transforms active never reach (they go through the dispatcher, see _call)."""
+    has a setup_context (more host time than a small op's launch) and unwraps functorch
+    wrappers, which calls with functorch transforms active never reach (they go through the
+    dispatcher, see _call)."""
     def forward(ctx, *args):
         output = impl(*args)
         setup(ctx, args, output)

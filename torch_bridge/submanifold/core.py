@@ -22,9 +22,10 @@ class SparseConvTensor:
 
     grid, voxel_num, benchmark (and benchmark_record), force_algo, permanent_thrust_allocator
     and enable_timer are spconv's arguments, kept (the first four as attributes) for code that
-    passes or reads them; no module here uses them. Setting ``indices`` marks them unchecked, so the next
-    rulebook checks them again; changing them in place (``x.indices[:, 1:] *= 2``) does not, and
-    the rulebooks in indice_dict then no longer describe them: make a new tensor for new sites.
+    passes or reads them; no module here uses them. Setting ``indices`` marks them unchecked, so
+    the next rulebook checks them again; changing them in place (``x.indices[:, 1:] *= 2``) does
+    not, and the rulebooks in indice_dict then no longer describe them: make a new tensor for
+    new sites.
     """
 
     def __init__(self, features, indices, spatial_shape, batch_size, grid=None, voxel_num=None,
