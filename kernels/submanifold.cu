@@ -292,7 +292,6 @@ template <int DIMS> __global__ void scatter_strided(const RuleArgs a) {
     }
 }
 
-
 // dst[o, k, :] = src[map[k, o], :], zeros where map is -1. Consecutive threads write
 // consecutive words of dst.
 template <typename Word> __global__ void submanifold_gather(const GatherArgs a) {
@@ -308,7 +307,6 @@ template <typename Word> __global__ void submanifold_gather(const GatherArgs a) 
         dst[t] = v;
     }
 }
-
 
 // The neighbour mask of every row of a map: sorted by it, rows that have the same taps share
 // tiles of the fused kernel, which then skips the taps none of a tile's rows has.
@@ -348,6 +346,10 @@ template <typename Mask> __global__ void tap_masks(const MaskArgs a) {
 #define FUSED_TAPS 32  // taps whose neighbour rows a CTA holds at once (one warp's ballot)
 #define FUSED_SLOT_BYTES 37888  // static shared memory for stages, beside the neighbour rows
 
+// Words a staged row of STAGE bytes takes: the data, then 4 of padding (ldmatrix's 8 rows fall
+// in distinct banks).
+template <int STAGE> constexpr int fused_pitch = STAGE / 4 + 4;
+
 // A tile of FUSED_BM sites x BN channels in stages of STAGE bytes a row (32: one k-step of the
 // MMA; 64 or 128: two or four, for fewer barriers and copy rounds) and the stages that fit in
 // FUSED_SLOT_BYTES. Four warps of WM x WN: 2 x 2 for BN 128, 64 and 32, 4 x 1 for 16.
@@ -358,14 +360,12 @@ template <int STAGE, int BN> struct fused_tile {
     static constexpr int WARPS_N = BN == 16 ? 1 : 2, WARPS_M = 4 / WARPS_N;
     static constexpr int WM = FUSED_BM / WARPS_M, WN = BN / WARPS_N;
     static constexpr int MT = WM / 16, NT = WN / 8;  // m16 and n8 MMA tiles a warp
-    static constexpr int PITCH = STAGE / 4 + 4;  // words a staged row: data, then 4 of padding
-                                                 // (ldmatrix's 8 rows fall in distinct banks)
+    static constexpr int PITCH = fused_pitch<STAGE>;
     static constexpr int SLOT_WORDS = (FUSED_BM + BN) * PITCH;  // A rows, then B rows
     static constexpr int FIT = FUSED_SLOT_BYTES / (SLOT_WORDS * 4);
     static constexpr int SLOTS = FIT < 6 ? FIT : 6;
     static_assert(SLOTS >= 2 && NT % 2 == 0, "a stage in flight; B fragments in pairs");
 };
-
 
 // A staged word as the MMA takes it: 16-bit pairs as they are, float rounded to TF32.
 template <typename T> static __device__ __forceinline__ unsigned fused_operand(unsigned w) {
@@ -398,7 +398,7 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
                                                    int width, int per_stage, int cols, int col0,
                                                    fused_part<T, STAGE> part, TapOf tap_of,
                                                    RowOf row_of) {
-    constexpr int BK = STAGE / sizeof(T), PITCH = STAGE / 4 + 4;
+    constexpr int BK = STAGE / sizeof(T), PITCH = fused_pitch<STAGE>;
     if (VEC) {
         constexpr int PARTS = fused_part<T, STAGE>::PARTS;
         static_assert(FUSED_THREADS % PARTS == 0, "a thread's parts are one column of parts");

@@ -271,7 +271,6 @@ def _conv_fake(features, weight, bias, neighbors, neighbors_t, order, order_t, a
 
 def _conv_setup(ctx, inputs, output):
     features, weight, bias, neighbors, neighbors_t, order, order_t, ctx.algo = inputs
-    ctx.has_bias = bias is not None
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.orders = order is not None, order_t is not None
     ctx.save_for_backward(features, weight, neighbors, neighbors_t,
@@ -293,8 +292,8 @@ def _conv_backward(ctx, grad):
         dw = _call(_grad_weight_op, None, _grad_weight_impl,
                    (features, grad, neighbors, list(weight.shape), weight.dtype),
                    (features, grad, neighbors))
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        db = grad.sum(0) if ctx.bias_dtype == grad.dtype else grad.sum(0, dtype=ctx.bias_dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        db = grad.sum(0, dtype=ctx.bias_dtype)
     return dx, dw, db, None, None, None, None, None
 
 
