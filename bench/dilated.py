@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_bridge as tb
-from sbnet_cupy.space_to_batch import dilated_conv_geometry
+from sbnet_cupy.dilated.space_to_batch import dilated_conv_geometry
 from bench._common import RESULTS, events_ms, graph, read_csv, require_gpu, write_csv
 from torch_bridge import dilated
 

@@ -29,7 +29,7 @@ mask, a capacity of exactly the count against twice it and every block active (t
 alone, as the `fused-capacity` and `fused-dense` suites; blocks of 8 and 16). The `dependent`
 suite runs T2 and T1 at 90% (top-left mask, each stage's best block size) with the block
 convolutions launched as programmatic dependents (suite "dependent") and plainly (suite
-"dependent-off", sbnet_cupy._launch.DEPENDENT_LAUNCH off), side by side.
+"dependent-off", sbnet_cupy.core.launch.DEPENDENT_LAUNCH off), side by side.
 """
 
 import argparse
@@ -44,7 +44,8 @@ import torch
 import torch_bridge as tb
 from bench import masks
 from bench._common import RESULTS, allow_tf32, events_ms, graph, read_csv, require_gpu, write_csv
-from sbnet_cupy import _launch, block_conv
+from sbnet_cupy.core import launch as _launch
+from sbnet_cupy.blocks import block_conv
 
 # stage: (H, W, C, bottleneck K). T1 convolves K channels at H x W, T2 is the C/K unit.
 STAGES = {"conv-2": (400, 704, 96, 24), "conv-3": (200, 352, 192, 48),

@@ -20,7 +20,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels, _launch, _records
+from .core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
 from .submanifold import _CUPY, table_capacity
 
 # Voxel sizes (float32 values), grid minimum and cells along each axis, z first.

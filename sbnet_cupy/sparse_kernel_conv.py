@@ -27,7 +27,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels, _launch, _records
+from .core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
 
 STRATEGIES = ("compiled", "direct")
 

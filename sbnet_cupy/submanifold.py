@@ -57,7 +57,8 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels, _launch, _records, block_conv
+from .core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
+from .blocks import block_conv
 
 _MAX_DIMS = _records.SUBM_MAX_DIMS  # spatial axes the kernels' argument records hold
 _DTYPES = ("float16", "float32", "float64")

@@ -1,6 +1,6 @@
 """The kernels of kernels/block_conv.cu and kernels/submanifold.cu on the CPU: their own source,
 built by g++ with the CUDA features those two files use emulated (tests/cuda_emulation.h),
-behind sbnet_cupy._launch, so that the host-side planning runs as it is (tile widths, warp
+behind sbnet_cupy.core.launch, so that the host-side planning runs as it is (tile widths, warp
 groups, splits, shared memory) and each launch runs the emulated kernel on NumPy arrays. For
 CI, which has no GPU: what the kernels compute, on small inputs. kernels/common.cuh is built
 as it is, less its inline PTX, which the header emulates."""
@@ -17,7 +17,7 @@ import traceback
 
 import pytest
 
-from sbnet_cupy import _kernels, _launch, _records
+from sbnet_cupy.core import kernels as _kernels, launch as _launch, records as _records
 
 HEADER = pathlib.Path(__file__).with_name("cuda_emulation.h")
 _AFTER_COMMON = "// ---- after kernels/common.cuh ----\n"  # the header's second part starts here
@@ -122,7 +122,7 @@ class _Driver:
 
 
 def install(monkeypatch, entries, sms):
-    """Route sbnet_cupy._launch to the emulated kernels `entries` on a GPU of `sms` SMs; returns
+    """Route sbnet_cupy.core.launch to the emulated kernels `entries` on a GPU of `sms` SMs; returns
     the list that each launch appends (name expression, grid, threads, shared bytes) to."""
     launched = []
 

@@ -1,4 +1,4 @@
-"""The fused block convolutions (sbnet_cupy.block_conv) behind sparse_conv2d and
+"""The fused block convolutions (sbnet_cupy.blocks.block_conv) behind sparse_conv2d and
 sparse_res_block_bottleneck with method="fused", against dense references written from the
 definition. The GPU tests skip without a GPU."""
 
@@ -6,7 +6,8 @@ import numpy
 import pytest
 
 import sbnet_cupy
-import sbnet_cupy.block_conv
+from sbnet_cupy.blocks import block_conv
+from sbnet_cupy.core import launch as _launch
 from axes import distinct_block_list, random_array
 from conftest import HAS_GPU, cupy, requires_gpu, to_numpy, _poison_pool
 import reference
@@ -41,7 +42,7 @@ def _written(indices, count, shape, bsize_out):
 def staging(request, monkeypatch):
     """Each way of staging the reduction, forced: block_conv's 32-word stages, and
     block_conv_halo's channel chunks where it applies (3x3 and 5x5 on 16-byte vectors)."""
-    monkeypatch.setattr(sbnet_cupy.block_conv, "STAGING", request.param)
+    monkeypatch.setattr(block_conv, "STAGING", request.param)
     return request.param
 
 
@@ -118,7 +119,7 @@ def test_sparse_res_block_fused_equals_dense(rng, monkeypatch, staging, dtype, c
                                              bottleneck, bsize_out, inplace, pair):
     """The unit in three launches, or with its 3x3 and last 1x1 as one (block_conv_pair, where
     the 3x3 streams and its tile holds every bottleneck channel)."""
-    monkeypatch.setattr(sbnet_cupy.block_conv, "PAIR", pair)
+    monkeypatch.setattr(block_conv, "PAIR", pair)
     _poison_pool()
     shape = (2, 41, 53)
     x, folded, ours, params, indices, count = _res_unit_inputs(
@@ -181,7 +182,6 @@ def test_dependent_launches_equal_plain_ones(rng, monkeypatch, dtype, graphed):
     """A stage of in-place units (each unit's first convolution reads what the previous unit's
     last one wrote; reduce_mask before them) with the block convolutions launched as programmatic
     dependents (sm_90) gives what plain launches give, bit for bit, eagerly and in a CUDA graph."""
-    import sbnet_cupy._launch
 
     shape, channels, bottleneck = (2, 45, 61), 32, 16
     x = (random_array(rng, shape + (channels,), numpy.float32) / 8).astype(dtype)
@@ -200,7 +200,7 @@ def test_dependent_launches_equal_plain_ones(rng, monkeypatch, dtype, graphed):
         return found  # the graph's block list: kept until the graph has run
 
     def run(dependent):  # on a stream of its own: the default stream takes no dependents
-        monkeypatch.setattr(sbnet_cupy._launch, "DEPENDENT_LAUNCH", dependent)
+        monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", dependent)
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
             y = cupy.asarray(x)
@@ -225,7 +225,7 @@ def test_dependent_launch_host_side(monkeypatch):
     """Where a block convolution's launch goes (the GPU test above checks what it computes): a
     dependent launch on a stream fills cuLaunchKernelEx's config; on the default stream, with
     DEPENDENT_LAUNCH off, or where the device takes none, the plain cuLaunchKernel."""
-    import sbnet_cupy._launch as launch
+    launch = _launch
 
     if launch.driver is None:
         pytest.skip("needs CuPy")
@@ -251,7 +251,7 @@ def test_dependent_launch_host_side(monkeypatch):
 
 
 def test_tile_channels_pad_least_and_fill_the_gpu():
-    pick = sbnet_cupy.block_conv.tile_channels
+    pick = block_conv.tile_channels
     assert pick(24, 1000, 4, 132) == 32   # 48 and 64 pad more
     assert pick(40, 1000, 4, 132) == 48
     assert pick(96, 128, 4, 132) == 32    # ties with 48, which pays only where it pads less
@@ -263,26 +263,26 @@ def test_tile_channels_pad_least_and_fill_the_gpu():
 
 
 @requires_gpu
-@pytest.mark.parametrize("width", sbnet_cupy.block_conv.TILE_CHANNELS)
+@pytest.mark.parametrize("width", block_conv.TILE_CHANNELS)
 @pytest.mark.parametrize("dtype", [numpy.float32, numpy.float16])
 def test_every_tile_width(rng, monkeypatch, staging, width, dtype):
     """Each tile width the rule can pick, forced, on channel counts that leave a part tile."""
-    monkeypatch.setattr(sbnet_cupy.block_conv, "TILE_CHANNELS", (width,))
-    sbnet_cupy.block_conv._tile_channels.cache_clear()
+    monkeypatch.setattr(block_conv, "TILE_CHANNELS", (width,))
+    block_conv._tile_channels.cache_clear()
     try:
         test_sparse_res_block_fused_equals_dense(rng, monkeypatch, staging, dtype, 70, 40, (8, 8),
                                                 False, True)
     finally:
         monkeypatch.undo()
-        sbnet_cupy.block_conv._tile_channels.cache_clear()
+        block_conv._tile_channels.cache_clear()
 
 
 def test_k_groups_fill_the_gpu():
     ctas = (528, 264, 132, 132)
-    assert sbnet_cupy.block_conv.k_groups(1000, 20, ctas) == 1
-    assert sbnet_cupy.block_conv.k_groups(40, 20, ctas) == 4
-    assert sbnet_cupy.block_conv.k_groups(40, 2, ctas) == 2
-    assert sbnet_cupy.block_conv.k_groups(100, 20, ctas) == 3
+    assert block_conv.k_groups(1000, 20, ctas) == 1
+    assert block_conv.k_groups(40, 20, ctas) == 4
+    assert block_conv.k_groups(40, 2, ctas) == 2
+    assert block_conv.k_groups(100, 20, ctas) == 3
 
 
 def test_method_is_checked(rng):
@@ -308,7 +308,7 @@ def test_halo_layout_and_chunks():
     the chunks the launch picks: T1 conv-2's 3x3 (24 channels, blocks of 16) is one chunk on 6
     halo rows of 18 pixels; 48 channels on blocks of 8 are two chunks of 24 unless the slots must
     fit 96 KB (then three of 16); no chunk fits where even 8 words a row do not."""
-    layout, chunk = sbnet_cupy.block_conv.halo_layout, sbnet_cupy.block_conv.halo_chunk
+    layout, chunk = block_conv.halo_layout, block_conv.halo_chunk
     assert layout(4, 24, (3, 3), (16, 16), 32, 24) == (1, (108 + 9 * 32) * 28 * 4)
     assert layout(2, 96, (3, 3), (8, 8), 32, 48) == (2, 2 * (100 + 9 * 32) * 28 * 4)
     assert layout(4, 8, (5, 5), (3, 40), 48, 8) == (1, ((3 + 4) * 44 + 25 * 48) * 12 * 4)

@@ -11,7 +11,7 @@ import cuda_emulation
 import reference
 import sbnet_cupy
 from axes import random_array
-from sbnet_cupy import block_conv
+from sbnet_cupy.blocks import block_conv
 from test_block_conv import (TOLERANCE, _assert_close, _block_list, _check_res_unit,
                              _res_unit_inputs, _written)
 

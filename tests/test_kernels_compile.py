@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from sbnet_cupy import _kernels
+from sbnet_cupy.core import kernels as _kernels
 
 pytestmark = pytest.mark.version_free
 

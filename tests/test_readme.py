@@ -88,4 +88,8 @@ def test_installed_wheel_ships_the_kernels():
     for source in ("common.cuh", "reduce_mask.cu", "space_to_batch.cu", "sparse_gather.cu",
                    "sparse_scatter.cu"):
         assert f"sbnet_cupy/kernels/{source}" in names
+    # Every module of the checkout's packages (subpackages included) is in the wheel.
+    for package in ("sbnet_cupy", "torch_bridge", "tf_bridge"):
+        for module in (ROOT / package).rglob("*.py"):
+            assert module.relative_to(ROOT).as_posix() in names, module
     assert not any(n.startswith("bench/") for n in names), "bench must not be installed"

@@ -1,4 +1,4 @@
-"""The kernels' argument records (sbnet_cupy/_records.py): the C++ definitions that g++ builds
+"""The kernels' argument records (sbnet_cupy/core/records.py): the C++ definitions that g++ builds
 check every field's offset and the size that Python packs; the values pack at the offsets the
 record names; the launches that pass their values by position pass them in the record's order
 (checked against the same values built by name)."""
@@ -6,15 +6,13 @@ record names; the launches that pass their values by position pass them in the r
 import shutil
 import struct
 import subprocess
-import sys
 
 import numpy
 import pytest
 
 import cuda_emulation
-from sbnet_cupy import _blocks, _launch, _records, block_conv
-
-reduce_mask = sys.modules["sbnet_cupy.reduce_mask"]  # the package's name is the op's function
+from sbnet_cupy.blocks import stack as _blocks, block_conv, reduce_mask
+from sbnet_cupy.core import launch as _launch, records as _records
 
 OPS = sorted({record.op for record in _records.records() if record.op} | {"common"})
 

@@ -7,7 +7,8 @@ import numpy
 import pytest
 
 import sbnet_cupy
-from sbnet_cupy import SparseKernel, _kernels, _launch, _records, sparse_kernel_conv as skc
+from sbnet_cupy import SparseKernel, sparse_kernel_conv as skc
+from sbnet_cupy.core import kernels as _kernels, launch as _launch, records as _records
 from axes import random_array
 from reference import zero_inserted_kernel
 from conftest import cupy, require, requires_gpu, to_numpy

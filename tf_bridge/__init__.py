@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import sbnet_cupy
 from sbnet_cupy import BlockParams, ReduceMask, calc_block_params, calc_block_params_res_block
-from sbnet_cupy import _checks
+from sbnet_cupy.core import checks as _checks
 
 __all__ = [
     "BlockParams",

@@ -5,7 +5,7 @@ gradient; the convolution between them is tf.nn.conv2d. Shapes must be static.""
 import tensorflow as tf
 
 import sbnet_cupy
-from sbnet_cupy.space_to_batch import (check_atrous_conv2d, check_batch_to_space,
+from sbnet_cupy.dilated.space_to_batch import (check_atrous_conv2d, check_batch_to_space,
                                        check_space_to_batch, dilated_conv_geometry)
 
 from . import _call
@@ -55,7 +55,7 @@ def batch_to_space(y, block, crops=0):
 def atrous_conv2d(value, filters, rate, padding):
     """tf.nn.atrous_conv2d(value, filters, rate, padding) as space_to_batch -> tf.nn.conv2d ->
     batch_to_space, any size; differentiable in value and filters. The convolution pads whole
-    multiples of the rate itself (sbnet_cupy.space_to_batch.dilated_conv_geometry)."""
+    multiples of the rate itself (sbnet_cupy.dilated.space_to_batch.dilated_conv_geometry)."""
     value, filters = tf.convert_to_tensor(value), tf.convert_to_tensor(filters)
     rate, paddings = check_atrous_conv2d(value, filters, rate, padding)
     g = dilated_conv_geometry(tuple(value.shape[1:3]), tuple(filters.shape[:2]), rate, paddings,

@@ -9,7 +9,7 @@ the op as int32 tensors, which the GPU path copies to the features' device.
 import numpy
 import tensorflow as tf
 
-from sbnet_cupy import _checks
+from sbnet_cupy.core import checks as _checks
 from sbnet_cupy import submanifold as _core
 
 from . import _call

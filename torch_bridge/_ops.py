@@ -19,11 +19,11 @@ inductor's generated code makes in the default compile mode).
 import torch
 
 import sbnet_cupy
-from sbnet_cupy import _checks
-from sbnet_cupy.reduce_mask import (check_reduce_mask, launch_reduce_mask, shared_workspace,
+from sbnet_cupy.core import checks as _checks
+from sbnet_cupy.blocks.reduce_mask import (check_reduce_mask, launch_reduce_mask, shared_workspace,
                                     workspace_words)
-from sbnet_cupy.sparse_gather import affine_dtype, check_gather, launch_gather, stack_shape
-from sbnet_cupy.sparse_scatter import check_scatter, launch_scatter
+from sbnet_cupy.blocks.sparse_gather import affine_dtype, check_gather, launch_gather, stack_shape
+from sbnet_cupy.blocks.sparse_scatter import check_scatter, launch_scatter
 
 _lib = torch.library.Library("sbnet", "DEF")
 

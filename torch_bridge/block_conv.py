@@ -1,4 +1,4 @@
-"""The fused block convolutions (sbnet_cupy.block_conv) as torch ops, for inference on CUDA:
+"""The fused block convolutions (sbnet_cupy.blocks.block_conv) as torch ops, for inference on CUDA:
 what SparseConv2d and SparseResBlockBottleneck run when no gradient is recorded.
 
 Each op exists out of place (a new tensor) and in place (``_``, into its last tensor argument),
@@ -13,8 +13,9 @@ kernels (``_weights``, which says how CUDA graphs see the copies).
 
 import torch
 
-from sbnet_cupy import BlockParams, _checks
-from sbnet_cupy.block_conv import launch_conv, launch_res_unit
+from sbnet_cupy import BlockParams
+from sbnet_cupy.core import checks as _checks
+from sbnet_cupy.blocks.block_conv import launch_conv, launch_res_unit
 
 from . import _ops
 from ._weights import prepared

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import sbnet_cupy
-from sbnet_cupy import _checks
-from sbnet_cupy.space_to_batch import (batch_to_space_reshape, check_batch_to_space,
+from sbnet_cupy.core import checks as _checks
+from sbnet_cupy.dilated.space_to_batch import (batch_to_space_reshape, check_batch_to_space,
                                        check_space_to_batch, dilated_conv_geometry,
                                        launch_batch_to_space, launch_space_to_batch,
                                        same_padding, space_to_batch_reshape)

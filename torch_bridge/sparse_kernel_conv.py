@@ -15,7 +15,7 @@ import numpy
 import torch
 
 import sbnet_cupy
-from sbnet_cupy import _checks
+from sbnet_cupy.core import checks as _checks
 from sbnet_cupy import sparse_kernel_conv as _core
 
 from ._ops import (_call, _checked, _contiguous, _float_scratch, _numpy, _raw_stream, _register,

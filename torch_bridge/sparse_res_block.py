@@ -17,7 +17,8 @@ from torch import nn
 
 from . import _ops, block_conv
 from ._weights import prepared
-from sbnet_cupy import _checks, calc_block_params, calc_block_params_res_block
+from sbnet_cupy.core import checks as _checks
+from sbnet_cupy import calc_block_params, calc_block_params_res_block
 
 
 class _BatchNormAffine(nn.Module):

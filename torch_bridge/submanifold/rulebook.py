@@ -27,7 +27,7 @@ import threading
 import numpy
 import torch
 
-from sbnet_cupy import _checks
+from sbnet_cupy.core import checks as _checks
 from sbnet_cupy import submanifold as _core
 
 from .._ops import (_call, _checked, _contiguous, _float_scratch, _raw_stream, _register,

@@ -6,7 +6,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _launch, _records
+from ..core import checks as _checks, launch as _launch, records as _records
 
 # The gather's and scatter's argument record: src, dst, scale, shift, then a BlockList (indices,
 # count and ten ints), then words_per_pixel, tile_rows, log2_tile_c, pitch.

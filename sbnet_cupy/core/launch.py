@@ -26,7 +26,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import _kernels, _records
+from . import kernels as _kernels, records as _records
 
 try:
     from cupy.cuda import Device, driver, runtime

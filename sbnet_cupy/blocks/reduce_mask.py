@@ -7,7 +7,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels, _launch, _records
+from ..core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
 
 _THREADS = 1024  # 32 warps, one block each; kernels/reduce_mask.cu assumes this
 

@@ -8,8 +8,8 @@ from collections import namedtuple
 
 import numpy
 
-from . import _checks, _kernels, _launch, _records
-from .sparse_conv import conv2d_valid
+from ..core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
+from ..blocks.sparse_conv import conv2d_valid
 
 DATA_FORMATS = ("NHWC", "NCHW")
 

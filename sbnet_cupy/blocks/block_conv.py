@@ -16,7 +16,7 @@ import math
 import os
 from collections import namedtuple
 
-from . import _checks, _kernels, _launch, _records
+from ..core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
 
 # The kernels' argument records (sbnet_cupy/_records.py): the launches below pass their values
 # in these records' order.

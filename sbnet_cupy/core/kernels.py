@@ -9,7 +9,7 @@ place that says which types and sizes the kernels are instantiated for.
 import functools
 import pathlib
 
-from . import _records
+from . import records as _records
 
 COMPILE_OPTIONS = ("--std=c++17",)
 
@@ -47,8 +47,9 @@ def name_expression(kernel, *template_args):
 
 def _source_dir():
     # A wheel ships the sources inside the package; a source checkout keeps them beside it.
-    packaged = pathlib.Path(__file__).with_name("kernels")
-    return packaged if packaged.is_dir() else pathlib.Path(__file__).parent.parent / "kernels"
+    package = pathlib.Path(__file__).parent.parent  # this file is sbnet_cupy/core/kernels.py
+    packaged = package / "kernels"
+    return packaged if packaged.is_dir() else package.parent / "kernels"
 
 
 @functools.cache

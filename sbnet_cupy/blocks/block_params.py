@@ -3,7 +3,7 @@
 import math
 from collections import namedtuple
 
-from . import _checks
+from ..core import checks as _checks
 
 BlockParams = namedtuple("BlockParams", ["bsize", "bsize_out", "boffset", "bcount", "bstrides"])
 

@@ -3,7 +3,8 @@ framework.
 
 Two methods: "gemm" gathers the blocks into a stack, convolves it as one GEMM (cuBLAS or NumPy)
 and scatters the result; "fused" (CuPy, float32 as TF32, float16, bfloat16) convolves straight
-from the input into the output through the block list on tensor cores (sbnet_cupy.block_conv).
+from the input into the output through the block list on tensor cores
+(sbnet_cupy.blocks.block_conv).
 method="auto" takes "fused" where it applies: CuPy arrays of float16 or bfloat16, or float32
 when CuPy runs float32 products as TF32 (CUPY_TF32=1), and stride-1 block geometry.
 
@@ -14,7 +15,8 @@ CUPY_TF32=1 is set.
 
 import numpy
 
-from . import _checks, block_conv
+from ..core import checks as _checks
+from . import block_conv
 from .sparse_gather import sparse_gather
 from .sparse_scatter import sparse_scatter, sparse_scatter_var
 

@@ -4,7 +4,8 @@ import functools
 
 import numpy
 
-from . import _blocks, _checks, _kernels
+from . import stack as _blocks
+from ..core import checks as _checks, kernels as _kernels
 
 
 def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0), bstride=None,

@@ -1,0 +1,1 @@
+"""Dilated (atrous) convolution through space_to_batch / batch_to_space."""
