@@ -1,7 +1,7 @@
 """Sparse backbones of published LiDAR detectors and segmenters, written from their papers'
 and repositories' descriptions, on any spconv-2.x-like namespace `ns` (spconv.pytorch, or
 torch_bridge.submanifold): the workloads of bench.submanifold_cpu and the models
-tests/test_spconv_port.py builds with both libraries.
+tests/submanifold/test_spconv_port.py builds with both libraries.
 
 - voxel_backbone_8x: SECOND's / OpenPCDet's VoxelBackBone8x (submanifold blocks, three
   stride-2 convolutions, a (3, 1, 1) stride-(2, 1, 1) output convolution).

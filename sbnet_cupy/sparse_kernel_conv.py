@@ -52,7 +52,7 @@ _SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
 _COMPILED_SMEM_LIMIT = 100 * 1024
 _COMPILED_CTAS_PER_SM = 2
 _RESERVED_SMEM = 1024  # shared memory the GPU keeps for each CTA (compute capability 8.0 on)
-# The kernels' argument records (sbnet_cupy/_records.py): the plans build the int fields by
+# The kernels' argument records (sbnet_cupy/core/records.py): the plans build the int fields by
 # name (Record.tail), and the launches put the pointers in front of them.
 _CONV_ARGS = _records.CONV_ARGS
 _GRAD_VALUES_ARGS = _records.GRAD_VALUES_ARGS
@@ -907,7 +907,7 @@ def _split_cin(dtype, tiles, cin, chunk, sms):
 
 def instantiations():
     """Name expressions of every kernel the plans can ask for, but the compiled kernel: its
-    Program is generated per mask (tests/test_sparse_kernel_conv.py compiles some)."""
+    Program is generated per mask (tests/pruned/test_sparse_kernel_conv.py compiles some)."""
     names = []
     for ctype in _kernels.ARITHMETIC_CTYPES.values():
         names.append(_kernels.name_expression("sparse_kernel_conv_direct", ctype, _DIRECT_P,

@@ -1,6 +1,7 @@
 import collections
 import importlib
 import os
+import pathlib
 import zlib
 
 # Under pytest-xdist, each worker takes its share of the cores for its thread pools (OpenMP:
@@ -55,8 +56,11 @@ def to_numpy(a):
 
 @pytest.fixture
 def rng(request):
-    # A different seed for every test, reproducible from its name.
-    return numpy.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+    # A different seed for every test, reproducible from its name: tests/<file>::<test>, without
+    # the family's folder, so that the seeds stayed those of the flat tests/ they came from.
+    path, sep, rest = request.node.nodeid.partition("::")
+    name = "tests/" + pathlib.PurePosixPath(path).name + sep + rest
+    return numpy.random.default_rng(zlib.crc32(name.encode()))
 
 
 def pytest_report_header(config):

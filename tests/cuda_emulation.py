@@ -62,7 +62,7 @@ def _without_inline_ptx(text):
 
 
 def _emulated_source(op, kernels):
-    """The header's CUDA features, the argument records (sbnet_cupy/_records.py, as NVRTC gets
+    """The header's CUDA features, the argument records (sbnet_cupy/core/records.py, as NVRTC gets
     them), kernels/common.cuh and kernels/<op>.cu without their inline PTX (the header's
     emulations of it in between), the kernel's dynamic shared memory the emulated one; then one
     C entry point per kernel (name expression: argument struct)."""

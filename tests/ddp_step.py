@@ -1,6 +1,7 @@
-"""One data-parallel training step of each family's module, as torchrun runs it (tests/test_ddp.py
-starts it): every rank takes its share of a batch, DistributedDataParallel averages the
-gradients over NCCL, and rank 0 compares them with one process's gradients on the whole batch.
+"""One data-parallel training step of each family's module, as torchrun runs it
+(tests/core/test_ddp.py starts it): every rank takes its share of a batch,
+DistributedDataParallel averages the gradients over NCCL, and rank 0 compares them with one
+process's gradients on the whole batch.
 Writes {module: {"error": max relative error, "warnings": [...]}} as JSON to argv[1]."""
 
 import json

@@ -1,5 +1,5 @@
-"""A dense reference of the spconv 2.x API that tests/test_spconv_port.py builds its models with,
-to check torch_bridge.submanifold where spconv is not installed (CI).
+"""A dense reference of the spconv 2.x API that tests/submanifold/test_spconv_port.py builds its
+models with, to check torch_bridge.submanifold where spconv is not installed (CI).
 
 A tensor is dense features [B, C, *S] and a bool mask [B, *S] of its active sites; `features`
 lists the active sites' rows in row-major order, which is the order torch_bridge gives when the

@@ -18,7 +18,7 @@ from collections import namedtuple
 
 from ..core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
 
-# The kernels' argument records (sbnet_cupy/_records.py): the launches below pass their values
+# The kernels' argument records (sbnet_cupy/core/records.py): the launches below pass their values
 # in these records' order.
 BLOCK_SIDE = _records.BLOCK_SIDE
 BLOCK_CONV_ARGS = _records.BLOCK_CONV_ARGS
@@ -45,7 +45,7 @@ HaloPlan = namedtuple("HaloPlan", ["function", "chunk", "chunks", "shared", "cta
 def image_side(height, width, boffset, bstride):
     """A side that is an NHWC image [N, height, width, C]: block (n, hi, wi) of the list starts
     at (boffset[0] + bstride[0] * hi, boffset[1] + bstride[1] * wi). The values of a BlockSide,
-    in its order (tests/test_records.py checks them against BLOCK_SIDE.values)."""
+    in its order (tests/core/test_records.py checks them against BLOCK_SIDE.values)."""
     return (height, width, boffset[0], boffset[1], bstride[0], bstride[1], 0)
 
 

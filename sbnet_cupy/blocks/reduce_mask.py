@@ -194,7 +194,7 @@ def shared_workspace(device, stream, n_words):
     return buffer.data.ptr
 
 
-# ReduceMaskArgs (sbnet_cupy/_records.py): mask, words, tickets, indices, count, tol, 13 ints.
+# ReduceMaskArgs (sbnet_cupy/core/records.py): mask, words, tickets, indices, count, tol, 13 ints.
 _ARGS = _records.REDUCE_MASK_ARGS
 
 

@@ -4,7 +4,7 @@ packed here into a per-thread buffer and handed straight to the driver (cuLaunch
 A launch through CuPy's ``Function.__call__`` converts every argument into a CuPy object, which
 costs more host time than the kernels of a small op take, and the bridges used to wrap every
 tensor in a CuPy array and every stream in a CuPy Stream. Here a call is one ``pack_into`` of
-the kernel's argument record (sbnet_cupy/_records.py) and one driver call on raw pointers,
+the kernel's argument record (sbnet_cupy/core/records.py) and one driver call on raw pointers,
 whatever produced them (CuPy arrays, torch tensors, DLPack capsules). Launch geometry and
 compiled functions are computed once and cached by the ops, from the device's facts
 (device_info), never from one GPU's numbers.
@@ -33,7 +33,7 @@ try:
 except ImportError:  # the NumPy backend launches nothing
     Device = driver = runtime = None
 
-# The largest argument record any kernel takes (tests/test_records.py checks each size).
+# The largest argument record any kernel takes (tests/core/test_records.py checks each size).
 _ARG_BYTES = 256
 
 DEPENDENT_LAUNCH = os.environ.get("SBNET_DEPENDENT_LAUNCH", "1") != "0"
@@ -165,7 +165,7 @@ def launch_split_sum(device, stream, kernel, partial, bias, out, rows, cols, pit
 def launch(device, stream, kernel, grid, block, shared_mem, arguments, values, dependent=False):
     """Launch `kernel` (an address from function()) on `device` and `stream` (a cudaStream_t
     address), grid and block as 3-tuples, with `values` packed by `arguments`: the kernel's
-    Record (sbnet_cupy/_records.py), `values` its leaves' values in its order (Record.values
+    Record (sbnet_cupy/core/records.py), `values` its leaves' values in its order (Record.values
     and Record.tail build them by name); dependent: a programmatic dependent launch where the
     GPU takes it (the kernel must call wait_for_previous_kernel before it touches memory the
     previous kernel may use)."""

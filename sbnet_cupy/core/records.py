@@ -118,9 +118,10 @@ class Record:
         # Every field's offset where the compiler has __builtin_offsetof (g++, which builds the
         # emulated kernels in CI; some NVRTC versions lack it), the size everywhere.
         return (f"struct {self.name} {{\n{body}\n}};\n"
-                + f'static_assert(sizeof({self.name}) == {self.size}, "sbnet_cupy/_records.py");\n'
+                + f'static_assert(sizeof({self.name}) == {self.size}, '
+                  '"sbnet_cupy/core/records.py");\n'
                 + "#ifndef __CUDACC_RTC__\n"
-                + "".join(f'static_assert({check}, "sbnet_cupy/_records.py");\n'
+                + "".join(f'static_assert({check}, "sbnet_cupy/core/records.py");\n'
                           for check in offsets)
                 + "#endif\n")
 
@@ -128,7 +129,7 @@ class Record:
 def header(op):
     """C++ definitions of the records of kernels/<op>.cu and of kernels/common.cuh's, in
     declaration order: what goes in front of common.cuh."""
-    parts = ["// The kernels' argument records, generated from sbnet_cupy/_records.py.",
+    parts = ["// The kernels' argument records, generated from sbnet_cupy/core/records.py.",
              "typedef long long i64;"]
     parts += [record.cpp() for record in _RECORDS if record.op in (None, op)]
     return "\n".join(parts) + "\n"
@@ -343,7 +344,7 @@ REDUCE_MASK_ARGS = Record("ReduceMaskArgs", "reduce_mask", """
 
 # Division by a positive int known at launch, for dividends in [0, 2^31) (divide() in the
 # kernel): the host picks mul = ceil(2^shift / d) with shift = 31 + ceil(log2(d))
-# (sbnet_cupy/space_to_batch.py, _divisor).
+# (sbnet_cupy/dilated/space_to_batch.py, _divisor).
 DIVISOR = Record("divisor", "space_to_batch", """
     int d;
     unsigned mul, shift;

@@ -25,7 +25,7 @@ _SECTOR = 32  # bytes: the unit of a memory transaction, which a warp's accesses
 _BANKS = 32
 _INT32_LIMIT = 2**31
 
-# The kernels' argument records (sbnet_cupy/_records.py): x, y, ints and (d, mul, shift)
+# The kernels' argument records (sbnet_cupy/core/records.py): x, y, ints and (d, mul, shift)
 # divisors; the plans build all but x and y by name (Record.tail).
 _NHWC_ARGS = _records.NHWC_ARGS
 _NCHW_ARGS = _records.NCHW_ARGS

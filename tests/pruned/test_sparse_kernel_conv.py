@@ -29,7 +29,7 @@ PADDINGS = ["SAME", "VALID", ((2, 1), (0, 3))]
 DILATIONS = [(1, 1), (2, 1)]
 COMBOS = list(itertools.product(STRIDES, PADDINGS, DILATIONS))
 DENSITIES = ["zero", "one", 0.1, 1.0]
-BENCH_CSV = (pathlib.Path(__file__).parent.parent
+BENCH_CSV = (pathlib.Path(__file__).parent.parent.parent
              / "bench/results/sparse_kernel_conv_NVIDIA_H100_80GB_HBM3.csv")
 PRECISION_DTYPES = {"tf32": "float32", "fp16": "float16"}
 TOLERANCE = {numpy.float64: 1e-12, numpy.float32: 1e-5, numpy.float16: 2e-3, "bfloat16": 1.6e-2}

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_ddp_step_equals_one_process(tmp_path):
     out = tmp_path / "ddp.json"
-    step = pathlib.Path(__file__).with_name("ddp_step.py")
+    step = pathlib.Path(__file__).parent.parent / "ddp_step.py"
     # The workers import the library as this process does, installed or from this checkout.
     root = str(step.parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

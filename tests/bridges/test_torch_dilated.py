@@ -255,7 +255,7 @@ def test_auto_on_cpu_is_native():
                                  (4, 4)) == "native"
 
 
-BENCH_CSV = pathlib.Path(__file__).parent.parent / "bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv"
+BENCH_CSV = pathlib.Path(__file__).parents[2] / "bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv"
 PRECISION_DTYPES = {"tf32": "float32", "fp16": "float16"}
 PASS_GRADS = {"forward": None, "backward_input": "input", "backward_weight": "weight"}
 

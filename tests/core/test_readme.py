@@ -12,7 +12,7 @@ import pytest
 
 from conftest import require
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parent.parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXAMPLES = [pytest.param(page, example, id=f"{page.stem}-{i}")
             for page in PAGES
