@@ -9,12 +9,12 @@ torch's current stream; CPU tensors run its NumPy backend. Arguments are those o
 
 from sbnet_cupy import BlockParams, ReduceMask, calc_block_params, calc_block_params_res_block
 
-from ._ops import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_var
 from ._weights import frozen_weights
+from .blocks.ops import reduce_mask, sparse_gather, sparse_scatter, sparse_scatter_var
+from .blocks.sparse_res_block import SparseConv2d, SparseResBlockBottleneck, SparseResStage
 from .capacity_graphs import CapacityGraphs, capacity_bucket
 from .dilated import DilatedConv2d, batch_to_space, dilated_conv2d, space_to_batch
-from .sparse_kernel_conv import SparseKernelConv2d, sparse_kernel_conv2d
-from .sparse_res_block import SparseConv2d, SparseResBlockBottleneck, SparseResStage
+from .pruned.sparse_kernel_conv import SparseKernelConv2d, sparse_kernel_conv2d
 
 __all__ = [
     "BlockParams",

@@ -11,7 +11,7 @@ torch = require("torch")
 
 import torch_bridge as tb  # noqa: E402
 import torch_bridge.submanifold as spconv  # noqa: E402
-from torch_bridge import _ops  # noqa: E402
+from torch_bridge.blocks import ops  # noqa: E402
 from sbnet_cupy import _checks  # noqa: E402
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -126,14 +126,14 @@ def test_two_runs_give_the_same_bits(case, dtype):
 @pytest.mark.parametrize("bsize,bstride", [((10, 10), (8, 8)), ((18, 5), (16, 2)),
                                            ((4, 4), (4, 4)), ((3, 7), (1, 3))])
 def test_apart_lists_hold_every_block_once_without_overlap(bsize, bstride):
-    """_ops._apart: every row of the block list is valid in exactly one list, and within a
+    """ops._apart: every row of the block list is valid in exactly one list, and within a
     list no two valid blocks share a pixel."""
     gen = _gen(13)
     rows = torch.stack([torch.randint(0, 2, (60,), generator=gen),
                         torch.randint(0, 9, (60,), generator=gen),
                         torch.randint(0, 9, (60,), generator=gen)], 1).int()
     rows = torch.unique(rows, dim=0)
-    lists = _ops._apart(rows, _checks.BlockGeometry(bsize, (0, 0), bstride))
+    lists = ops._apart(rows, _checks.BlockGeometry(bsize, (0, 0), bstride))
     valid = torch.stack([r[:, 0] >= 0 for r in lists])
     assert torch.equal(valid.sum(0), torch.ones(rows.shape[0], dtype=torch.int64))
     for r, keep in zip(lists, valid):

@@ -17,8 +17,8 @@ from sbnet_cupy import BlockParams
 from sbnet_cupy.core import checks as _checks
 from sbnet_cupy.blocks.block_conv import launch_conv, launch_res_unit
 
-from . import _ops
-from ._weights import prepared
+from .. import _ops
+from .._weights import prepared
 
 
 def fused_dtype(x):

@@ -1,6 +1,6 @@
 """SparseKernelConv2d: a pruned nn.Conv2d that multiplies its non-zero weights only, and the
-sbnet::sparse_kernel_conv2d ops behind it (registered as in _ops.py: CPU and CUDA kernels, fake
-kernels, autograd; called directly when eager).
+sbnet::sparse_kernel_conv2d ops behind it (registered through torch_bridge/_ops.py: CPU and
+CUDA kernels, fake kernels, autograd; called directly when eager).
 
 The weight travels as two tensors: `values` [nnz], the non-zero weights (what trains), and
 `positions` [nnz], their flat indices in the dense HWIO weight [KH, KW, Cin, Cout] in
@@ -18,7 +18,7 @@ import sbnet_cupy
 from sbnet_cupy.core import checks as _checks
 from sbnet_cupy import sparse_kernel_conv as _core
 
-from ._ops import (_call, _checked, _contiguous, _float_scratch, _numpy, _raw_stream, _register,
+from .._ops import (_call, _checked, _contiguous, _float_scratch, _numpy, _raw_stream, _register,
                    _same_device)
 
 

@@ -4,8 +4,9 @@ Tensors are NHWC ([N, H, W, C], contiguous). Two methods run the convolutions:
 - "gemm": gather the blocks, convolve them with torch's own (cuDNN) convolutions in
   channels_last memory format, scatter the result. Differentiable: the training path.
 - "fused": sbnet_cupy's block_conv kernels convolve straight from x into the output through the
-  block list on tensor cores (torch_bridge.block_conv). Inference only (no gradient recorded),
-  CUDA, float16, bfloat16, or float32 where cuDNN may use TF32; the unit needs fold_batchnorm().
+  block list on tensor cores (torch_bridge.blocks.block_conv). Inference only (no gradient
+  recorded), CUDA, float16, bfloat16, or float32 where cuDNN may use TF32; the unit needs
+  fold_batchnorm().
 method="auto" (the default) takes "fused" wherever it applies.
 """
 
@@ -15,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _ops, block_conv
-from ._weights import prepared
+from .. import _ops
+from .._weights import prepared
+from . import block_conv, ops
 from sbnet_cupy.core import checks as _checks
 from sbnet_cupy import calc_block_params, calc_block_params_res_block
 
@@ -130,7 +132,7 @@ class SparseConv2d(nn.Module):
 
     def reduce_mask(self, mask, *, tol=0.5, capacity=None):
         params = self.block_params(*mask.shape[1:3])
-        return _ops.reduce_mask(mask, params.bcount, bsize=params.bsize, boffset=params.boffset,
+        return ops.reduce_mask(mask, params.bcount, bsize=params.bsize, boffset=params.boffset,
                                 bstride=params.bstrides, tol=tol, capacity=capacity)
 
     def fused(self, x):
@@ -154,13 +156,13 @@ class SparseConv2d(nn.Module):
                               active_block_indices=found.active_block_indices, base=base)
             return block_conv.block_conv2d(_ops._contiguous(x), self.conv.weight, self.conv.bias,
                                            found, base, params, inplace=inplace)
-        blocks = _ops.sparse_gather(x, found.bin_counts, found.active_block_indices,
+        blocks = ops.sparse_gather(x, found.bin_counts, found.active_block_indices,
                                     bsize=params.bsize, boffset=params.boffset,
                                     bstride=params.bstrides)
         out = _nhwc(self.conv(_nchw(blocks)))
         if base is None:
             base = x.new_zeros(x.shape[:3] + (self.conv.out_channels,))
-        scatter = _ops.sparse_scatter_var if inplace else _ops.sparse_scatter
+        scatter = ops.sparse_scatter_var if inplace else ops.sparse_scatter
         return scatter(out, found.bin_counts, found.active_block_indices, base,
                        bsize=params.bsize_out, bstride=params.bsize_out)
 
@@ -203,7 +205,7 @@ class SparseResBlockBottleneck(nn.Module):
 
     def reduce_mask(self, mask, *, tol=0.5, capacity=None):
         params = self.block_params(*mask.shape[1:3])
-        return _ops.reduce_mask(mask, params.bcount, bsize=params.bsize, boffset=params.boffset,
+        return ops.reduce_mask(mask, params.bcount, bsize=params.bsize, boffset=params.boffset,
                                 bstride=params.bstrides, tol=tol, capacity=capacity)
 
     def fold_batchnorm(self):
@@ -247,7 +249,7 @@ class SparseResBlockBottleneck(nn.Module):
             if key not in self._inside:
                 self._inside = {key: x.new_ones(x.shape[:3] + (1,))}
             ones = self._inside[key]
-        return _nchw(_ops.sparse_gather(ones, found.bin_counts,
+        return _nchw(ops.sparse_gather(ones, found.bin_counts,
                                         found.active_block_indices, bsize=params.bsize,
                                         boffset=params.boffset, bstride=params.bstrides))
 
@@ -280,13 +282,13 @@ class SparseResBlockBottleneck(nn.Module):
         if fused:
             scale, shift = self._gather_affine(x)
             affine = dict(scale=scale, shift=shift, relu=True)
-        blocks = _ops.sparse_gather(x, found.bin_counts, found.active_block_indices,
+        blocks = ops.sparse_gather(x, found.bin_counts, found.active_block_indices,
                                     bsize=params.bsize, boffset=params.boffset,
                                     bstride=params.bstrides, **affine)
         if inside is None:
             inside = self.inside_image(x, found)
         out = _nhwc(self._residual(_nchw(blocks), 0, inside, activated=fused))
-        scatter = _ops.sparse_scatter_var if inplace else _ops.sparse_scatter
+        scatter = ops.sparse_scatter_var if inplace else ops.sparse_scatter
         return scatter(out, found.bin_counts, found.active_block_indices, x,
                        bsize=params.bsize_out, bstride=params.bsize_out, add=True)
 

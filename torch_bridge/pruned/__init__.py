@@ -1,0 +1,1 @@
+"""Pruned-kernel convolution on torch (sparse_kernel_conv)."""
