@@ -344,7 +344,7 @@ REDUCE_MASK_ARGS = Record("ReduceMaskArgs", "reduce_mask", """
 
 # Division by a positive int known at launch, for dividends in [0, 2^31) (divide() in the
 # kernel): the host picks mul = ceil(2^shift / d) with shift = 31 + ceil(log2(d))
-# (sbnet_cupy/dilated/space_to_batch.py, _divisor).
+# (sbnet_cupy/dilated/reshape_plan.py, _divisor).
 DIVISOR = Record("divisor", "space_to_batch", """
     int d;
     unsigned mul, shift;

@@ -16,7 +16,6 @@ MAX_LINES = 500
 LONG = {
     "sbnet_cupy/submanifold.py": "not yet split into sbnet_cupy/submanifold/ (issue 35)",
     "sbnet_cupy/sparse_kernel_conv.py": "not yet split into sbnet_cupy/pruned/ (issue 35)",
-    "sbnet_cupy/dilated/space_to_batch.py": "not yet split (issue 35)",
     "torch_bridge/submanifold/rulebook.py": "not yet split (issue 35)",
 }
 

@@ -5,8 +5,9 @@ import numpy
 import pytest
 
 import sbnet_cupy
-from sbnet_cupy.dilated.space_to_batch import (_divisor, _shape_plan, dilated_conv_geometry,
-                                               same_padding, space_to_batch_reshape)
+from sbnet_cupy.dilated.reshape_plan import _divisor, _shape_plan
+from sbnet_cupy.dilated.space_to_batch import (dilated_conv_geometry, same_padding,
+                                               space_to_batch_reshape)
 from axes import MOVE_DTYPES, random_array
 from conftest import cupy, require, requires_gpu, to_numpy
 import reference
