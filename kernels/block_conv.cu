@@ -14,7 +14,7 @@
 // launches: image -> stack (1x1), stack -> stack (3x3), stack -> image (1x1, residual add).
 
 // Arguments: BlockConvArgs, its two sides BlockSide (in: the source, out: the destination),
-// declared in sbnet_cupy/_records.py, which defines them in front of kernels/common.cuh.
+// declared in sbnet_cupy/core/records.py, which defines them in front of kernels/common.cuh.
 
 namespace block_conv_tile {
 constexpr int THREADS = 128;  // a warp group: 4 warps as 2 x 2, each 32 pixels x BN / 2 channels
@@ -483,6 +483,10 @@ static __device__ __forceinline__ void stream_tiles(const BlockConvArgs& a, Fini
                 multiply(i & 1);
             }
         }
+        // The group's own barrier orders nothing __syncthreads does not; it is there for
+        // compute-sanitizer racecheck, which loses track of four groups that passed their
+        // barriers unevenly often (tests/racecheck/README.md) and would report the sums' stores.
+        group_sync(group);
         __syncthreads();  // every group is done with its tiles: they hold the partial sums now
         sum_groups<ACC>(&acc[0][0][0], reinterpret_cast<float*>(block_conv_smem), GROUP_WORDS,
                         group, a.k_groups, tid);
@@ -513,7 +517,7 @@ __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const
 // g reduces chunks g, g + k_groups, ... into its own accumulators, summed by group 0 before the
 // epilogue, so that a few tiles of a deep layer keep several chunks in flight at once. Each group
 // has its own slots, two where it takes several chunks (the next chunk's copies fly during this
-// chunk's MMAs); the layout is halo_layout's, which sbnet_cupy/block_conv.py mirrors.
+// chunk's MMAs); the layout is halo_layout's, which sbnet_cupy/blocks/block_conv.py mirrors.
 struct halo_layout {
     int chunk;        // channels a chunk (the launch's; at most BK)
     int pitch;        // words a shared-memory row: the chunk's words + 4 (conflict-free ldmatrix)
@@ -670,7 +674,7 @@ block_conv_halo(const BlockConvArgs a) {
 // list (no bias, no ReLU: the unit's residual add). This saves the second stack's round trip
 // through memory and a launch. Dynamic shared memory: the larger of stream_tiles' and (BM +
 // k_groups * BN2) rows of K words + 4.
-// Arguments: BlockConvPairArgs (sbnet_cupy/_records.py): the 3x3's BlockConvArgs `conv`, then
+// Arguments: BlockConvPairArgs (sbnet_cupy/core/records.py): the 3x3's BlockConvArgs `conv`, then
 // the 1x1's dst2, weight2, cout2, its side out2 and paired2.
 
 template <typename T, int BN, int BN2>

@@ -1,4 +1,4 @@
-// Helpers shared by every kernel in this folder. sbnet_cupy/_kernels.py puts this file in front
+// Helpers shared by every kernel in this folder. sbnet_cupy/core/kernels.py puts this file in front
 // of each kernel source, so the kernels need no include path and no CUDA header (NVRTC compiles
 // them wherever CuPy finds it), and CuPy's disk-cache key covers this file too.
 
@@ -156,7 +156,7 @@ struct AtomicAdd {
 // Every kernel takes its arguments as one struct passed by value, packed on the host into the
 // launch's argument buffer. The structs (BlockList, the gather's and scatter's StackArgs,
 // split_sum's SplitSumArgs and each kernel file's) are declared once, in
-// sbnet_cupy/_records.py, which writes their definitions (with static_asserts of every
+// sbnet_cupy/core/records.py, which writes their definitions (with static_asserts of every
 // field's offset) in front of this file and packs them in Python from the same declaration.
 // A BlockList is a list of blocks in an NHWC tensor [n_batch, height, width, ...]: rows
 // (n, hi, wi) of `indices`, the first *count of `rows` valid (capacity mode reports the true
@@ -211,7 +211,7 @@ static __device__ __forceinline__ block_row locate_row(const BlockList& list, in
 // the pruned-kernel convolution's input channels): out [rows, cols] = bias [cols] (or none) +
 // each split's float sums, partial [splits, rows, pitch], added in split order (deterministic,
 // no atomics). sbnet_cupy._launch.launch_split_sum launches it.
-// Its arguments: SplitSumArgs (sbnet_cupy/_records.py).
+// Its arguments: SplitSumArgs (sbnet_cupy/core/records.py).
 
 template <typename T> __global__ void split_sum(const SplitSumArgs a) {
     const i64 total = a.rows * a.cols;

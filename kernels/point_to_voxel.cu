@@ -18,7 +18,7 @@
 #define P2V_RANK_THREADS 1024
 #define P2V_SELECT_UNROLL 8
 
-// Every kernel takes P2VArgs, declared in sbnet_cupy/_records.py (P2V_MAX_DIMS axes at most).
+// Every kernel takes P2VArgs, declared in sbnet_cupy/core/records.py (P2V_MAX_DIMS axes at most).
 
 static __device__ __forceinline__ i64 p2v_first() {
     return (i64)blockIdx.x * blockDim.x + threadIdx.x;

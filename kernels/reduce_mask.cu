@@ -31,7 +31,7 @@ static __device__ __forceinline__ int cta_inclusive_scan(int value, int* warp_su
     return before + value;
 }
 
-// Arguments: ReduceMaskArgs (sbnet_cupy/_records.py). tickets: one counter, zero before the
+// Arguments: ReduceMaskArgs (sbnet_cupy/core/records.py). tickets: one counter, zero before the
 // launch; the last CTA sets it back to zero. capacity: rows of `indices`; rows past the count
 // up to fill_rows are set to -1.
 

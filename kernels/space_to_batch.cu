@@ -12,9 +12,9 @@
 #define THREADS 256
 
 // Division by a positive int known at launch, for dividends in [0, 2^31): the host picks
-// mul = ceil(2^shift / d) with shift = 31 + ceil(log2(d)) (sbnet_cupy/space_to_batch.py, _divisor).
+// mul = ceil(2^shift / d) with shift = 31 + ceil(log2(d)) (sbnet_cupy/dilated/reshape_plan.py, _divisor).
 // The struct `divisor` (d, mul, shift) and the kernels' arguments nhwc_args and nchw_args are
-// declared in sbnet_cupy/_records.py, which defines them in front of kernels/common.cuh.
+// declared in sbnet_cupy/core/records.py, which defines them in front of kernels/common.cuh.
 static __device__ __forceinline__ int divide(const divisor& by, int n) {
     return (int)(((unsigned long long)(unsigned)n * by.mul) >> by.shift);
 }
@@ -25,7 +25,7 @@ static __device__ __forceinline__ int divide(const divisor& by, int n) {
 // so writes are coalesced, and reads are runs of whole pixels. A CTA moves `chunk` words of
 // blockDim.y rows (grid.y cuts long rows, so that few rows still make many CTAs).
 
-// Arguments: nhwc_args (sbnet_cupy/_records.py).
+// Arguments: nhwc_args (sbnet_cupy/core/records.py).
 
 // Grid: (ceil(rows of y / blockDim.y), chunks). The rows run through the sub-lattice columns j
 // fastest, ((b * out_h + hq) * block_h + i) * block_w + j, so the block_w rows that read one
@@ -127,10 +127,10 @@ __global__ void batch_to_space_nhwc(const nhwc_args a) {
 // Shared memory is 32-bit words: tile row (g, ii) starts at word g * band_words + ii * row_words,
 // and in a row a pad word follows every 32, so that vectors and every block_w-th element spread
 // over the banks; the host picks the pads of row_words and band_words that a warp's accesses
-// conflict least on (sbnet_cupy/space_to_batch.py, _tile_pitches).
+// conflict least on (sbnet_cupy/dilated/reshape_plan.py, _tile_pitches).
 // Grid: (ceil(bands / tile_bands), ceil(block_h / tile_rows), ceil(out_w / tile_cols)).
 
-// Arguments: nchw_args (sbnet_cupy/_records.py).
+// Arguments: nchw_args (sbnet_cupy/core/records.py).
 
 // Vectors a thread loads before it stores any: 32 to 64 bytes in flight for 4 to 16-byte vectors.
 template <int BYTES> struct loads_in_flight {

@@ -12,7 +12,7 @@
 // on different output channels of the same tile.
 
 // The forward kernels take ConvArgs, the gradient with respect to the non-zero weights
-// GradValuesArgs: both declared in sbnet_cupy/_records.py.
+// GradValuesArgs: both declared in sbnet_cupy/core/records.py.
 
 static __device__ __forceinline__ float fma_acc(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 static __device__ __forceinline__ double fma_acc(double a, double b, double c) { return __fma_rn(a, b, c); }

@@ -11,9 +11,9 @@
 #define SUBM_OUTSIDE 4
 
 // The kernels' argument records (RuleArgs, GatherArgs, MaskArgs, FusedArgs) are declared in
-// sbnet_cupy/_records.py, which puts their definitions in front of this file.
+// sbnet_cupy/core/records.py, which puts their definitions in front of this file.
 static_assert(sizeof(((RuleArgs*)0)->shape) == SUBM_MAX_DIMS * sizeof(int),
-              "RuleArgs' grids hold SUBM_MAX_DIMS axes (sbnet_cupy/_records.py)");
+              "RuleArgs' grids hold SUBM_MAX_DIMS axes (sbnet_cupy/core/records.py)");
 
 // rank_words: a CTA of RANK_THREADS threads ranks RANK_WORDS consecutive words of a bitmap.
 #define RANK_THREADS 256

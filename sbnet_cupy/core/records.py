@@ -2,7 +2,7 @@
 from the same declaration below.
 
 Every kernel takes its arguments as one struct passed by value, packed on the host into the
-launch's argument buffer (sbnet_cupy/_launch.py). A `Record` is declared here in a small subset
+launch's argument buffer (sbnet_cupy/core/launch.py). A `Record` is declared here in a small subset
 of C (one declaration a line or several, `type name, name[N];` with `//` comments; types: int,
 unsigned, i64, float, double, pointers, and records declared before it). From that one text:
 

@@ -12,7 +12,7 @@ torch = require("torch")
 import torch_bridge as tb  # noqa: E402
 import torch_bridge.submanifold as spconv  # noqa: E402
 from torch_bridge.blocks import ops  # noqa: E402
-from sbnet_cupy import _checks  # noqa: E402
+from sbnet_cupy.core import checks as _checks  # noqa: E402
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
