@@ -22,6 +22,9 @@ constexpr int BM = 64;        // output pixels of one block per tile
 constexpr int WORDS = 32;     // 32-bit words of the reduction per pipeline stage
 constexpr int PITCH = WORDS + 4;  // padded rows: fragment loads hit 32 different banks
 constexpr int SLOTS = 3;      // shared-memory stages of a warp group: loads in flight
+// Elements of T a 32-bit word of shared memory holds, and a 16-byte copy moves.
+template <typename T> constexpr int PER_WORD = 4 / sizeof(T);
+template <typename T> constexpr int PER_COPY = 16 / sizeof(T);
 }  // namespace block_conv_tile
 
 // Whether Op (common.cuh) adds into the destination, which the epilogue then reads first.
@@ -33,15 +36,15 @@ static __device__ __forceinline__ void group_sync(int group) {
     asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(block_conv_tile::THREADS) : "memory");
 }
 
-// A thread's place in a CTA of warp groups: its group, its thread of the group and lane, its
-// warp (wm, wn) of the tile's 2 x 2, and its row g and column t of the MMA fragments.
-struct fragment_place {
-    int group, tid, lane, wm, wn, g, t;
+// A thread's place in a CTA of warp groups: its group and its thread of the group, and its place
+// in the group's MMAs (mma_place, common.cuh: warp (wm, wn) of the tile's 2 x 2).
+struct fragment_place : mma_place<2> {
+    int group, tid;
 
     __device__ __forceinline__ fragment_place()
-        : group(threadIdx.x / block_conv_tile::THREADS),
-          tid(threadIdx.x % block_conv_tile::THREADS), lane(tid & 31), wm(tid >> 5 & 1),
-          wn(tid >> 6), g(lane >> 2), t(lane & 3) {}
+        : mma_place<2>(threadIdx.x % block_conv_tile::THREADS),
+          group(threadIdx.x / block_conv_tile::THREADS),
+          tid(threadIdx.x % block_conv_tile::THREADS) {}
 };
 
 // Where a thread's vector sits in the reduction: tap (dy, dx), channel, and r = (dy * kw + dx) *
@@ -99,32 +102,6 @@ struct side_origin {
 static __device__ __forceinline__ side_origin side_of(const BlockSide& s, int m, const int* row) {
     if (s.stack) return {m, 0, 0};
     return {row[0], s.off_h + s.str_h * row[1], s.off_w + s.str_w * row[2]};
-}
-
-// One k step (8 words) of a warp's MMAs: A fragments of m-tiles 0 and 1 from this lane's
-// ldmatrix rows a0 and a1, B fragments of the NT n-tiles from its row b of the first pair (pairs
-// 16 rows of `pitch` words apart; an odd last n-tile through an x2 load).
-template <typename T, int NT>
-static __device__ __forceinline__ void mma_step(float (&acc)[2][NT][4], const unsigned* a0,
-                                                const unsigned* a1, const unsigned* b,
-                                                int pitch) {
-    unsigned af[2][4], bf[NT][2];
-    load_matrices(af[0], a0);
-    load_matrices(af[1], a1);
-#pragma unroll
-    for (int nt = 0; nt + 1 < NT; nt += 2) {
-        unsigned pair[4];
-        load_matrices(pair, b + nt * 8 * pitch);
-        bf[nt][0] = pair[0];
-        bf[nt][1] = pair[1];
-        bf[nt + 1][0] = pair[2];
-        bf[nt + 1][1] = pair[3];
-    }
-    if constexpr (NT % 2 == 1) load_matrices(bf[NT - 1], b + (NT - 1) * 8 * pitch);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
 }
 
 // A launch's tiles: pixels a block, channel tiles of BN, tiles a block, and the tiles of the
@@ -290,9 +267,8 @@ static __device__ __forceinline__ void write_tile(const BlockConvArgs& a,
 template <typename T, int BN, int V, typename Finish>
 static __device__ __forceinline__ void stream_tiles(const BlockConvArgs& a, Finish finish) {
     using namespace block_conv_tile;
-    constexpr int PER_WORD = 4 / sizeof(T);
-    constexpr int BK = WORDS * PER_WORD;  // reduction elements a stage
-    constexpr int VECTORS = BK / V;       // vectors a tile row
+    constexpr int BK = WORDS * PER_WORD<T>;  // reduction elements a stage
+    constexpr int VECTORS = BK / V;  // vectors a tile row
     constexpr int ROWS_PER_PASS = THREADS / VECTORS;
     constexpr int A_PASSES = BM / ROWS_PER_PASS, B_PASSES = BN / ROWS_PER_PASS;
     constexpr int NT = BN / 16;           // n8 tiles of a warp
@@ -317,17 +293,15 @@ static __device__ __forceinline__ void stream_tiles(const BlockConvArgs& a, Fini
     const tile_grid grid = tile_grid::of<BN>(a);
     const int pixels = grid.pixels;
     const fragment_place th;
-    const int group = th.group, tid = th.tid, lane = th.lane, wm = th.wm, wn = th.wn;
+    const int group = th.group, tid = th.tid, wm = th.wm, wn = th.wn;
     const int vec = tid % VECTORS, row0 = tid / VECTORS;
     // Slot i of this group: the A tile [BM][PITCH], then the B tile [BN][PITCH].
     unsigned* const slots = block_conv_smem + group * GROUP_WORDS;
-    // Each lane's row of the ldmatrix loads (load_matrices): A rows wm * 32 + lane % 16, words
-    // lane / 16 * 4 (fragment registers a0..a3); B rows wn * BN / 2 + lane % 8 (+ 8 for the
-    // second n-tile of a pair), words lane / 8 % 2 * 4 (b0, b1).
-    const int a_lane = (wm * 32 + (lane & 15)) * PITCH + (lane >> 4) * 4;
-    const int b_lane = (wn * (BN / 2) + (lane & 7) + (lane >> 4) * 8) * PITCH + (lane >> 3 & 1) * 4;
+    // Each lane's rows of the ldmatrix loads: the warp's A rows from wm * 32, B rows from
+    // wn * BN / 2.
+    const int a_lane = th.a_offset(wm * 32, PITCH), b_lane = th.b_offset(wn * (BN / 2), PITCH);
     // Where this thread's cp.async copies land in slot 0 (a shared-memory address).
-    const unsigned copy_to = shared_address(slots + row0 * PITCH + vec * V / PER_WORD);
+    const unsigned copy_to = shared_address(slots + row0 * PITCH + vec * V / PER_WORD<T>);
     const reduction_cursor first(group * BK + vec * V, a.cin, a.kw);
     const int step = a.k_groups * BK;
 
@@ -452,7 +426,7 @@ static __device__ __forceinline__ void stream_tiles(const BlockConvArgs& a, Fini
             const unsigned* tb = slots + buffer * SLOT_WORDS + BM * PITCH + b_lane;
 #pragma unroll
             for (int ks = 0; ks < WORDS / 8; ++ks)
-                mma_step<T, NT>(acc, ta + ks * 8, ta + 16 * PITCH + ks * 8, tb + ks * 8, PITCH);
+                warp_mma_step<T, 2, NT>(acc, ta + ks * 8, 16 * PITCH, tb + ks * 8, PITCH);
         };
 
         // This group's stages: group, group + k_groups, ...
@@ -528,10 +502,9 @@ struct halo_layout {
 
     template <typename T, int BN>
     __device__ __forceinline__ static halo_layout of(const BlockConvArgs& a) {
-        constexpr int PER_WORD = 4 / sizeof(T);
-        halo_layout l;
+            halo_layout l;
         l.chunk = a.halo_chunk;
-        l.pitch = l.chunk / PER_WORD + 4;
+        l.pitch = l.chunk / block_conv_tile::PER_WORD<T> + 4;
         l.in_w = a.out_w + a.kw - 1;
         // A tile starts at a multiple of BM: at most out_w - gcd(BM, out_w) pixels into a row.
         int x = block_conv_tile::BM, y = a.out_w;
@@ -553,11 +526,10 @@ template <typename T, int BN, typename Op>
 __global__ void __launch_bounds__(4 * block_conv_tile::THREADS)
 block_conv_halo(const BlockConvArgs a) {
     using namespace block_conv_tile;
-    constexpr int PER_WORD = 4 / sizeof(T);
-    constexpr int V = 16 / sizeof(T);      // elements a copy
+    constexpr int V = PER_COPY<T>;
     constexpr int COPIES = WORDS / 4;      // copies a full chunk row; a thread takes one column
     constexpr int ROWS_PER_PASS = THREADS / COPIES;
-    constexpr int KSTEP = 8 * PER_WORD;    // elements of one MMA's k
+    constexpr int KSTEP = 8 * PER_WORD<T>;  // elements of one MMA's k
     constexpr int NT = BN / 16;
     constexpr int ACC = 2 * NT * 4;        // accumulators a thread
     extern __shared__ __align__(16) unsigned block_conv_smem[];
@@ -570,13 +542,13 @@ block_conv_halo(const BlockConvArgs a) {
     const tile_grid grid = tile_grid::of<BN>(a);
     const int pixels = grid.pixels;
     const fragment_place th;
-    const int group = th.group, tid = th.tid, lane = th.lane, wm = th.wm, wn = th.wn;
+    const int group = th.group, tid = th.tid, wm = th.wm, wn = th.wn;
     // This thread's copies: column `column` (V elements) of rows row0, row0 + ROWS_PER_PASS, ...
     const int column = tid % COPIES, row0 = tid / COPIES;
     unsigned* const slots = block_conv_smem + group * l.group_words;
     const unsigned smem = shared_address(slots);
-    // Each lane's B row of the ldmatrix loads within a tap's weights (as block_conv's b_lane).
-    const int b_lane = (wn * (BN / 2) + (lane & 7) + (lane >> 4) * 8) * l.pitch + (lane >> 3 & 1) * 4;
+    // Each lane's B row of the ldmatrix loads within a tap's weights.
+    const int b_lane = th.b_offset(wn * (BN / 2), l.pitch);
 
     for (int tile = blockIdx.x; tile < grid.tiles; tile += gridDim.x) {
         tile_place at_tile;
@@ -591,10 +563,10 @@ block_conv_halo(const BlockConvArgs a) {
         int a_lane[2];
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-            int p = p0 + wm * 32 + mt * 16 + (lane & 15);
+            int p = p0 + wm * 32 + mt * 16 + th.a_row();
             if (p >= pixels) p = p0;
             const int ph = p / a.out_w;
-            a_lane[mt] = ((ph - r0) * l.in_w + p - ph * a.out_w) * l.pitch + (lane >> 4) * 4;
+            a_lane[mt] = ((ph - r0) * l.in_w + p - ph * a.out_w) * l.pitch + th.a_word();
         }
 
         // Chunk c's halo pixels and weights into slot `slot`; columns past cin read as zeros.
@@ -637,8 +609,8 @@ block_conv_halo(const BlockConvArgs a) {
 #pragma unroll
                     for (int ks = 0; ks < WORDS / 8; ++ks) {
                         if (ks >= ksteps) break;
-                        mma_step<T, NT>(acc, ta + a_lane[0] + ks * 8, ta + a_lane[1] + ks * 8,
-                                        tb + ks * 8, l.pitch);
+                        warp_mma_step<T, 2, NT>(acc, ta + a_lane[0] + ks * 8, a_lane[1] - a_lane[0],
+                                                tb + ks * 8, l.pitch);
                     }
                 }
             }
@@ -681,11 +653,10 @@ template <typename T, int BN, int BN2>
 __global__ void __launch_bounds__(4 * block_conv_tile::THREADS)
 block_conv_pair(const BlockConvPairArgs p) {
     using namespace block_conv_tile;
-    constexpr int PER_WORD = 4 / sizeof(T);
-    constexpr int V = 16 / sizeof(T);           // elements a copy
-    constexpr int K_WORDS = BN / PER_WORD;      // words of a row of the 1x1's operands
-    constexpr int PITCH2 = K_WORDS + 4;         // padded: conflict-free ldmatrix
-    constexpr int COPIES = K_WORDS / 4;         // copies a weight row
+    constexpr int V = PER_COPY<T>;
+    constexpr int K_WORDS = BN / PER_WORD<T>;  // words of a row of the 1x1's operands
+    constexpr int PITCH2 = K_WORDS + 4;  // padded: conflict-free ldmatrix
+    constexpr int COPIES = K_WORDS / 4;  // copies a weight row
     constexpr int NT = BN / 16, NT2 = BN2 / 16;
     static_assert(K_WORDS % 8 == 0, "the 1x1's reduction is whole MMA steps");
     extern __shared__ __align__(16) unsigned block_conv_smem[];
@@ -733,9 +704,8 @@ block_conv_pair(const BlockConvPairArgs p) {
         const side_origin out2 = side_of(second.out, at.m, a.indices + 3 * (i64)at.m);
         unsigned* const w = z + BM * PITCH2 + th.group * BN2 * PITCH2;  // this group's weights
         const unsigned copy_base = shared_address(w);
-        const int a_lane = (th.wm * 32 + (th.lane & 15)) * PITCH2 + (th.lane >> 4) * 4;
-        const int b_lane = (th.wn * (BN2 / 2) + (th.lane & 7) + (th.lane >> 4) * 8) * PITCH2 +
-                           (th.lane >> 3 & 1) * 4;
+        const int a_lane = th.a_offset(th.wm * 32, PITCH2);
+        const int b_lane = th.b_offset(th.wn * (BN2 / 2), PITCH2);
         for (int n2 = th.group; n2 < n2_tiles; n2 += a.k_groups) {
             // Weight rows n2 * BN2 ... of the 1x1, K columns: zeros past cout2 and conv.cout.
             for (int c = th.tid; c < BN2 * COPIES; c += THREADS) {
@@ -751,8 +721,8 @@ block_conv_pair(const BlockConvPairArgs p) {
             float acc2[2][NT2][4] = {};
 #pragma unroll
             for (int ks = 0; ks < K_WORDS / 8; ++ks)
-                mma_step<T, NT2>(acc2, z + a_lane + ks * 8, z + a_lane + 16 * PITCH2 + ks * 8,
-                                 w + b_lane + ks * 8, PITCH2);
+                warp_mma_step<T, 2, NT2>(acc2, z + a_lane + ks * 8, 16 * PITCH2,
+                                         w + b_lane + ks * 8, PITCH2);
             write_tile<T, BN2, Add>(second, acc2, at.p0, n2 * BN2, at.in, out2, th.wm, th.wn,
                                     th.g, th.t);
             group_sync(th.group);  // the group's slot takes its next tile's weights

@@ -19,6 +19,8 @@ static __device__ __forceinline__ i64 hash_slot(i64 key, i64 mask) {
 // Storage of the 16-bit floats, converted with PTX instead of cuda_fp16.h / cuda_bf16.h.
 struct half_t { unsigned short bits; };
 struct bfloat16_t { unsigned short bits; };
+template <typename T> struct is_bfloat16 { static constexpr bool value = false; };
+template <> struct is_bfloat16<bfloat16_t> { static constexpr bool value = true; };
 
 // Sums and comparisons run in float, or in double for double data.
 template <typename T> struct acc_type { typedef float type; };
@@ -246,36 +248,25 @@ static __device__ __forceinline__ unsigned to_tf32(float v) {
 
 // One m16n8k8 (TF32) or m16n8k16 (fp16, bf16) tensor-core MMA with fp32 accumulation: d += a b,
 // a and b the fragments of PTX's mma.sync layouts, which take the same 32-bit words of a
-// [row][k] tile for all three types (8 words of k a step).
+// [row][k] tile for all three types (8 words of k a step). Declared apart from its definition,
+// which tests/cuda_emulation.h replaces.
 template <typename T> struct tensor_core_mma;
-template <> struct tensor_core_mma<float> {
+template <typename T> struct tensor_core_mma {
     static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
                                                const unsigned (&b)[2]) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-template <> struct tensor_core_mma<half_t> {
-    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
-                                               const unsigned (&b)[2]) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-template <> struct tensor_core_mma<bfloat16_t> {
-    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
-                                               const unsigned (&b)[2]) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#define SBNET_MMA_SYNC(SHAPE_AND_TYPES)                                                            \
+    asm volatile("mma.sync.aligned." SHAPE_AND_TYPES " {%0, %1, %2, %3}, {%4, %5, %6, %7}, "       \
+                 "{%8, %9}, {%0, %1, %2, %3};"                                                     \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                  \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+        if constexpr (sizeof(T) == 4) {
+            SBNET_MMA_SYNC("m16n8k8.row.col.f32.tf32.tf32.f32");
+        } else if constexpr (is_bfloat16<T>::value) {
+            SBNET_MMA_SYNC("m16n8k16.row.col.f32.bf16.bf16.f32");
+        } else {
+            SBNET_MMA_SYNC("m16n8k16.row.col.f32.f16.f16.f32");
+        }
+#undef SBNET_MMA_SYNC
     }
 };
 
@@ -308,6 +299,73 @@ static __device__ __forceinline__ void load_matrices(unsigned (&r)[2], const uns
                  : "=r"(r[0]), "=r"(r[1])
                  : "r"(shared_address(row)));
 }
+// A thread's place in the MMAs of a tile split among warps, WARPS_M of them down its rows (warp w
+// at row w % WARPS_M, column w / WARPS_M of the warps): its lane, its warp's (wm, wn), and the
+// lane's row g and column pair t of each m16n8 accumulator tile (accumulator 2 * half + e is row
+// g + 8 * half, column 2 * t + e). The lane's rows of the ldmatrix loads (load_matrices) from a
+// [row][k] tile of `pitch` words: A rows lane % 16 of an m16 tile at word lane / 16 * 4 (a0..a3);
+// B rows lane % 8 of a pair of n8 tiles (+ 8 from lane 16: the pair's second) at word
+// lane / 8 % 2 * 4 (b0, b1).
+template <int WARPS_M> struct mma_place {
+    int lane, wm, wn, g, t;
+
+    __device__ __forceinline__ explicit mma_place(int thread)
+        : lane(thread & 31), wm((unsigned)thread / 32 % WARPS_M),
+          wn((unsigned)thread / 32 / WARPS_M), g(lane >> 2), t(lane & 3) {}
+    __device__ __forceinline__ int a_row() const { return lane & 15; }
+    __device__ __forceinline__ int a_word() const { return (lane >> 4) * 4; }
+    // Offsets in words of this lane's A row of the m16 tile from row `first`, and its B row of
+    // the n8 tile pair from row `first`.
+    __device__ __forceinline__ int a_offset(int first, int pitch) const {
+        return (first + a_row()) * pitch + a_word();
+    }
+    __device__ __forceinline__ int b_offset(int first, int pitch) const {
+        return (first + (lane & 7) + (lane >> 4) * 8) * pitch + (lane >> 3 & 1) * 4;
+    }
+};
+
+// A staged word as the MMA takes it: 16-bit pairs as they are; float words as they are (the tensor
+// cores ignore the low mantissa bits) or, where ROUND, rounded to TF32.
+template <typename T, bool ROUND>
+static __device__ __forceinline__ unsigned mma_operand(unsigned w) {
+    if constexpr (ROUND && sizeof(T) == 4) return to_tf32(__uint_as_float(w));
+    return w;
+}
+
+// One k step (8 words) of a warp's MMAs, acc[mt][nt] += A tile mt x B tile nt: the A fragments
+// of m-tile mt from this lane's ldmatrix row a + mt * a_step (mma_place::a_offset), the B
+// fragments of the NT n-tiles from its row b of the first pair (mma_place::b_offset; pairs 16
+// rows of `pitch` words apart, an odd last n-tile through an x2 load). ROUND: as mma_operand.
+template <typename T, int MT, int NT, bool ROUND = false>
+static __device__ __forceinline__ void warp_mma_step(float (&acc)[MT][NT][4], const unsigned* a,
+                                                     int a_step, const unsigned* b, int pitch) {
+    unsigned af[MT][4], bf[NT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        load_matrices(af[mt], a + mt * a_step);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) af[mt][i] = mma_operand<T, ROUND>(af[mt][i]);
+    }
+#pragma unroll
+    for (int nt = 0; nt + 1 < NT; nt += 2) {
+        unsigned pair[4];
+        load_matrices(pair, b + nt * 8 * pitch);
+        bf[nt][0] = mma_operand<T, ROUND>(pair[0]);
+        bf[nt][1] = mma_operand<T, ROUND>(pair[1]);
+        bf[nt + 1][0] = mma_operand<T, ROUND>(pair[2]);
+        bf[nt + 1][1] = mma_operand<T, ROUND>(pair[3]);
+    }
+    if constexpr (NT % 2 == 1) {
+        load_matrices(bf[NT - 1], b + (NT - 1) * 8 * pitch);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) bf[NT - 1][i] = mma_operand<T, ROUND>(bf[NT - 1][i]);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
+}
+
 static __device__ __forceinline__ void copy_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }

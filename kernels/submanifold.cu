@@ -104,6 +104,12 @@ static __device__ __forceinline__ i64 subm_first() {
 }
 static __device__ __forceinline__ i64 subm_step() { return (i64)gridDim.x * blockDim.x; }
 
+// f(t, r, k) for every pair t = k * n + r of site r < n and tap k < taps, grid-stride.
+template <typename F>
+static __device__ __forceinline__ void for_each_site_tap(const RuleArgs& a, F f) {
+    for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) f(t, t % a.n, (int)(t / a.n));
+}
+
 // An empty table (every key SUBM_EMPTY), flags and counter zero (DIMS plays no part).
 template <int DIMS> __global__ void clear_table(const RuleArgs a) {
     for (i64 s = subm_first(); s <= a.mask; s += subm_step()) a.table_keys[s] = SUBM_EMPTY;
@@ -146,10 +152,10 @@ template <int DIMS> __global__ void insert_keys(const RuleArgs a) {
 
 // Every output site that (input r, tap k) feeds, for all r < n, k < taps (repeats expected).
 template <int DIMS> __global__ void insert_targets(const RuleArgs a) {
-    for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) {
-        const i64 key = subm_connect<DIMS>(a, t % a.n, (int)(t / a.n), a.transposed);
+    for_each_site_tap(a, [&](i64, i64 r, int k) {
+        const i64 key = subm_connect<DIMS>(a, r, k, a.transposed);
         if (key >= 0) subm_insert(a, key, 0, false);
-    }
+    });
 }
 
 // The keys of the occupied slots, appended in whatever order the atomics give (the caller
@@ -168,31 +174,34 @@ template <int DIMS> __global__ void decode_keys(const RuleArgs a) {
     }
 }
 
+// Row (in the table) of the site tap k connects site r of coords to, or -1.
+template <int DIMS>
+static __device__ __forceinline__ int subm_neighbour(const RuleArgs& a, i64 r, int k,
+                                                     bool transposed) {
+    const i64 key = subm_connect<DIMS>(a, r, k, transposed);
+    return key < 0 ? -1 : subm_find(a, key);
+}
+
 // out_map[k, r] = row (in the table) of the site tap k connects site r of coords to, or -1.
 template <int DIMS> __global__ void query_map(const RuleArgs a) {
-    for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) {
-        const i64 key = subm_connect<DIMS>(a, t % a.n, (int)(t / a.n), a.transposed);
-        a.out_map[t] = key < 0 ? -1 : subm_find(a, key);
-    }
+    for_each_site_tap(a, [&](i64 t, i64 r, int k) {
+        a.out_map[t] = subm_neighbour<DIMS>(a, r, k, a.transposed);
+    });
 }
 
 // Both maps of a submanifold rulebook on the table's own sites, in one pass: out_map[k, r] =
 // the row tap k of site r reads, out_map_t[k, r] = the row site r feeds through tap k. With an
 // odd kernel along every axis (symmetric) the two are the same lookups with the taps reversed.
 template <int DIMS> __global__ void query_subm(const RuleArgs a) {
-    for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) {
-        const i64 r = t % a.n;
-        const int k = (int)(t / a.n);
-        const i64 key = subm_connect<DIMS>(a, r, k, false);
-        const int row = key < 0 ? -1 : subm_find(a, key);
+    for_each_site_tap(a, [&](i64 t, i64 r, int k) {
+        const int row = subm_neighbour<DIMS>(a, r, k, false);
         a.out_map[t] = row;
         if (a.symmetric) {
             a.out_map_t[(i64)(a.taps - 1 - k) * a.n + r] = row;
         } else {
-            const i64 key_t = subm_connect<DIMS>(a, r, k, true);
-            a.out_map_t[t] = key_t < 0 ? -1 : subm_find(a, key_t);
+            a.out_map_t[t] = subm_neighbour<DIMS>(a, r, k, true);
         }
-    }
+    });
 }
 
 // --- a strided convolution's output sites through a bitmap of the output grid ----------------
@@ -202,10 +211,10 @@ template <int DIMS> __global__ void query_subm(const RuleArgs a) {
 
 // bits |= every output site that (input r, tap k) feeds, for all r < n, k < taps.
 template <int DIMS> __global__ void mark_targets(const RuleArgs a) {
-    for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) {
-        const i64 key = subm_connect<DIMS>(a, t % a.n, (int)(t / a.n), true);
+    for_each_site_tap(a, [&](i64, i64 r, int k) {
+        const i64 key = subm_connect<DIMS>(a, r, k, true);
         if (key >= 0) atomicOr(a.bits + (key >> 5), 1u << (key & 31));
-    }
+    });
 }
 
 // Exclusive prefix sum of v over the CTA (RANK_THREADS threads, all of them calling); the
@@ -282,14 +291,11 @@ template <int DIMS> __global__ void emit_sites(const RuleArgs a) {
 // out_map[k, that row] = r (out_map [taps, n_out] filled with -1 beforehand): the output side
 // of each pair is unique, so the scatter has no conflicts for distinct inputs.
 template <int DIMS> __global__ void scatter_strided(const RuleArgs a) {
-    for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) {
-        const i64 r = t % a.n;
-        const int k = (int)(t / a.n);
-        const i64 key = subm_connect<DIMS>(a, r, k, true);
-        const int row = key < 0 ? -1 : subm_find(a, key);
+    for_each_site_tap(a, [&](i64 t, i64 r, int k) {
+        const int row = subm_neighbour<DIMS>(a, r, k, true);
         a.out_map_t[t] = row;
         if (row >= 0) a.out_map[(i64)k * a.n_out + row] = (int)r;
-    }
+    });
 }
 
 // dst[o, k, :] = src[map[k, o], :], zeros where map is -1. Consecutive threads write
@@ -367,14 +373,6 @@ template <int STAGE, int BN> struct fused_tile {
     static_assert(SLOTS >= 2 && NT % 2 == 0, "a stage in flight; B fragments in pairs");
 };
 
-// A staged word as the MMA takes it: 16-bit pairs as they are, float rounded to TF32.
-template <typename T> static __device__ __forceinline__ unsigned fused_operand(unsigned w) {
-    return w;
-}
-template <> __device__ __forceinline__ unsigned fused_operand<float>(unsigned w) {
-    return to_tf32(__uint_as_float(w));
-}
-
 // Element e of a staged row, in the VEC layout: each thread stages one 16-byte part of rows
 // (threadIdx.x % PARTS), so it needs that part's tap slot g = e / width and column c once.
 template <typename T, int STAGE> struct fused_part {
@@ -439,9 +437,11 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     __shared__ int out_rows[FUSED_BM];          // the tile's output rows, -1 past n_out
     __shared__ int active[FUSED_TAPS];          // the group's taps some row has, in order
     __shared__ int n_active;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int gid = lane >> 2, tig = lane & 3;
-    const int wm = warp / tile_t::WARPS_N * tile_t::WM, wn = warp % tile_t::WARPS_N * tile_t::WN;
+    const mma_place<tile_t::WARPS_M> th(threadIdx.x);
+    const int lane = th.lane, warp = threadIdx.x >> 5;
+    const int wm = th.wm * tile_t::WM, wn = th.wn * tile_t::WN;  // the warp's first row, column
+    // Each lane's rows of the ldmatrix loads in a slot: A from row wm, B from weight row wn.
+    const int a_lane = th.a_offset(wm, PITCH), b_lane = th.b_offset(FUSED_BM + wn, PITCH);
     const i64 m0 = (i64)blockIdx.x * FUSED_BM;
     const int n0 = blockIdx.y * BN;
     // A stage: `width` channels of `per_stage` taps; a tap's channels in `chunks` stages.
@@ -512,37 +512,12 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
             __syncthreads();  // everyone's; and stage s - 1's slot is read, free for s + AHEAD
             if (s + AHEAD < stages) load(s + AHEAD);
             copy_async_commit();
-            const unsigned* as = slots + s % SLOTS * SLOT_WORDS;
-            const unsigned* bs = as + FUSED_BM * PITCH;
-            // Fragments through ldmatrix (load_matrices, common.cuh), a k-step every 8 words:
-            // each lane gives one row address, A rows wm + mt * 16 + lane % 16 at word
-            // lane / 16 * 4; B rows of n-tile pair (nt, nt + 1): wn + nt * 8 + lane % 8 (+ 8
-            // from lane 16) at word lane / 8 % 2 * 4.
+            // Its MMAs; float words rounded to TF32, as the staging stored them as they are.
+            const unsigned* const tile = slots + s % SLOTS * SLOT_WORDS;
 #pragma unroll
-            for (int ks = 0; ks < STAGE / 32; ++ks) {
-                unsigned b[NT][2];
-#pragma unroll
-                for (int nt = 0; nt < NT; nt += 2) {
-                    unsigned pair[4];
-                    load_matrices(pair, bs + (wn + nt * 8 + (lane & 7) + (lane >> 4) * 8) * PITCH
-                                            + (lane >> 3 & 1) * 4 + ks * 8);
-                    b[nt][0] = fused_operand<T>(pair[0]);
-                    b[nt][1] = fused_operand<T>(pair[1]);
-                    b[nt + 1][0] = fused_operand<T>(pair[2]);
-                    b[nt + 1][1] = fused_operand<T>(pair[3]);
-                }
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    unsigned frag[4];
-                    load_matrices(frag, as + (wm + mt * 16 + (lane & 15)) * PITCH
-                                            + (lane >> 4) * 4 + ks * 8);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) frag[i] = fused_operand<T>(frag[i]);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        tensor_core_mma<T>::run(acc[mt][nt], frag, b[nt]);
-                }
-            }
+            for (int ks = 0; ks < STAGE / 32; ++ks)
+                warp_mma_step<T, MT, NT, true>(acc, tile + a_lane + ks * 8, 16 * PITCH,
+                                               tile + b_lane + ks * 8, PITCH);
         }
         copy_async_wait<0>();
     }
@@ -555,8 +530,8 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
         for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const i64 o = out_rows[wm + mt * 16 + gid + (i >> 1) * 8];
-                const int co = n0 + wn + nt * 8 + tig * 2 + (i & 1);
+                const i64 o = out_rows[wm + mt * 16 + th.g + (i >> 1) * 8];
+                const int co = n0 + wn + nt * 8 + th.t * 2 + (i & 1);
                 if (o >= 0 && co < a.cout) {
                     if (partial) {
                         partial[o * a.cout + co] = acc[mt][nt][i];

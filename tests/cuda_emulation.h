@@ -181,6 +181,12 @@ static const char* emu_run(int gx, int gy, int gz, int block, int smem,
     return emu_fault.load();
 }
 
+// float32 rounded to TF32, before common.cuh: its templates (mma_operand) call it.
+static inline unsigned to_tf32(float v) {
+    unsigned u = __float_as_uint(v);
+    return (u + 0x1000u) & ~0x1fffu;  // nearest, ties away (finite values)
+}
+
 // ---- after kernels/common.cuh ----
 // What needs common.cuh's types: its conversions and MMAs that are inline PTX there.
 static inline float half_to_float(unsigned short h) {
@@ -214,10 +220,6 @@ template <> inline bfloat16_t from_acc<bfloat16_t>(float v) {  // nearest, ties 
     unsigned u = __float_as_uint(v);
     u += 0x7fff + ((u >> 16) & 1);
     return {(unsigned short)(u >> 16)};
-}
-static inline unsigned to_tf32(float v) {
-    unsigned u = __float_as_uint(v);
-    return (u + 0x1000u) & ~0x1fffu;  // nearest, ties away (finite values)
 }
 
 // The tensor cores' products: one warp's m16n8k(8 * PER) product, PER elements a 32-bit word (1
