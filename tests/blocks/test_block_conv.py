@@ -202,6 +202,9 @@ def test_dependent_launches_equal_plain_ones(rng, monkeypatch, dtype, graphed):
     def run(dependent):  # on a stream of its own: the default stream takes no dependents
         monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", dependent)
         stream = cupy.cuda.Stream(non_blocking=True)
+        # The mask and weights were made on the default stream, which a non-blocking stream
+        # does not wait for.
+        stream.wait_event(cupy.cuda.get_current_stream().record())
         with stream:
             y = cupy.asarray(x)
             if graphed:
