@@ -1,0 +1,64 @@
+"""Launch plans: each kernel launch of an op, worked out once per (shapes, dtype, device,
+options) and kept by the op (functools.lru_cache on its plan function), then run per call with
+only the call's own values (addresses, counts).
+
+A KernelPlan owns the compiled kernel, its name (as NVRTC and the profiler see it), the launch
+shape, and the kernel's argument record (core/records.py) with the plan's constant fields
+already built by name, so that a call packs its per-call values in front of them and launches.
+The rules that size grids from the device's facts (core/launch.device_info) are here too, one
+of each: how many CTAs of a kernel a GPU holds at once, and how many ways to split a reduction
+so that few tiles still fill it.
+"""
+
+from . import kernels as _kernels
+from . import launch as _launch
+
+
+class KernelPlan:
+    """One kernel launch planned for one device.
+
+    Attributes: device, function (the compiled kernel's address, None where there is no
+    device: plans made for tables and tests), name (``kernel<args>``), grid and block (3-tuples;
+    a call may pass another grid, for counts that change per call), shared_mem (dynamic bytes),
+    record (the kernel's argument Record), constants (the values of the record's last fields,
+    fixed by the plan: record.tail(**fields)), dependent (launched as a programmatic dependent
+    launch where the GPU takes it; see core/launch.py)."""
+
+    __slots__ = ("device", "function", "name", "grid", "block", "shared_mem", "record",
+                 "constants", "dependent")
+
+    def __init__(self, device, op, kernel, template_args, grid, block, shared_mem, record,
+                 constants=(), dependent=False):
+        self.device = device
+        self.function = (None if device is None
+                         else _launch.function(device, op, kernel, *template_args))
+        self.name = _kernels.name_expression(kernel, *template_args)
+        self.grid, self.block, self.shared_mem = tuple(grid), tuple(block), shared_mem
+        self.record, self.constants, self.dependent = record, tuple(constants), dependent
+
+    def launch(self, stream, *values, grid=None):
+        """Launch on `stream` with the record's leading leaves `values` (in its order), then
+        the plan's constants."""
+        _launch.launch(self.device, stream, self.function, grid or self.grid, self.block,
+                       self.shared_mem, self.record, values + self.constants, self.dependent)
+
+    def __repr__(self):
+        return (f"KernelPlan({self.name}, grid={self.grid}, block={self.block}, "
+                f"shared_mem={self.shared_mem})")
+
+
+def resident_ctas(function, threads, shared_mem, device):
+    """How many CTAs of `function` (threads each, shared_mem dynamic bytes) `device` runs at
+    once: its SMs times the occupancy (at least one a SM)."""
+    per_sm = _launch.driver.occupancyMaxActiveBlocksPerMultiprocessor(function, threads,
+                                                                      shared_mem)
+    return _launch.device_info(device).sms * max(1, per_sm)
+
+
+def reduction_splits(tiles, parts, sms, ctas_per_sm=2):
+    """Into how many splits to cut a reduction of `parts` parts (taps, channel chunks) whose
+    output has `tiles` tiles, so that a GPU of `sms` SMs gets about ctas_per_sm CTAs an SM:
+    one where the tiles alone fill it, at most one a part."""
+    if parts < 2 or not 0 < tiles < ctas_per_sm * sms:
+        return 1
+    return max(1, min(parts, -(-ctas_per_sm * sms // tiles)))

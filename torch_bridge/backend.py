@@ -1,0 +1,37 @@
+"""torch tensors as a backend of sbnet_cupy's ops (sbnet_cupy/core/backend.py): CUDA tensors
+launch on torch's current stream, with memory from torch's caching allocator."""
+
+import torch
+
+from sbnet_cupy.core.backend import Backend
+
+try:
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # what inductor's generated code calls
+except AttributeError:  # a build without CUDA, which never launches
+    _raw_stream = None
+
+
+class _Torch(Backend):
+    name, gpu = "torch", True
+
+    def device(self, t):
+        return t.get_device()
+
+    def pointer(self, t):
+        return 0 if t is None else t.data_ptr()
+
+    def stream(self, device):
+        return _raw_stream(device)
+
+    def contiguous(self, t):
+        return t if t.is_contiguous() else t.contiguous()
+
+    def empty(self, shape, like, dtype=None):
+        return like.new_empty(shape, dtype=dtype and getattr(torch, dtype))
+
+    def float_scratch(self, device, n):
+        scratch = torch.empty(n, dtype=torch.float32, device=device)
+        return scratch.data_ptr(), scratch
+
+
+TORCH = _Torch()
