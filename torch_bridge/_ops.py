@@ -67,13 +67,19 @@ def _traced(tensors):
             or any(type(t) not in _PLAIN for t in tensors))
 
 
-def _call(op, autograd, impl, args, tensors, differentiable=()):
-    """Run an op on checked arguments by the cheapest route that serves the call (see above)."""
+def _route(op, autograd, impl, tensors, differentiable=()):
+    """The cheapest route that serves a call of an op on `tensors` (see above): the dispatched
+    op, its autograd.Function's apply, or its implementation, for the caller to call."""
     if _traced(tensors):
-        return op(*args)
+        return op
     if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
-        return autograd(*args)
-    return impl(*args)
+        return autograd
+    return impl
+
+
+def _call(op, autograd, impl, args, tensors, differentiable=()):
+    """Run an op on checked arguments by the cheapest route that serves the call (_route)."""
+    return _route(op, autograd, impl, tensors, differentiable)(*args)
 
 
 def _checked(cache, check, args):

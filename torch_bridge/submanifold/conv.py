@@ -13,17 +13,18 @@ import math
 
 import torch
 
-from sbnet_cupy import submanifold as _core
+from sbnet_cupy.submanifold.validation import ints
 
+from .conv_op import rulebook_conv
 from .core import ConvAlgo, SparseConvTensor
 from .modules import SparseModule
-from .rulebook import build_rulebook, rulebook_conv, transposed_rulebook
+from .rulebook import build_rulebook, transposed_rulebook
 
 _MAX_VOXELS = "max_num_voxels_during_training"  # spconv's buffer name
 
 
 def _ints(name, value, ndim, minimum):
-    return list(_core._ints(name, value, ndim, minimum))
+    return list(ints(name, value, ndim, minimum))
 
 
 def _check_algo(algo):
