@@ -9,7 +9,7 @@ from test_submanifold import random_sites
 
 torch = require("torch")
 spconv = pytest.importorskip("torch_bridge.submanifold")
-from sbnet_cupy import submanifold as _core  # noqa: E402
+from sbnet_cupy.submanifold import conv_kernels  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not (HAS_GPU and torch.cuda.is_available()),
                                    reason="needs CUDA tensors")
@@ -180,7 +180,7 @@ def test_cuda_matches_cpu(rng, monkeypatch, dtype, algo):
     if algo.startswith("fused") and dtype == torch.float64:
         pytest.skip("the fused kernel computes on tensor cores: no float64")
     if algo == "fused-sorted":
-        monkeypatch.setattr(_core, "_SORT_WORK", 0)
+        monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)
         algo = "fused"
     x = sparse_input(rng, 2, (20, 30, 25), 400, 16)
     net = spconv.SparseSequential(
@@ -238,7 +238,7 @@ def test_cuda_graph_with_cached_rulebooks(rng, monkeypatch, sorted_rows):
     """Once its rulebooks are built, a forward makes no host sync: it captures in a CUDA graph
     and replays the eager result (with the rulebooks' fused orders, which they keep)."""
     if sorted_rows:
-        monkeypatch.setattr(_core, "_SORT_WORK", 0)
+        monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)
     x = sparse_input(rng, 2, (30, 40, 20), 2000, 16, torch.float16, "cuda")
     net = spconv.SparseSequential(
         spconv.SubMConv3d(16, 32, 3, indice_key="s"), torch.nn.ReLU(),
@@ -332,9 +332,10 @@ def test_reusable_table_needs_the_same_indices_grid_and_check():
     """build_rulebook reuses a table only of the very indices tensor, on the same grid, and a
     checked one where it must check."""
     from sbnet_cupy import submanifold as core
+    from sbnet_cupy.submanifold import cuda_rulebook
 
     indices, other = torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 4, dtype=torch.int32)
-    table = core._Table(None, 0, 0, 1, 1, 0, 1, (4, 5, 6), 2, False)
+    table = cuda_rulebook._Table(None, 0, 0, 1, 1, 0, 1, (4, 5, 6), 2, False)
     rulebook = spconv.Rulebook(None, None, other, indices, [7, 8, 9], [4, 5, 6], 2, [3] * 3,
                                [2] * 3, [1] * 3, [1] * 3, False)
     rulebook._tables = (None, table)
@@ -396,7 +397,7 @@ def test_reused_tables_give_the_same_rulebooks(rng, kernel):
 def test_network_syncs_once_per_strided_rulebook(rng, monkeypatch):
     """A SECOND-like network reads the device once for its checked input and once per strided
     rulebook, and builds each site set's table once."""
-    from sbnet_cupy import submanifold as core
+    from sbnet_cupy.submanifold import cuda_rulebook as core
 
     x = sparse_input(rng, 1, (21, 40, 36), 2000, 4, device="cuda")
     net = spconv.SparseSequential(
