@@ -157,7 +157,6 @@ class SparseConvolution(SparseModule):
         if input.features.shape[1] != self.in_channels:
             raise ValueError(f"input has {input.features.shape[1]} channels, this layer takes "
                              f"{self.in_channels}")
-        _check_algo(self.algo)
         indice_dict = dict(input.indice_dict)
         if self.conv1x1:
             # spconv multiplies by the weight's memory read as [Cin, Cout] here (not the
