@@ -20,7 +20,8 @@ def check_conv(features, rulebook, weight, bias):
 
 
 def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
-    """Sparse convolution through a rulebook (see the module's docstring for the formula).
+    """Sparse convolution through a rulebook (see sbnet_cupy.submanifold's docstring for the
+    formula).
 
     Args:
         features: [N_in, Cin] float16, float32 or float64 (numpy or cupy, the rulebook's).
@@ -55,11 +56,9 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
 def choose_algo(dtype, tf32):
     """The algorithm rulebook_conv uses when none is given: "fused" for float16 and bfloat16, and
     for float32 where the caller's framework lets products run as TF32 (`tf32`); "gemm"
-    otherwise (exact float32, float64). Measured on an H100 (bench.submanifold, SECOND's encoder,
-    batch 1 and 4): "fused" took 6.3-8.5 ms a forward against 8.5-10.1 ms for "gemm" and
-    1.4-2.2 ms against 1.9-3.5 ms with cached rulebooks, eagerly; graphed, 0.52-0.88 against
-    0.52-0.99 ms at batch 1 and 1.08-1.85 against 1.60-2.92 ms at batch 4. (On layers of a few
-    thousand sites, e.g. SBNet's road masks, graphed gemm is ahead: bench/README.md.)"""
+    otherwise (exact float32, float64). bench.submanifold measures both on SECOND's encoder
+    (fused ahead, eagerly and graphed); on layers of a few thousand sites (SBNet's road masks)
+    graphed gemm is ahead (bench/README.md)."""
     return "fused" if dtype in ("float16", "bfloat16") or (dtype == "float32" and tf32) else "gemm"
 
 

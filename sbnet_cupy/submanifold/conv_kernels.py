@@ -100,8 +100,9 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None):
     plan = _fused_plan(device, backend.dtype_name(features), _checks.alignment(x, w) == 16,
                        n_out, cin, cout, taps)
     stream = backend.stream(device)
-    b = 0 if bias is None else backend.pointer(backend.contiguous(bias))
-    order = 0 if order is None else backend.pointer(order)
+    bias = None if bias is None else backend.contiguous(bias)  # kept until the launches
+    b = backend.pointer(bias)
+    order = backend.pointer(order)
     if plan.split_sum is None:
         plan.conv.launch(stream, x, w, b, backend.pointer(neighbors), backend.pointer(out), 0,
                          n_out, cin, cout, taps, plan.split_taps, order)
