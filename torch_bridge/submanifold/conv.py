@@ -187,7 +187,8 @@ class SparseConvolution(SparseModule):
                 f"{kind}, indice_key={self.indice_key!r}, bias={self.bias is not None}")
 
 
-# spconv's classes, one a dimension and kind, over a base a kind that gives spconv's signature.
+# spconv's classes, one a dimension and kind, each over its kind's base (which has spconv's
+# signature of that kind).
 
 class _StridedNd(SparseConvolution):
     """spconv's signature of its strided and transposed convolutions of _NDIM axes."""
