@@ -2,11 +2,12 @@
 CPU and CUDA kernels, fake kernels, autograd), and called from Python with as little host work
 as possible. The ops themselves live with their families (torch_bridge.blocks.ops, ...).
 
-How a call runs (``_call``):
+How a call runs (``_route`` picks the route, which the op's wrapper calls, or ``_call`` does):
 - Eager, nothing to record for autograd (``torch.no_grad()``, ``inference_mode()``, or no input
   that requires grad): the wrapper checks the arguments once, with sbnet_cupy's own checks, and
   calls the implementation directly, without the dispatcher. CUDA tensors launch the kernels on
-  raw pointers (sbnet_cupy's ``launch_*`` functions) on torch's current stream.
+  raw pointers (sbnet_cupy's ``launch_*`` functions, or its launch functions of a backend with
+  torch_bridge.backend.TORCH) on torch's current stream.
 - Eager, with a gradient to record: the same implementation inside a ``torch.autograd.Function``
   whose setup and backward are the functions registered as the op's autograd.
 - Traced (torch.compile, torch.export, fake tensors, functorch transforms, dispatch modes): the
