@@ -1,6 +1,6 @@
 """The fused submanifold kernel's tile configurations, layer by layer: GPU time of one
 convolution for every stage width and tile width on the sites of a LiDAR scene, so that the
-rule choosing them (sbnet_cupy.submanifold.fused_config) is a measured one.
+rule choosing them (sbnet_cupy.submanifold.conv_kernels.fused_config) is a measured one.
 
     python -m bench.submanifold_tiles [--scale waymo] [--repeats 5] [--out DIR]
 
@@ -75,13 +75,14 @@ def main(argv=None):
     import cupy
 
     from sbnet_cupy import submanifold as sm
+    from sbnet_cupy.submanifold import conv_kernels
 
     coords, _ = lidar_scenes.batch(args.scale, 100, args.batch)
     shape = list(lidar_scenes.SCALES[args.scale].grid)
     rulebooks = [sm.submanifold_rulebook(cupy.asarray(c), s, args.batch, 3)
                  for c, s in levels(coords, shape)]
     rng = numpy.random.default_rng(0)
-    rule = sm.fused_config
+    rule = conv_kernels.fused_config
     rows = []
     layers = [LAYERS[i] for i in args.layers] if args.layers else LAYERS
     try:
@@ -94,8 +95,9 @@ def main(argv=None):
             chosen = rule(vector, x.itemsize, cout)
             want = sm.rulebook_conv(x, rulebook, w, algo="fused")
             for stage, tile in [(s, t) for v, s, t in sm.FUSED_CONFIGS if v == vector]:
-                sm.fused_config = lambda vector, itemsize, cout, config=(stage, tile): config
-                sm._fused_plan.cache_clear()
+                conv_kernels.fused_config = (
+                    lambda vector, itemsize, cout, config=(stage, tile): config)
+                conv_kernels._fused_plan.cache_clear()
                 got = sm.rulebook_conv(x, rulebook, w, algo="fused")
                 err = float(cupy.abs(got.astype(cupy.float32) - want.astype(cupy.float32)).max())
                 ms = gpu_ms(lambda: sm.rulebook_conv(x, rulebook, w, algo="fused"), args.repeats)
@@ -104,8 +106,8 @@ def main(argv=None):
                                  rule=int((stage, tile) == chosen)))
                 print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     finally:
-        sm.fused_config = rule
-        sm._fused_plan.cache_clear()
+        conv_kernels.fused_config = rule
+        conv_kernels._fused_plan.cache_clear()
     device = re.sub(r"[^A-Za-z0-9_.-]", "_", cupy.cuda.runtime.getDeviceProperties(
         cupy.cuda.Device().id)["name"].decode())
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,11 @@
 // Rulebooks (kernel maps) of sparse convolutions, and the gather that feeds their matrix
-// product (sbnet_cupy/submanifold.py). Active sites live in an open-addressing hash table of
+// product (sbnet_cupy/submanifold/). Active sites live in an open-addressing hash table of
 // linearised int64 keys ((b * S0 + c0) * S1 + c1 ...): linear probing from a 64-bit mix of the
 // key, at most `capacity` probes, so a full table raises a flag instead of looping forever.
 
 #define SUBM_EMPTY (-1LL)
 #define SUBM_MAX_DIMS 4
-// Flags the inserts raise (sbnet_cupy/submanifold.py reads them back).
+// Flags the inserts raise (sbnet_cupy/submanifold/cuda_rulebook.py reads them back).
 #define SUBM_DUPLICATE 1
 #define SUBM_FULL 2
 #define SUBM_OUTSIDE 4

@@ -21,7 +21,7 @@ from collections import namedtuple
 import numpy
 
 from .core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
-from .submanifold import _CUPY, table_capacity
+from .submanifold import table_capacity
 
 # Voxel sizes (float32 values), grid minimum and cells along each axis, z first.
 VoxelGrid = namedtuple("VoxelGrid", ["vsize", "lower", "shape"])
@@ -33,6 +33,24 @@ _MAX_DIMS = _records.P2V_MAX_DIMS
 _THREADS = 256
 _RANK_THREADS = 1024  # kernels/point_to_voxel.cu, P2V_RANK_THREADS
 _MAX_BLOCKS = 65535 * 16  # grid-stride loops beyond this
+
+
+class _CupyAlloc:
+    """voxelize_raw's device arrays: CuPy's, on the current device and stream."""
+
+    @staticmethod
+    def empty(shape, dtype):
+        import cupy
+
+        a = cupy.empty(shape, dtype)
+        return a, a.data.ptr
+
+    @staticmethod
+    def host(a):
+        return a.get()
+
+
+_CUPY = _CupyAlloc()
 _ARGS = _records.P2V_ARGS  # every kernel's argument record
 
 

@@ -15,9 +15,12 @@ import signal
 import subprocess
 import traceback
 
+import numpy
 import pytest
 
-from sbnet_cupy.core import kernels as _kernels, launch as _launch, records as _records
+from sbnet_cupy.core import checks as _checks, kernels as _kernels, launch as _launch
+from sbnet_cupy.core import records as _records
+from sbnet_cupy.core.backend import Backend
 
 HEADER = pathlib.Path(__file__).with_name("cuda_emulation.h")
 _AFTER_COMMON = "// ---- after kernels/common.cuh ----\n"  # the header's second part starts here
@@ -143,6 +146,46 @@ def install(monkeypatch, entries, sms):
                         lambda device, op, kernel, *args: _kernels.name_expression(kernel, *args))
     monkeypatch.setattr(_launch, "launch", launch)
     return launched
+
+
+class HostMemory(Backend):
+    """The emulated GPU's backend (sbnet_cupy/core/backend.py): NumPy arrays are its memory (on
+    device 0, stream 0); bfloat16 travels as uint16. New arrays are poisoned (NaN floats, 0xab
+    bytes in integers), so a kernel must write what it reads back; `scratch` lists the float
+    scratch handed out."""
+
+    name, gpu = "emulated", True
+
+    def __init__(self):
+        self.scratch = []
+
+    def device(self, a):
+        return 0
+
+    def pointer(self, a):
+        return 0 if a is None else a.ctypes.data
+
+    def stream(self, device):
+        return 0
+
+    def dtype_name(self, a):
+        return "bfloat16" if a.dtype == numpy.uint16 else _checks.dtype_name(a)
+
+    def host(self, a):
+        return a
+
+    def contiguous(self, a):
+        return numpy.ascontiguousarray(a)
+
+    def empty(self, shape, like, dtype=None):
+        a = numpy.empty(shape, dtype or like.dtype)
+        nan = a.dtype.kind == "f" or a.dtype == numpy.uint16  # bfloat16's NaN: 0xffff
+        a.reshape(-1).view(numpy.uint8)[:] = 0xff if nan else 0xab
+        return a
+
+    def float_scratch(self, device, n):
+        self.scratch.append(numpy.full(n, numpy.nan, numpy.float32))
+        return self.scratch[-1].ctypes.data, self.scratch[-1]
 
 
 def run_isolated(test):

@@ -2,11 +2,12 @@
 CPU and CUDA kernels, fake kernels, autograd), and called from Python with as little host work
 as possible. The ops themselves live with their families (torch_bridge.blocks.ops, ...).
 
-How a call runs (``_call``):
+How a call runs (``_route`` picks the route, which the op's wrapper calls, or ``_call`` does):
 - Eager, nothing to record for autograd (``torch.no_grad()``, ``inference_mode()``, or no input
   that requires grad): the wrapper checks the arguments once, with sbnet_cupy's own checks, and
   calls the implementation directly, without the dispatcher. CUDA tensors launch the kernels on
-  raw pointers (sbnet_cupy's ``launch_*`` functions) on torch's current stream.
+  raw pointers (sbnet_cupy's ``launch_*`` functions, or its launch functions of a backend with
+  torch_bridge.backend.TORCH) on torch's current stream.
 - Eager, with a gradient to record: the same implementation inside a ``torch.autograd.Function``
   whose setup and backward are the functions registered as the op's autograd.
 - Traced (torch.compile, torch.export, fake tensors, functorch transforms, dispatch modes): the
@@ -67,13 +68,19 @@ def _traced(tensors):
             or any(type(t) not in _PLAIN for t in tensors))
 
 
-def _call(op, autograd, impl, args, tensors, differentiable=()):
-    """Run an op on checked arguments by the cheapest route that serves the call (see above)."""
+def _route(op, autograd, impl, tensors, differentiable=()):
+    """The cheapest route that serves a call of an op on `tensors` (see above): the dispatched
+    op, its autograd.Function's apply, or its implementation, for the caller to call."""
     if _traced(tensors):
-        return op(*args)
+        return op
     if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
-        return autograd(*args)
-    return impl(*args)
+        return autograd
+    return impl
+
+
+def _call(op, autograd, impl, args, tensors, differentiable=()):
+    """Run an op on checked arguments by the cheapest route that serves the call (_route)."""
+    return _route(op, autograd, impl, tensors, differentiable)(*args)
 
 
 def _checked(cache, check, args):

@@ -11,6 +11,11 @@ except AttributeError:  # a build without CUDA, which never launches
     _raw_stream = None
 
 
+# NumPy's names of the dtypes the kernels take (a lookup costs less than str(dtype)).
+_DTYPE_NAMES = {getattr(torch, name): name for name in (
+    "float16", "bfloat16", "float32", "float64", "int32", "int64")}
+
+
 class _Torch(Backend):
     name, gpu = "torch", True
 
@@ -22,6 +27,12 @@ class _Torch(Backend):
 
     def stream(self, device):
         return _raw_stream(device)
+
+    def dtype_name(self, t):
+        return _DTYPE_NAMES[t.dtype]
+
+    def host(self, t):
+        return t.cpu().numpy()
 
     def contiguous(self, t):
         return t if t.is_contiguous() else t.contiguous()

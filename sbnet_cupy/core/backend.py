@@ -12,6 +12,8 @@ array; torch_bridge passes TORCH (or NUMPY, with NumPy views of CPU tensors).
 
 import numpy
 
+from . import checks as _checks
+
 try:
     import cupy
 except ImportError:  # NumPy alone
@@ -37,6 +39,15 @@ class Backend:
         """The current stream of `device` (a cudaStream_t address)."""
         raise NotImplementedError
 
+    def dtype_name(self, a):
+        """NumPy's name of `a`'s dtype ("float16", "bfloat16", ...), as the kernel tables key
+        them."""
+        return _checks.dtype_name(a)
+
+    def host(self, a):
+        """A NumPy copy of `a` (to name a bad row in an error message)."""
+        raise NotImplementedError
+
     def contiguous(self, a):
         """`a`, or a C-contiguous copy of it."""
         raise NotImplementedError
@@ -58,6 +69,9 @@ class Backend:
 class _Numpy(Backend):
     name = "numpy"
 
+    def host(self, a):
+        return a
+
     def contiguous(self, a):
         return numpy.ascontiguousarray(a)
 
@@ -78,6 +92,9 @@ class _Cupy(Backend):
         # CuPy's current stream is per thread, not per device: the ops make the array's device
         # current (checks.on_device) before they ask.
         return cupy.cuda.get_current_stream().ptr
+
+    def host(self, a):
+        return a.get()
 
     def contiguous(self, a):
         return a if a.flags.c_contiguous else cupy.ascontiguousarray(a)

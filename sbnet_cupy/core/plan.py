@@ -12,6 +12,7 @@ so that few tiles still fill it.
 
 from . import kernels as _kernels
 from . import launch as _launch
+from . import records as _records
 
 
 class KernelPlan:
@@ -62,3 +63,16 @@ def reduction_splits(tiles, parts, sms, ctas_per_sm=2):
     if parts < 2 or not 0 < tiles < ctas_per_sm * sms:
         return 1
     return max(1, min(parts, -(-ctas_per_sm * sms // tiles)))
+
+
+def split_sum_plan(device, op, ctype, rows, cols, pitch, splits, dependent=False):
+    """The KernelPlan of split_sum<ctype> (kernels/common.cuh, compiled with kernels/<op>.cu)
+    after a kernel whose reduction was cut in `splits`: out [rows, cols] = bias [cols] + the
+    float sums partial [splits, rows, pitch], in split order. A call passes (partial, bias, out)
+    addresses; the sizes are the plan's constants. The grid is launch.launch_split_sum's."""
+    blocks = max(1, min(-(-rows * cols // _launch._SPLIT_SUM_THREADS),
+                        _launch._SPLIT_SUM_BLOCKS))
+    record = _records.SPLIT_SUM_ARGS
+    return KernelPlan(device, op, "split_sum", (ctype,), (blocks, 1, 1),
+                      (_launch._SPLIT_SUM_THREADS, 1, 1), 0, record,
+                      record.tail(rows=rows, cols=cols, pitch=pitch, splits=splits), dependent)

@@ -9,7 +9,7 @@ from test_submanifold import random_sites
 
 torch = require("torch")
 spconv = pytest.importorskip("torch_bridge.submanifold")
-from sbnet_cupy import submanifold as _core  # noqa: E402
+from sbnet_cupy.submanifold import conv_kernels  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not (HAS_GPU and torch.cuda.is_available()),
                                    reason="needs CUDA tensors")
@@ -93,14 +93,16 @@ def test_gradcheck(rng, subm):
 
 def test_network_shares_rulebooks_and_inverts(rng, monkeypatch):
     x = sparse_input(rng, 2, (12, 11, 10), 80, 4)
-    net = spconv.SparseSequential(
-        spconv.SubMConv3d(4, 8, 3, indice_key="subm1"), torch.nn.BatchNorm1d(8),
-        torch.nn.ReLU(), spconv.SubMConv3d(8, 8, 3, indice_key="subm1"),
-        spconv.SparseSequential(spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
-                                torch.nn.ReLU()),
-        spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
-        spconv.SparseInverseConv3d(16, 8, 3, "down1"),  # spconv's order: the key 4th
-    ).double()
+
+    def network(inverse):
+        return spconv.SparseSequential(
+            spconv.SubMConv3d(4, 8, 3, indice_key="subm1"), torch.nn.BatchNorm1d(8),
+            torch.nn.ReLU(), spconv.SubMConv3d(8, 8, 3, indice_key="subm1"),
+            spconv.SparseSequential(spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
+                                    torch.nn.ReLU()),
+            spconv.SubMConv3d(16, 16, 3, indice_key="subm2"), inverse).double()
+
+    net = network(spconv.SparseInverseConv3d(16, 8, 3, "down1"))  # spconv's order: the key 4th
     built = []
     build = spconv.build_rulebook
     monkeypatch.setattr(spconv.conv, "build_rulebook",
@@ -115,14 +117,7 @@ def test_network_shares_rulebooks_and_inverts(rng, monkeypatch):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
     assert tuple(net[0].weight.shape) == (8, 3, 3, 3, 4)  # spconv's KRSC layout
     state = net.state_dict()
-    clone = spconv.SparseSequential(
-        spconv.SubMConv3d(4, 8, 3, indice_key="subm1"), torch.nn.BatchNorm1d(8),
-        torch.nn.ReLU(), spconv.SubMConv3d(8, 8, 3, indice_key="subm1"),
-        spconv.SparseSequential(spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1"),
-                                torch.nn.ReLU()),
-        spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
-        spconv.SparseInverseConv3d(16, 8, 3, indice_key="down1"),
-    ).double()
+    clone = network(spconv.SparseInverseConv3d(16, 8, 3, indice_key="down1"))
     clone.load_state_dict(state)
     net.eval(), clone.eval()
     torch.testing.assert_close(clone(x).features, net(x).features)
@@ -180,7 +175,7 @@ def test_cuda_matches_cpu(rng, monkeypatch, dtype, algo):
     if algo.startswith("fused") and dtype == torch.float64:
         pytest.skip("the fused kernel computes on tensor cores: no float64")
     if algo == "fused-sorted":
-        monkeypatch.setattr(_core, "_SORT_WORK", 0)
+        monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)
         algo = "fused"
     x = sparse_input(rng, 2, (20, 30, 25), 400, 16)
     net = spconv.SparseSequential(
@@ -238,7 +233,7 @@ def test_cuda_graph_with_cached_rulebooks(rng, monkeypatch, sorted_rows):
     """Once its rulebooks are built, a forward makes no host sync: it captures in a CUDA graph
     and replays the eager result (with the rulebooks' fused orders, which they keep)."""
     if sorted_rows:
-        monkeypatch.setattr(_core, "_SORT_WORK", 0)
+        monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)
     x = sparse_input(rng, 2, (30, 40, 20), 2000, 16, torch.float16, "cuda")
     net = spconv.SparseSequential(
         spconv.SubMConv3d(16, 32, 3, indice_key="s"), torch.nn.ReLU(),
@@ -332,9 +327,10 @@ def test_reusable_table_needs_the_same_indices_grid_and_check():
     """build_rulebook reuses a table only of the very indices tensor, on the same grid, and a
     checked one where it must check."""
     from sbnet_cupy import submanifold as core
+    from sbnet_cupy.submanifold import cuda_rulebook
 
     indices, other = torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 4, dtype=torch.int32)
-    table = core._Table(None, 0, 0, 1, 1, 0, 1, (4, 5, 6), 2, False)
+    table = cuda_rulebook._Table(None, 0, 0, 1, 1, 0, 1, (4, 5, 6), 2, False)
     rulebook = spconv.Rulebook(None, None, other, indices, [7, 8, 9], [4, 5, 6], 2, [3] * 3,
                                [2] * 3, [1] * 3, [1] * 3, False)
     rulebook._tables = (None, table)
@@ -396,7 +392,7 @@ def test_reused_tables_give_the_same_rulebooks(rng, kernel):
 def test_network_syncs_once_per_strided_rulebook(rng, monkeypatch):
     """A SECOND-like network reads the device once for its checked input and once per strided
     rulebook, and builds each site set's table once."""
-    from sbnet_cupy import submanifold as core
+    from sbnet_cupy.submanifold import cuda_rulebook as core
 
     x = sparse_input(rng, 1, (21, 40, 36), 2000, 4, device="cuda")
     net = spconv.SparseSequential(
@@ -419,3 +415,40 @@ def test_network_syncs_once_per_strided_rulebook(rng, monkeypatch):
                                                  x.spatial_shape, 1))
     assert torch.equal(y.indices.cpu(), expected.indices)
     torch.testing.assert_close(y.features.cpu(), expected.features)
+
+
+@requires_cuda
+@pytest.mark.parametrize("algo", ["fused", "gemm"])
+def test_module_call_reaches_the_launch_in_four_frames(rng, monkeypatch, algo):
+    """Issue 35: an inference call of a SubMConv3d with its rulebook cached reaches the kernel
+    launch (core.launch.launch) through at most four frames of our packages below the module's
+    forward, none of them a generic dispatcher (_ops._call)."""
+    import inspect
+    import pathlib
+
+    import sbnet_cupy
+    import torch_bridge
+    from sbnet_cupy.core import launch as _launch
+
+    x = sparse_input(rng, 1, (12, 11, 10), 300, 16, torch.float16, "cuda")
+    layer = spconv.SubMConv3d(16, 16, 3, indice_key="subm1").cuda().half()
+    layer.sbnet_algo = algo
+    packages = tuple(str(pathlib.Path(m.__file__).parent) for m in (sbnet_cupy, torch_bridge))
+    stacks, launch = [], _launch.launch
+
+    def recording(*args, **kwargs):
+        stacks.append(inspect.stack(0)[1:])
+        return launch(*args, **kwargs)
+
+    with torch.no_grad():
+        y = layer(x)  # builds and caches the rulebook
+        monkeypatch.setattr(_launch, "launch", recording)
+        layer(y)
+    assert stacks  # every launch of the call: the convolution's, and a split sum's
+    for stack in stacks:
+        forward = next(i for i, f in enumerate(stack) if f.function == "forward"
+                       and f.filename == spconv.conv.__file__)
+        ours = [f"{pathlib.Path(f.filename).name}:{f.function}" for f in stack[:forward]
+                if f.filename.startswith(packages)]
+        assert len(ours) <= 4, ours
+        assert "_ops.py:_call" not in ours

@@ -14,7 +14,7 @@ from test_submanifold import random_sites
 torch = require("torch")
 
 import torch_bridge.submanifold as spconv  # noqa: E402
-from torch_bridge.submanifold import rulebook as _rulebook  # noqa: E402
+from torch_bridge.submanifold import conv_op as _conv_op  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not (HAS_GPU and torch.cuda.is_available()),
                                    reason="needs CUDA")
@@ -213,7 +213,7 @@ def _dispatched(*args):
 
 
 def _eager(*args):
-    return _rulebook._conv_autograd(*args)
+    return _conv_op._conv_autograd(*args)
 
 
 @pytest.mark.parametrize("route", [_dispatched, _eager], ids=["dispatcher", "eager"])
@@ -303,11 +303,11 @@ def test_mixed_dtypes_rejected_outside_autocast(rng):
     with pytest.raises(ValueError, match="bias must be a float16 array of shape \\(2,\\)"):
         spconv.rulebook_conv(features, rulebook, weight.half(), torch.zeros(2))
     args = (rulebook.neighbors, (3, 3), indices.shape[0], "gemm")
-    _rulebook._check_conv(features, weight, torch.zeros(2), *args, True)
-    _rulebook._check_conv(features, weight.half(), torch.zeros(2), *args, True)
+    _conv_op._check_conv(features, weight, torch.zeros(2), *args, True)
+    _conv_op._check_conv(features, weight.half(), torch.zeros(2), *args, True)
     with pytest.raises(TypeError, match="weight must have features' dtype float16, got float64"):
-        _rulebook._check_conv(features, weight.double(), None, *args, True)
+        _conv_op._check_conv(features, weight.double(), None, *args, True)
     with pytest.raises(ValueError, match="weight must be \\[Cout, 3, 3, 3\\]"):
-        _rulebook._check_conv(features, torch.zeros(2, 3, 3, 4), None, *args, True)
+        _conv_op._check_conv(features, torch.zeros(2, 3, 3, 4), None, *args, True)
     with pytest.raises(TypeError, match="weight must have features' dtype float16, got float32"):
-        _rulebook._check_conv(features, weight, None, *args, False)
+        _conv_op._check_conv(features, weight, None, *args, False)

@@ -33,6 +33,17 @@ def test_plan_without_a_device():
     assert "split_sum<float>" in repr(p)
 
 
+def test_split_sum_plan_without_a_device():
+    """The split sum after a reduction cut in splits: a grid-stride loop over rows x cols (at
+    least one CTA), the sizes as the plan's constants, in the record's order."""
+    p = plan.split_sum_plan(None, "submanifold", "half_t", rows=1000, cols=24, pitch=32,
+                            splits=3, dependent=True)
+    assert p.name == "split_sum<half_t>" and p.dependent
+    assert p.grid == (-(-1000 * 24 // p.block[0]), 1, 1)
+    assert p.constants == (1000, 24, 32, 3)
+    assert plan.split_sum_plan(None, "common", "float", 1, 1, 1, 2).grid == (1, 1, 1)
+
+
 def test_numpy_backend():
     a = numpy.arange(12, dtype=numpy.float32).reshape(3, 4)[:, ::2]
     b = backend.NUMPY.contiguous(a)
@@ -40,6 +51,7 @@ def test_numpy_backend():
     e = backend.NUMPY.empty((2, 5), a, "float16")
     assert (e.shape, e.dtype) == ((2, 5), numpy.float16)
     assert backend.NUMPY.empty((1,), a).dtype == numpy.float32
+    assert backend.NUMPY.dtype_name(e) == "float16" and backend.NUMPY.host(a) is a
     assert not backend.NUMPY.gpu
     assert backend.backend_of(a) is backend.NUMPY
 
@@ -59,6 +71,19 @@ def test_cupy_backend():
     address, owner = backend.CUPY.float_scratch(0, 7)
     assert owner.size == 7 and owner.dtype == cupy.float32 and address == owner.data.ptr
     assert backend.backend_of(c) is backend.CUPY
+    assert backend.CUPY.dtype_name(c) == "float64"
+    numpy.testing.assert_array_equal(backend.CUPY.host(c), numpy.zeros(3))
+
+
+def test_torch_backend_on_the_host():
+    """What the TORCH backend answers of any tensor: NumPy's dtype names, a NumPy copy."""
+    torch = pytest.importorskip("torch")
+    from torch_bridge.backend import TORCH
+
+    for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64"):
+        assert TORCH.dtype_name(torch.zeros(1, dtype=getattr(torch, name))) == name
+    t = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    numpy.testing.assert_array_equal(TORCH.host(t), numpy.arange(6).reshape(2, 3))
 
 
 @requires_gpu

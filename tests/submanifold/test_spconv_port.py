@@ -467,7 +467,7 @@ def test_record_voxel_count_and_errors(rng):
 def test_cpu_tap_plans_match_dense_gather(rng, monkeypatch, kernel, stride, subm, inverse):
     """The CPU's tap-at-a-time products (with the plans build_rulebook seeds for both maps, the
     mirrored half of an odd submanifold kernel) give the dense gather's forward and gradients."""
-    from torch_bridge.submanifold import rulebook as module
+    from torch_bridge.submanifold import cpu_conv as module
 
     features, indices, shape, batch = scene(rng, shape=(9, 12, 10), n=300, channels=3)
     results = []

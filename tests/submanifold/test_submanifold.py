@@ -10,6 +10,8 @@ from conftest import require, requires_gpu, to_numpy
 from axes import random_array
 
 from sbnet_cupy import submanifold as sm
+from sbnet_cupy.core import launch as _launch
+from sbnet_cupy.submanifold import conv_kernels, cuda_rulebook
 
 TOLERANCE = {numpy.float16: 2e-2, numpy.float32: 1e-5, numpy.float64: 1e-12}
 
@@ -199,11 +201,12 @@ def fused_splits(monkeypatch):
     """Sets how many splits of the taps the fused kernel runs (plans made meanwhile are
     dropped afterwards, so no other test sees them)."""
     def force(splits):
-        monkeypatch.setattr(sm, "fused_splits", lambda device, tiles, taps: min(splits, taps))
-        sm._fused_plan.cache_clear()
+        monkeypatch.setattr(conv_kernels, "fused_splits",
+                            lambda device, tiles, taps: min(splits, taps))
+        conv_kernels._fused_plan.cache_clear()
 
     yield force
-    sm._fused_plan.cache_clear()
+    conv_kernels._fused_plan.cache_clear()
 
 
 @requires_gpu
@@ -264,8 +267,8 @@ def test_fused_every_configuration(rng, monkeypatch, stage, tile, cin, dtype):
     vector = cin * numpy.dtype(dtype).itemsize % 16 == 0
     if not vector and stage == 128:
         pytest.skip("odd rows are staged 32 or 64 bytes at a time")
-    monkeypatch.setattr(sm, "fused_config", lambda vector, itemsize, cout: (stage, tile))
-    sm._fused_plan.cache_clear()
+    monkeypatch.setattr(conv_kernels, "fused_config", lambda vector, itemsize, cout: (stage, tile))
+    conv_kernels._fused_plan.cache_clear()
     _poison_pool()
     shape = (12, 14, 16)
     rulebook = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, shape, 700)), shape, 2,
@@ -276,7 +279,7 @@ def test_fused_every_configuration(rng, monkeypatch, stage, tile, cin, dtype):
     try:
         y = sm.rulebook_conv(x, rulebook, w, b, algo="fused")
     finally:
-        sm._fused_plan.cache_clear()
+        conv_kernels._fused_plan.cache_clear()
     f64 = cupy.float64
     close(y, sm.rulebook_conv(x.astype(f64), rulebook, w.astype(f64), b.astype(f64)).get(), dtype)
 
@@ -289,7 +292,7 @@ def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
     (SORT_ROWS off)."""
     import cupy
 
-    monkeypatch.setattr(sm, "_SORT_WORK", 0)  # every layer sorts
+    monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)  # every layer sorts
 
     shape = (20, 22, 24)
     coords = cupy.asarray(random_sites(rng, 2, shape, 2000))
@@ -310,19 +313,21 @@ def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
         x = cupy.asarray(random_array(rng, (2000, 16), numpy.float16))
         w = cupy.asarray(random_array(rng, (24, 3, 3, 3, 16), numpy.float16))
         ordered = sm.rulebook_conv(x, rulebook, w, algo="fused")
-        monkeypatch.setattr(sm, "SORT_ROWS", False)
+        monkeypatch.setattr(conv_kernels, "SORT_ROWS", False)
         assert not sm.fused_sorts(2000, 16, 24)
         close(ordered, sm.rulebook_conv(x, rulebook, w, algo="fused").get(), numpy.float16)
-        monkeypatch.setattr(sm, "SORT_ROWS", True)
+        monkeypatch.setattr(conv_kernels, "SORT_ROWS", True)
 
 
 def test_fused_splits_fill_the_gpu(monkeypatch):
     """Few tiles split their taps until the grid has _FUSED_CTAS_PER_SM CTAs an SM (at most one
-    split a tap); enough tiles run unsplit."""
-    monkeypatch.setattr(sm._launch, "multiprocessors", lambda device: 132)
-    per_sm = sm._FUSED_CTAS_PER_SM
+    split a tap; plan.reduction_splits' rule, from the device's SM count); enough tiles run
+    unsplit."""
+    monkeypatch.setattr(_launch, "device_info", lambda device: _launch.H100)  # 132 SMs
+    per_sm = conv_kernels._FUSED_CTAS_PER_SM
     assert sm.fused_splits(0, 22, 9) == 9
     assert sm.fused_splits(0, 22, 125) == per_sm * 132 // 22
+    assert sm.fused_splits(0, 100, 27) == 3  # rounded up: 264 / 100
     assert sm.fused_splits(0, 132 * per_sm, 27) == 1
     assert sm.fused_splits(0, 10_000, 27) == 1
     assert sm.fused_splits(0, 1, 1) == 1
@@ -540,7 +545,7 @@ def test_strided_hash_and_sort_equals_numpy(rng, monkeypatch, case):
     sites hashed, sorted and decoded (decode_keys), every DIMS, equal to NumPy's."""
     import cupy
 
-    monkeypatch.setattr(sm, "_BITMAP_MAX_BITS", 0)
+    monkeypatch.setattr(cuda_rulebook, "_BITMAP_MAX_BITS", 0)
     batch, shape, n, kernel, stride, padding, dilation = CASES[case]
     coords = random_sites(rng, batch, shape, n)
     host = sm.strided_rulebook(coords, shape, batch, kernel, stride, padding, dilation)

@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 import torch  # noqa: E402
 
 import torch_bridge.submanifold as ours  # noqa: E402
-from torch_bridge.submanifold import rulebook as module  # noqa: E402
+from torch_bridge.submanifold import cpu_conv as module  # noqa: E402
 
 
 def sites(rng, n=400, shape=(10, 12, 11), batch=2):

@@ -11,6 +11,7 @@ import pytest
 import cuda_emulation
 from axes import random_array
 from sbnet_cupy import submanifold
+from sbnet_cupy.submanifold import conv_kernels, cuda_rulebook
 from test_submanifold import CASES, colliding_keys, random_sites
 
 pytestmark = [pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++"),
@@ -29,47 +30,39 @@ def kernels(tmp_path_factory):
         tmp_path_factory.mktemp("emulated"))
 
 
+# The plans of the launches, which keep the kernels they were made with (emulated ones here).
+PLANS = (conv_kernels._fused_plan, conv_kernels._gather_plan, conv_kernels._masks_plan,
+         cuda_rulebook._rule_plan)
+
+
 @pytest.fixture
 def launched(monkeypatch, kernels):
     """Launches go to the emulated kernels on a GPU of 2 SMs (few sites then split the taps
     over CTAs), grid-stride loops over 2 CTAs at most (fewer threads to start); device memory
     is NumPy's (build_raw's memsets and reads of device ints go to it); the plans made for it
     are dropped after the test."""
-    monkeypatch.setattr(submanifold, "_MAX_BLOCKS", 2)
-    monkeypatch.setattr(submanifold, "_device_call", lambda device, fn, *args: fn(*args))
-    monkeypatch.setattr(submanifold, "_memset",
+    monkeypatch.setattr(cuda_rulebook, "_MAX_BLOCKS", 2)
+    monkeypatch.setattr(cuda_rulebook, "_device_call", lambda device, fn, *args: fn(*args))
+    monkeypatch.setattr(cuda_rulebook, "_memset",
                         lambda address, value, size, stream: ctypes.memset(address, value, size))
 
     def read_into(host, addresses, stream):
         host[:] = [ctypes.c_int32.from_address(a).value for a in addresses]
         return host
 
-    monkeypatch.setattr(submanifold, "_read_into", read_into)
-    submanifold._fused_plan.cache_clear()
+    monkeypatch.setattr(cuda_rulebook, "_read_into", read_into)
+    for plans in PLANS:
+        plans.cache_clear()
     yield cuda_emulation.install(monkeypatch, kernels, sms=2)
-    submanifold._fused_plan.cache_clear()
-
-
-class _NumpyAlloc:
-    """build_raw's device arrays (int32) as NumPy arrays, filled with 0xab bytes (not zeros:
-    the kernels must write or clear what they read)."""
-
-    @staticmethod
-    def empty(shape, dtype):
-        a = numpy.full(shape, -0x54545455, dtype)
-        return a, a.ctypes.data
-
-    @staticmethod
-    def host(a):
-        return a
+    for plans in PLANS:
+        plans.cache_clear()
 
 
 def _built(coords, shape, batch, kernel, stride, padding, dilation, subm):
     """The emulated kernels' rulebook (build_raw's Built), the coordinates checked."""
     geometry = submanifold.rulebook_geometry(coords, shape, batch, kernel, stride, padding,
                                              dilation, subm)
-    return submanifold.build_raw(_NumpyAlloc(), 0, 0, coords, coords.ctypes.data, *geometry,
-                                 True)
+    return submanifold.build_raw(cuda_emulation.HostMemory(), coords, *geometry, True)
 
 
 def _rulebooks(coords, shape, batch, kernel, stride, padding, dilation, subm):
@@ -157,21 +150,10 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
     neighbors[rng.random((taps, n_out)) < 0.4] = -1
     neighbors[taps // 2] = -1  # a tap no site has
-    out = numpy.full((n_out, cout), 0xffff if dtype != "float32" else numpy.nan,
-                     numpy.uint16 if dtype != "float32" else numpy.float32)
-    if dtype == "float16":
-        out = out.view(numpy.float16)
-    scratch = []
-
-    def float_scratch(n):
-        scratch.append(numpy.full(n, numpy.nan, numpy.float32))
-        return scratch[-1].ctypes.data, scratch[-1]
-
     f, w, b = (_bits(a, dtype if dtype != "float32" else numpy.float32)
                for a in (features, weight, bias))
-    submanifold.launch_fused(0, 0, f.ctypes.data, w.ctypes.data, b.ctypes.data,
-                             neighbors.ctypes.data, out.ctypes.data, n_out, cin, cout, taps,
-                             dtype, float_scratch)
+    memory = cuda_emulation.HostMemory()
+    out = submanifold.fused_conv(memory, f, w, b, neighbors)
     gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)  # [taps, n_out, cin]
     want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
     got = (out.astype(numpy.uint32) << 16).view(numpy.float32) if dtype == "bfloat16" else out
@@ -180,7 +162,7 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
     numpy.testing.assert_allclose(got.astype(numpy.float64), want, rtol=0,
                                   atol=tolerance * scale)
     assert [name.split("<")[0] for name, *_ in launched] == (
-        ["submanifold_fused", "split_sum"] if scratch else ["submanifold_fused"])
+        ["submanifold_fused", "split_sum"] if memory.scratch else ["submanifold_fused"])
 
 
 @pytest.mark.parametrize("taps", [27, 40])
@@ -189,8 +171,7 @@ def test_tap_masks_equal_numpy(rng, launched, taps):
     n = 300
     neighbors = rng.integers(0, 50, (taps, n)).astype(numpy.int32)
     neighbors[rng.random((taps, n)) < 0.6] = -1
-    masks = numpy.full(n, -7, numpy.int32)
-    submanifold.launch_tap_masks(0, 0, neighbors.ctypes.data, masks.ctypes.data, n, taps)
+    masks = submanifold.tap_masks(cuda_emulation.HostMemory(), neighbors)
     bits = (neighbors[:32] >= 0).astype(numpy.uint64) << numpy.arange(min(taps, 32),
                                                                        dtype=numpy.uint64)[:, None]
     numpy.testing.assert_array_equal(masks.view(numpy.uint32), bits.sum(0).astype(numpy.uint32))
@@ -208,17 +189,8 @@ def test_fused_in_an_order_equals_definition(rng, launched, dtype, n_out, cin, c
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
     neighbors[rng.random((taps, n_out)) < 0.6] = -1
     order = rng.permutation(n_out).astype(numpy.int32)
-    out = numpy.full((n_out, cout), numpy.nan, dtype)
-    scratch = []
-
-    def float_scratch(n):
-        scratch.append(numpy.full(n, numpy.nan, numpy.float32))
-        return scratch[-1].ctypes.data, scratch[-1]
-
     f, w, b = (a.astype(dtype) for a in (features, weight, bias))
-    submanifold.launch_fused(0, 0, f.ctypes.data, w.ctypes.data, b.ctypes.data,
-                             neighbors.ctypes.data, out.ctypes.data, n_out, cin, cout, taps,
-                             dtype, float_scratch, order.ctypes.data)
+    out = submanifold.fused_conv(cuda_emulation.HostMemory(), f, w, b, neighbors, order)
     gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
     want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
     tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
@@ -234,22 +206,13 @@ def test_fused_every_configuration(rng, launched, monkeypatch, stage, tile, cin)
     (float16: rows of one, several and a part of a 32-byte stage; odd rows through registers)."""
     if cin % 8 and stage == 128:
         pytest.skip("odd rows are staged 32 or 64 bytes at a time")
-    monkeypatch.setattr(submanifold, "fused_config", lambda vector, itemsize, cout: (stage, tile))
+    monkeypatch.setattr(conv_kernels, "fused_config", lambda vector, itemsize, cout: (stage, tile))
     n_in, n_out, cout, taps = 60, 70, 40, 27
     features = random_array(rng, (n_in, cin), numpy.float32).astype(numpy.float16)
     weight = random_array(rng, (cout, taps, cin), numpy.float32).astype(numpy.float16)
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
     neighbors[rng.random((taps, n_out)) < 0.5] = -1
-    out = numpy.full((n_out, cout), numpy.nan, numpy.float16)
-    scratch = []
-
-    def float_scratch(n):
-        scratch.append(numpy.full(n, numpy.nan, numpy.float32))
-        return scratch[-1].ctypes.data, scratch[-1]
-
-    submanifold.launch_fused(0, 0, features.ctypes.data, weight.ctypes.data, 0,
-                             neighbors.ctypes.data, out.ctypes.data, n_out, cin, cout, taps,
-                             "float16", float_scratch)
+    out = submanifold.fused_conv(cuda_emulation.HostMemory(), features, weight, None, neighbors)
     gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
     want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight)
     numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
@@ -263,7 +226,5 @@ def test_gather_equals_numpy(rng, launched, dtype, channels):
     side, zeros for absent ones; 16-, 8-, 4- and 2-byte words as the rows allow."""
     features = random_array(rng, (40, channels), dtype)
     neighbors = rng.integers(-1, 40, (9, 33)).astype(numpy.int32)
-    out = numpy.full((33, 9 * channels), numpy.nan, dtype)
-    submanifold.launch_gather(0, 0, features.ctypes.data, out.ctypes.data,
-                              neighbors.ctypes.data, 33, 9, channels * features.itemsize)
+    out = submanifold.gather_rows(cuda_emulation.HostMemory(), features, neighbors)
     numpy.testing.assert_array_equal(out, submanifold.gather(features, neighbors))

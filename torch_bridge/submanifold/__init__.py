@@ -6,8 +6,8 @@ Layouts are spconv's: indices int32 [N, 1 + D] (batch index first), features [N,
 [Cout, *kernel_size, Cin] (spconv 2.x's "KRSC" layout, its state_dict keys `weight` and `bias`),
 ``.dense()`` channels first [B, C, *spatial]. The submodules follow spconv.pytorch's paths:
 core (SparseConvTensor, ConvAlgo), conv, pool, modules, tables, identity, functional, ops,
-utils, and constants (spconv.constants); rulebook holds the rulebooks and the convolution op
-(build_rulebook, transposed_rulebook, rulebook_conv).
+utils, and constants (spconv.constants); rulebook holds the rulebooks (build_rulebook,
+transposed_rulebook), conv_op the convolution op (rulebook_conv) and cpu_conv its CPU path.
 """
 
 from . import constants, conv, core, functional, identity, modules, ops, pool, tables, utils
@@ -24,7 +24,8 @@ from .modules import (RemoveGrid, SparseBatchNorm, SparseIdentity, SparseModule,
 from .pool import (SparseAvgPool1d, SparseAvgPool2d, SparseAvgPool3d, SparseGlobalAvgPool,
                    SparseGlobalMaxPool, SparseMaxPool1d, SparseMaxPool2d, SparseMaxPool3d,
                    SparseMaxPool4d)
-from .rulebook import Rulebook, build_rulebook, rulebook_conv, transposed_rulebook
+from .conv_op import rulebook_conv
+from .rulebook import Rulebook, build_rulebook, transposed_rulebook
 from .tables import AddTable, ConcatTable, JoinTable
 
 # spconv's version, of the API this mirrors: OpenPCDet reads float(__version__[2:]) >= 2.2,

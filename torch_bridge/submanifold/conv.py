@@ -13,17 +13,18 @@ import math
 
 import torch
 
-from sbnet_cupy import submanifold as _core
+from sbnet_cupy.submanifold.validation import ints
 
+from .conv_op import rulebook_conv
 from .core import ConvAlgo, SparseConvTensor
 from .modules import SparseModule
-from .rulebook import build_rulebook, rulebook_conv, transposed_rulebook
+from .rulebook import build_rulebook, transposed_rulebook
 
 _MAX_VOXELS = "max_num_voxels_during_training"  # spconv's buffer name
 
 
 def _ints(name, value, ndim, minimum):
-    return list(_core._ints(name, value, ndim, minimum))
+    return list(ints(name, value, ndim, minimum))
 
 
 def _check_algo(algo):
@@ -156,7 +157,6 @@ class SparseConvolution(SparseModule):
         if input.features.shape[1] != self.in_channels:
             raise ValueError(f"input has {input.features.shape[1]} channels, this layer takes "
                              f"{self.in_channels}")
-        _check_algo(self.algo)
         indice_dict = dict(input.indice_dict)
         if self.conv1x1:
             # spconv multiplies by the weight's memory read as [Cin, Cout] here (not the
@@ -187,189 +187,143 @@ class SparseConvolution(SparseModule):
                 f"{kind}, indice_key={self.indice_key!r}, bias={self.bias is not None}")
 
 
-# spconv's classes, one a dimension and kind. A strided, transposed or submanifold one takes
-# (in, out, kernel_size, stride, padding, dilation, groups, bias, indice_key, algo, ...); an
-# inverse one (in, out, kernel_size, indice_key, bias, algo, ...).
+# spconv's classes, one a dimension and kind, each over its kind's base (which has spconv's
+# signature of that kind).
 
-class SparseConv1d(SparseConvolution):
+class _StridedNd(SparseConvolution):
+    """spconv's signature of its strided and transposed convolutions of _NDIM axes."""
+
+    _NDIM, _TRANSPOSED = None, False
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
+                 record_voxel_count=False, large_kernel_fast_algo=False, name=None):
+        super().__init__(self._NDIM, in_channels, out_channels, kernel_size, stride, padding,
+                         dilation, groups, bias, transposed=self._TRANSPOSED,
+                         indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
+                         record_voxel_count=record_voxel_count,
+                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+
+
+class _InverseNd(SparseConvolution):
+    """spconv's signature of its inverse convolutions of _NDIM axes: the indice_key of the
+    strided convolution to undo comes fourth."""
+
+    _NDIM = None
+
+    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
+                 fp32_accum=None, large_kernel_fast_algo=False, name=None):
+        super().__init__(self._NDIM, in_channels, out_channels, kernel_size, bias=bias,
+                         inverse=True, indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
+                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+
+
+class _SubMNd(SparseConvolution):
+    """spconv's signature of its submanifold convolutions of _NDIM axes (stride and padding
+    taken and unused)."""
+
+    _NDIM = None
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
+                 large_kernel_fast_algo=False, name=None):
+        super().__init__(self._NDIM, in_channels, out_channels, kernel_size, stride, padding,
+                         dilation, groups, bias, True, indice_key=indice_key, algo=algo,
+                         fp32_accum=fp32_accum, large_kernel_fast_algo=large_kernel_fast_algo,
+                         name=name)
+
+
+class SparseConv1d(_StridedNd):
     """A 1-D strided sparse convolution."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 record_voxel_count=False, large_kernel_fast_algo=False, name=None):
-        super().__init__(1, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
-                         record_voxel_count=record_voxel_count,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM = 1
 
 
-class SparseConv2d(SparseConvolution):
+class SparseConv2d(_StridedNd):
     """A 2-D strided sparse convolution."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 record_voxel_count=False, large_kernel_fast_algo=False, name=None):
-        super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
-                         record_voxel_count=record_voxel_count,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM = 2
 
 
-class SparseConv3d(SparseConvolution):
+class SparseConv3d(_StridedNd):
     """A 3-D strided sparse convolution."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 record_voxel_count=False, large_kernel_fast_algo=False, name=None):
-        super().__init__(3, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
-                         record_voxel_count=record_voxel_count,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM = 3
 
 
-class SparseConv4d(SparseConvolution):
+class SparseConv4d(_StridedNd):
     """A 4-D strided sparse convolution."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 record_voxel_count=False, large_kernel_fast_algo=False, name=None):
-        super().__init__(4, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
-                         record_voxel_count=record_voxel_count,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM = 4
 
 
-class SparseConvTranspose1d(SparseConvolution):
+class SparseConvTranspose1d(_StridedNd):
     """A 1-D transposed sparse convolution (see transposed_rulebook)."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 record_voxel_count=False, large_kernel_fast_algo=False, name=None):
-        super().__init__(1, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, transposed=True, indice_key=indice_key, algo=algo,
-                         fp32_accum=fp32_accum, record_voxel_count=record_voxel_count,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM, _TRANSPOSED = 1, True
 
 
-class SparseConvTranspose2d(SparseConvolution):
+class SparseConvTranspose2d(_StridedNd):
     """A 2-D transposed sparse convolution (see transposed_rulebook)."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 record_voxel_count=False, large_kernel_fast_algo=False, name=None):
-        super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, transposed=True, indice_key=indice_key, algo=algo,
-                         fp32_accum=fp32_accum, record_voxel_count=record_voxel_count,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM, _TRANSPOSED = 2, True
 
 
-class SparseConvTranspose3d(SparseConvolution):
+class SparseConvTranspose3d(_StridedNd):
     """A 3-D transposed sparse convolution (see transposed_rulebook)."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 record_voxel_count=False, large_kernel_fast_algo=False, name=None):
-        super().__init__(3, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, transposed=True, indice_key=indice_key, algo=algo,
-                         fp32_accum=fp32_accum, record_voxel_count=record_voxel_count,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM, _TRANSPOSED = 3, True
 
 
-class SparseConvTranspose4d(SparseConvolution):
+class SparseConvTranspose4d(_StridedNd):
     """A 4-D transposed sparse convolution (see transposed_rulebook)."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 record_voxel_count=False, large_kernel_fast_algo=False, name=None):
-        super().__init__(4, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, transposed=True, indice_key=indice_key, algo=algo,
-                         fp32_accum=fp32_accum, record_voxel_count=record_voxel_count,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM, _TRANSPOSED = 4, True
 
 
-class SparseInverseConv1d(SparseConvolution):
+class SparseInverseConv1d(_InverseNd):
     """The 1-D inverse of the strided convolution named by indice_key: back to its inputs."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
-                 fp32_accum=None, large_kernel_fast_algo=False, name=None):
-        super().__init__(1, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
-                         indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM = 1
 
 
-class SparseInverseConv2d(SparseConvolution):
+class SparseInverseConv2d(_InverseNd):
     """The 2-D inverse of the strided convolution named by indice_key: back to its inputs."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
-                 fp32_accum=None, large_kernel_fast_algo=False, name=None):
-        super().__init__(2, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
-                         indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM = 2
 
 
-class SparseInverseConv3d(SparseConvolution):
+class SparseInverseConv3d(_InverseNd):
     """The 3-D inverse of the strided convolution named by indice_key: back to its inputs."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
-                 fp32_accum=None, large_kernel_fast_algo=False, name=None):
-        super().__init__(3, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
-                         indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM = 3
 
 
-class SparseInverseConv4d(SparseConvolution):
+class SparseInverseConv4d(_InverseNd):
     """The 4-D inverse of the strided convolution named by indice_key: back to its inputs."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
-                 fp32_accum=None, large_kernel_fast_algo=False, name=None):
-        super().__init__(4, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
-                         indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
-                         large_kernel_fast_algo=large_kernel_fast_algo, name=name)
+    _NDIM = 4
 
 
-class SubMConv1d(SparseConvolution):
+class SubMConv1d(_SubMNd):
     """A 1-D submanifold convolution: the output has the input's sites."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 large_kernel_fast_algo=False, name=None):
-        super().__init__(1, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, True, indice_key=indice_key, algo=algo,
-                         fp32_accum=fp32_accum, large_kernel_fast_algo=large_kernel_fast_algo,
-                         name=name)
+    _NDIM = 1
 
 
-class SubMConv2d(SparseConvolution):
+class SubMConv2d(_SubMNd):
     """A 2-D submanifold convolution: the output has the input's sites."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 large_kernel_fast_algo=False, name=None):
-        super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, True, indice_key=indice_key, algo=algo,
-                         fp32_accum=fp32_accum, large_kernel_fast_algo=large_kernel_fast_algo,
-                         name=name)
+    _NDIM = 2
 
 
-class SubMConv3d(SparseConvolution):
+class SubMConv3d(_SubMNd):
     """A 3-D submanifold convolution: the output has the input's sites."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 large_kernel_fast_algo=False, name=None):
-        super().__init__(3, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, True, indice_key=indice_key, algo=algo,
-                         fp32_accum=fp32_accum, large_kernel_fast_algo=large_kernel_fast_algo,
-                         name=name)
+    _NDIM = 3
 
 
-class SubMConv4d(SparseConvolution):
+class SubMConv4d(_SubMNd):
     """A 4-D submanifold convolution: the output has the input's sites."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-                 large_kernel_fast_algo=False, name=None):
-        super().__init__(4, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, True, indice_key=indice_key, algo=algo,
-                         fp32_accum=fp32_accum, large_kernel_fast_algo=large_kernel_fast_algo,
-                         name=name)
+    _NDIM = 4

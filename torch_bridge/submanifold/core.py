@@ -56,7 +56,7 @@ class SparseConvTensor:
         self.force_algo = force_algo
 
     def _set(self, features, indices, spatial_shape, batch_size, indice_dict, checked):
-        self._features = features
+        self.features = features
         # Row-major once (torch's nonzero() gives column-major sites): every rulebook reads them
         # so, and reuses a table only of this very tensor.
         self._indices = indices.contiguous()
@@ -66,14 +66,6 @@ class SparseConvTensor:
         # Whether the indices are known distinct and inside the grid: a convolution's output
         # sites are, so its rulebooks skip the check (and its host sync).
         self.indices_checked = checked
-
-    @property
-    def features(self):
-        return self._features
-
-    @features.setter
-    def features(self, value):
-        self._features = value
 
     @property
     def indices(self):

@@ -16,40 +16,30 @@ class SparseModule(torch.nn.Module):
         self._sparse_unique_name = ""
 
 
-def _on_features(module, forward, x):
-    """forward(features) on a SparseConvTensor's features (a new tensor, same sites), or
-    forward(x) on a dense tensor."""
-    if isinstance(x, SparseConvTensor):
-        return x.replace_feature(forward(module, x.features))
-    return forward(module, x)
+class _OnFeatures:
+    """forward(features) of the torch module this mixes into, on a SparseConvTensor's features
+    (a new tensor, same sites), or forward(x) on a dense tensor."""
+
+    def forward(self, input):
+        if isinstance(input, SparseConvTensor):
+            return input.replace_feature(super().forward(input.features))
+        return super().forward(input)
 
 
-class SparseBatchNorm(torch.nn.BatchNorm1d):
+class SparseBatchNorm(_OnFeatures, torch.nn.BatchNorm1d):
     """BatchNorm1d over a SparseConvTensor's features (or a dense tensor)."""
 
-    def forward(self, input):
-        return _on_features(self, torch.nn.BatchNorm1d.forward, input)
 
-
-class SparseSyncBatchNorm(torch.nn.SyncBatchNorm):
+class SparseSyncBatchNorm(_OnFeatures, torch.nn.SyncBatchNorm):
     """SyncBatchNorm over a SparseConvTensor's features (or a dense tensor)."""
 
-    def forward(self, input):
-        return _on_features(self, torch.nn.SyncBatchNorm.forward, input)
 
-
-class SparseReLU(torch.nn.ReLU):
+class SparseReLU(_OnFeatures, torch.nn.ReLU):
     """ReLU of a SparseConvTensor's features (or a dense tensor)."""
 
-    def forward(self, input):
-        return _on_features(self, torch.nn.ReLU.forward, input)
 
-
-class SparseIdentity(torch.nn.Identity):
+class SparseIdentity(_OnFeatures, torch.nn.Identity):
     """The input, as it is (a SparseConvTensor's features pass through a new tensor)."""
-
-    def forward(self, input):
-        return _on_features(self, torch.nn.Identity.forward, input)
 
 
 def is_spconv_module(module):

@@ -92,53 +92,45 @@ class SparseAvgPool(_Pool):
     mean = True
 
 
-class SparseMaxPool1d(SparseMaxPool):
+class _PoolNd:
+    """The signature of spconv's pools of a fixed dimension (_NDIM spatial axes), mixed into
+    SparseMaxPool and SparseAvgPool: stride None is kernel_size."""
+
+    _NDIM = None
+
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
                  algo=None, record_voxel_count=False, name=None):
-        super().__init__(1, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+        super().__init__(self._NDIM, kernel_size, stride, padding, dilation,
+                         indice_key=indice_key, algo=algo,
+                         record_voxel_count=record_voxel_count, name=name)
 
 
-class SparseMaxPool2d(SparseMaxPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count=False, name=None):
-        super().__init__(2, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseMaxPool1d(_PoolNd, SparseMaxPool):
+    _NDIM = 1
 
 
-class SparseMaxPool3d(SparseMaxPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count=False, name=None):
-        super().__init__(3, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseMaxPool2d(_PoolNd, SparseMaxPool):
+    _NDIM = 2
 
 
-class SparseMaxPool4d(SparseMaxPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count=False, name=None):
-        super().__init__(4, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseMaxPool3d(_PoolNd, SparseMaxPool):
+    _NDIM = 3
 
 
-class SparseAvgPool1d(SparseAvgPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count=False, name=None):
-        super().__init__(1, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseMaxPool4d(_PoolNd, SparseMaxPool):
+    _NDIM = 4
 
 
-class SparseAvgPool2d(SparseAvgPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count=False, name=None):
-        super().__init__(2, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseAvgPool1d(_PoolNd, SparseAvgPool):
+    _NDIM = 1
 
 
-class SparseAvgPool3d(SparseAvgPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count=False, name=None):
-        super().__init__(3, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseAvgPool2d(_PoolNd, SparseAvgPool):
+    _NDIM = 2
+
+
+class SparseAvgPool3d(_PoolNd, SparseAvgPool):
+    _NDIM = 3
 
 
 class _GlobalPool(SparseModule):

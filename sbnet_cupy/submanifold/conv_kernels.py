@@ -1,0 +1,185 @@
+"""The convolution's kernels (kernels/submanifold.cu): the gemm algorithm's gather, the fused
+convolution (with the split sum after it where its taps are split over CTAs) and the neighbour
+masks that Rulebook.fused_order sorts rows by.
+
+Each launch is one function of a backend (sbnet_cupy/core/backend.py: CUPY, torch_bridge's
+TORCH) and its arrays, which the CuPy entry points and the torch ops both call; the launches are
+KernelPlans (sbnet_cupy/core/plan.py) cached per shapes, dtype, device and options.
+"""
+
+import functools
+from collections import namedtuple
+
+from ..core import checks as _checks, kernels as _kernels, launch as _launch
+from ..core import plan as _plan, records as _records
+from .cuda_rulebook import RULE_KERNELS, THREADS, grid
+from .validation import MAX_DIMS
+
+_FUSED_SITES, _FUSED_THREADS = 64, 128  # output sites a CTA; its threads
+FUSED_TILES = (16, 32, 64, 128)  # output channels a CTA (fused_config)
+# The (vector, stage, tile) the fused kernel is built for: every stage a row can take with
+# every tile, but for 128-byte stages of 128-wide tiles (two slots of them would not fit).
+FUSED_CONFIGS = tuple((vector, stage, tile) for vector in (False, True)
+                      for stage in ((32, 64, 128) if vector else (32, 64)) for tile in FUSED_TILES
+                      if stage * tile < 128 * 128)
+_FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
+MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config)
+SORT_ROWS = True  # the fused kernel takes output rows sorted by neighbour mask (fused_sorts)
+_SORT_WORK = 1 << 29  # n_out x cin x cout from which it does
+_FUSED_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def gather_rows(backend, features, neighbors):
+    """[N_out, K * C] of features [N_in, C] (a backend's array): row o is features[neighbors[k,
+    o]] for k = 0..K-1 side by side, zeros where the int32 map neighbors [K, N_out] is -1."""
+    taps, n_out = neighbors.shape
+    features = backend.contiguous(features)
+    channels = features.shape[1]
+    out = backend.empty((n_out, taps * channels), features)
+    row_bytes = channels * _kernels.ITEMSIZES[backend.dtype_name(features)]
+    if n_out * taps == 0 or row_bytes == 0:
+        return out
+    device = backend.device(features)
+    src, dst = backend.pointer(features), backend.pointer(out)
+    word = _kernels.widest_access(row_bytes, _checks.alignment(src, dst))
+    words = row_bytes // word
+    _gather_plan(device, word).launch(backend.stream(device), src, dst,
+                                      backend.pointer(neighbors), n_out, taps, words,
+                                      grid=grid(n_out * taps * words))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_plan(device, word):
+    return _plan.KernelPlan(device, "submanifold", "submanifold_gather",
+                            (_kernels.STORAGE_CTYPES[word],), (1, 1, 1), (THREADS, 1, 1), 0,
+                            _records.GATHER_ARGS)
+
+
+def tap_masks(backend, neighbors):
+    """int32 [n]: the neighbour masks of the rows of the int32 map neighbors [taps, n] (a
+    backend's array), bit k set where the row has tap k (the first 32 taps)."""
+    taps, n = neighbors.shape
+    masks = backend.empty((n,), neighbors, "int32")
+    if n:
+        device = backend.device(neighbors)
+        _masks_plan(device).launch(backend.stream(device), backend.pointer(neighbors),
+                                   backend.pointer(masks), n, taps, grid=grid(n))
+    return masks
+
+
+@functools.lru_cache(maxsize=None)
+def _masks_plan(device):
+    return _plan.KernelPlan(device, "submanifold", "tap_masks", ("int",), (1, 1, 1),
+                            (THREADS, 1, 1), 0, _records.MASK_ARGS)
+
+
+def fused_sorts(n_out, cin, cout):
+    """Whether the fused kernel takes the output rows in Rulebook.fused_order's order: where
+    SORT_ROWS is on and the layer's work (n_out x cin x cout) is large enough that the taps
+    its tiles skip pay for the sort's GPU and host time (wide layers at many sites: segmentation
+    U-Nets'; bench.detectors' A/B of SORT_ROWS)."""
+    return SORT_ROWS and n_out * cin * cout >= _SORT_WORK
+
+
+def fused_conv(backend, features, weight, bias, neighbors, order=None):
+    """The fused convolution of a backend's arrays: features [N_in, cin], weight [cout, *kernel,
+    cin] and bias [cout] (or None) of one dtype ("float16", "bfloat16", or "float32" as TF32),
+    through the int32 map neighbors [taps, n_out]; returns out [n_out, cout]. order: int32
+    [n_out], a permutation of the output rows in which tiles take them (Rulebook.fused_order),
+    or None: 0, 1, ... Split taps write float32 partial sums to the backend's scratch, which a
+    second kernel adds up with the bias."""
+    taps, n_out = neighbors.shape
+    cin, cout = features.shape[1], weight.shape[0]
+    features, weight = backend.contiguous(features), backend.contiguous(weight)
+    out = backend.empty((n_out, cout), features)
+    if n_out == 0 or cout == 0:
+        return out
+    device = backend.device(features)
+    x, w = backend.pointer(features), backend.pointer(weight)
+    plan = _fused_plan(device, backend.dtype_name(features), _checks.alignment(x, w) == 16,
+                       n_out, cin, cout, taps)
+    stream = backend.stream(device)
+    bias = None if bias is None else backend.contiguous(bias)  # kept until the launches
+    b = backend.pointer(bias)
+    order = backend.pointer(order)
+    if plan.split_sum is None:
+        plan.conv.launch(stream, x, w, b, backend.pointer(neighbors), backend.pointer(out), 0,
+                         n_out, cin, cout, taps, plan.split_taps, order)
+        return out
+    # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest;
+    # _owner keeps the scratch until both launches are queued.
+    partial, _owner = backend.float_scratch(device, plan.scratch)
+    plan.conv.launch(stream, x, w, 0, backend.pointer(neighbors), 0, partial, n_out, cin, cout,
+                     taps, plan.split_taps, order)
+    plan.split_sum.launch(stream, partial, b, backend.pointer(out))
+    return out
+
+
+def fused_config(vector, itemsize, cout):
+    """(stage, tile) of the fused kernel: bytes of a row staged at a time, and output channels
+    a CTA. The tile is the narrowest of 16, 32 and 64 that holds cout, so narrow layers do no
+    MMA work on padding; wider layers take tiles of 64 where cout is a multiple of 64, else of
+    128, which gather each neighbour row once where 64-wide tiles would pad as much. Rows of
+    16-byte vectors are staged MAX_STAGE bytes at a time (narrower rows pack several taps into
+    a stage, so every stage is whole k-steps of the MMA), 64 in 128-wide tiles (whose slots of
+    128 would not fit twice); odd rows 16 elements at a time, one k-step of a 16-bit MMA or two
+    of TF32, as their loads through registers are the stage's time. bench.submanifold_tiles
+    measures every pair per layer."""
+    tile = next((width for width in FUSED_TILES if cout <= width), FUSED_TILES[-1])
+    if tile == 128 and cout % 64 == 0:
+        tile = 64
+    if not vector:
+        return min(MAX_STAGE, 16 * itemsize), tile
+    return (MAX_STAGE if tile < 128 else min(MAX_STAGE, 64)), tile
+
+
+# The fused convolution's plan: its KernelPlan (the grid: sites, channels, tap splits), the taps
+# a split sums, and for split taps the split sum's KernelPlan and the float32 scratch it reads
+# (else None and 0).
+FusedPlan = namedtuple("FusedPlan", ["conv", "split_taps", "split_sum", "scratch"])
+
+
+@functools.lru_cache(maxsize=1024)
+def _fused_plan(device, dtype, aligned, n_out, cin, cout, taps):
+    """The FusedPlan of a layer; aligned: whether features and weight start at 16 bytes."""
+    itemsize = _kernels.ITEMSIZES[dtype]
+    vector = aligned and cin * itemsize % 16 == 0
+    stage, tile = fused_config(vector, itemsize, cout)
+    tiles = (_checks.grid_dim("output sites", -(-n_out // _FUSED_SITES), 2**31 - 1),
+             _checks.grid_dim("output channels", -(-cout // tile)))
+    split_taps = -(-taps // fused_splits(device, tiles[0] * tiles[1], taps))
+    splits = -(-taps // split_taps)
+    ctype = _kernels.ARITHMETIC_CTYPES[dtype]
+    conv = _plan.KernelPlan(device, "submanifold", "submanifold_fused",
+                            (ctype, vector, stage, tile), (*tiles, splits),
+                            (_FUSED_THREADS, 1, 1), 0, _records.FUSED_ARGS, dependent=True)
+    if splits == 1:
+        return FusedPlan(conv, split_taps, None, 0)
+    split_sum = _plan.split_sum_plan(device, "submanifold", ctype, n_out, cout, cout, splits,
+                                     dependent=True)
+    return FusedPlan(conv, split_taps, split_sum, splits * n_out * cout)
+
+
+def fused_splits(device, tiles, taps):
+    """How many splits of the taps the fused kernel runs with `tiles` CTAs of sites x channels
+    (plan.reduction_splits: about _FUSED_CTAS_PER_SM CTAs an SM, at most one a tap). Few sites
+    make few tiles, and then one CTA's long chain of stages would be the kernel's time."""
+    return _plan.reduction_splits(tiles, taps, _launch.device_info(device).sms,
+                                  _FUSED_CTAS_PER_SM)
+
+
+def instantiations():
+    """Name expressions of every kernel this op can ask for (the compile check builds them)."""
+    fused = [_kernels.ARITHMETIC_CTYPES[dtype] for dtype in _FUSED_DTYPES]
+    return ([_kernels.name_expression(rule, dims) for rule in RULE_KERNELS
+             for dims in range(1, MAX_DIMS + 1)]
+            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage, tile)
+               for ctype in fused for vector, stage, tile in FUSED_CONFIGS]
+            + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
+            + [_kernels.name_expression("tap_masks", "int")]
+            + [_kernels.name_expression("submanifold_gather", word)
+               for word in _kernels.STORAGE_CTYPES.values()])
+
+
+_kernels.register_instantiations("submanifold", instantiations)

@@ -1,0 +1,188 @@
+"""The differentiable convolution behind torch_bridge.submanifold's modules: the op
+sbnet::submanifold_conv (registered as in _ops.py: CPU and CUDA kernels, fake kernels, autograd;
+called directly when eager) and rulebook_conv, which checks and routes a call to it.
+
+On CUDA it is a gather through the rulebook and one cuBLAS product (torch.addmm), or the fused
+kernel: sbnet_cupy.submanifold's gather_rows and fused_conv on torch tensors (the TORCH
+backend); on the CPU, cpu_conv's products a tap at a time. The gradient of the features is the
+same op through the transposed map, that of the weight one more product (a tap at a time on the
+CPU), so the backward is deterministic.
+Under CUDA autocast the op takes float32 weight and bias with float16 or bfloat16 features (see
+rulebook_conv): it multiplies with them cast to the features' dtype, and returns their
+gradients in float32, the weight's from a product of float16 (bfloat16) operands with float32
+output (torch.mm's out_dtype), so that no gradient of a float32 parameter passes through
+float16, whose sum over many sites GradScaler's scale overflows.
+"""
+
+import collections
+
+import torch
+
+from sbnet_cupy.core import checks as _checks
+from sbnet_cupy.submanifold.conv import choose_algo
+from sbnet_cupy.submanifold.conv_kernels import fused_conv, fused_sorts, gather_rows
+from sbnet_cupy.submanifold.validation import check_algo, check_operands
+
+from .._ops import _call, _checked, _contiguous, _register, _route, _same_device
+from ..backend import TORCH
+from .cpu_conv import conv_cpu, grad_weight_cpu
+from .rulebook import Rulebook
+
+
+def _as_features(t, features):
+    """t (a weight or bias) in the features' dtype: autocast's float32 parameters (see
+    rulebook_conv) are cast here, inside the op, where no gradient is recorded."""
+    return t if t is None or t.dtype == features.dtype else t.to(features.dtype)
+
+
+def _conv_impl(features, weight, bias, neighbors, neighbors_t, order, order_t, algo):
+    weight, bias = _as_features(weight, features), _as_features(bias, features)
+    if not features.is_cuda:
+        return conv_cpu(_contiguous(features), _contiguous(weight), bias, neighbors)
+    if algo == "fused":
+        return fused_conv(TORCH, features, weight, bias, neighbors, order)
+    taps = weight.reshape(weight.shape[0], -1)
+    g = gather_rows(TORCH, features, neighbors)
+    return g @ taps.t() if bias is None else torch.addmm(bias, g, taps.t())
+
+
+def _conv_fake(features, weight, bias, neighbors, neighbors_t, order, order_t, algo):
+    return features.new_empty((neighbors.shape[1], weight.shape[0]))
+
+
+def _conv_setup(ctx, inputs, output):
+    features, weight, bias, neighbors, neighbors_t, order, order_t, ctx.algo = inputs
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.orders = order is not None, order_t is not None
+    ctx.save_for_backward(features, weight, neighbors, neighbors_t,
+                          *(o for o in (order, order_t) if o is not None))
+
+
+def _conv_backward(ctx, grad):
+    features, weight, neighbors, neighbors_t, *orders = ctx.saved_tensors
+    order, order_t = (orders.pop(0) if given else None for given in ctx.orders)
+    grad = _contiguous(grad)
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:  # the dual op: the transposed map, the transposed weight
+        weight_t = weight.transpose(0, -1).contiguous()  # float32 under autocast: op casts it
+        dx = _call(_conv_op, _conv_autograd, _conv_impl,
+                   (grad, weight_t, None, neighbors_t, neighbors, order_t, order, ctx.algo),
+                   (grad, weight_t, neighbors_t, neighbors), (grad, weight_t))
+    if ctx.needs_input_grad[1]:
+        # In the weight's dtype: float32 under autocast (see _grad_weight_impl).
+        dw = _call(_grad_weight_op, None, _grad_weight_impl,
+                   (features, grad, neighbors, list(weight.shape), weight.dtype),
+                   (features, grad, neighbors))
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        db = grad.sum(0, dtype=ctx.bias_dtype)
+    return dx, dw, db, None, None, None, None, None
+
+
+_conv_op, _conv_autograd = _register(
+    "submanifold_conv(Tensor features, Tensor weight, Tensor? bias, Tensor neighbors, "
+    "Tensor neighbors_t, Tensor? order, Tensor? order_t, str algo) -> Tensor",
+    _conv_impl, _conv_fake, _conv_setup, _conv_backward)
+
+
+def _grad_weight_impl(features, dy, neighbors, weight_shape, out_dtype):
+    """The weight's gradient [*weight_shape] in out_dtype: the features' dtype, or float32 for
+    float16 and bfloat16 features (autocast's float32 weight), which cuBLAS then sums and
+    writes in float32 (the float16 output of a sum over 100k sites of GradScaler-scaled
+    products overflows)."""
+    features, dy = _contiguous(features), _contiguous(dy)
+    if not features.is_cuda:
+        return grad_weight_cpu(features, dy, neighbors, weight_shape, out_dtype)
+    g = gather_rows(TORCH, features, neighbors)
+    if out_dtype == dy.dtype:
+        dw = dy.t() @ g
+    elif out_dtype == torch.float32 and dy.dtype in (torch.float16, torch.bfloat16):
+        dw = torch.mm(dy.t(), g, out_dtype=torch.float32)  # torch >= 2.8 on CUDA
+    else:
+        dw = torch.mm(dy.t().to(out_dtype), g.to(out_dtype))
+    return dw.reshape(weight_shape)
+
+
+def _grad_weight_fake(features, dy, neighbors, weight_shape, out_dtype):
+    return features.new_empty(weight_shape, dtype=out_dtype)
+
+
+_grad_weight_op, _ = _register(
+    "submanifold_conv_grad_weight(Tensor features, Tensor dy, Tensor neighbors, "
+    "int[] weight_shape, ScalarType out_dtype) -> Tensor",
+    _grad_weight_impl, _grad_weight_fake)
+
+# What check_operands reads of a tensor, for a float32 parameter checked as if cast.
+_AsCast = collections.namedtuple("_AsCast", ["shape", "ndim", "dtype"])
+
+
+def _as_cast(t, dtype):
+    """A float32 t as check_operands would see it cast to dtype; t itself otherwise."""
+    return t if t is None or t.dtype != torch.float32 else _AsCast(t.shape, t.ndim, dtype)
+
+
+def _check_conv(features, weight, bias, neighbors, kernel_size, n_in, algo, autocast=False):
+    """rulebook_conv's checks; autocast: its CUDA autocast path, where a float32 weight or bias
+    goes with float16 or bfloat16 features (the op casts it): checked as if cast."""
+    if autocast:
+        weight, bias = _as_cast(weight, features.dtype), _as_cast(bias, features.dtype)
+    check_operands(features, weight, bias, kernel_size, n_in)
+    if neighbors.dtype != torch.int32:
+        raise TypeError(f"the rulebook's maps must be int32, got {neighbors.dtype}")
+    check_algo(algo, _checks.dtype_name(features))
+
+
+_CHECKS = {}
+
+
+def _autocast_param(t, dtype):
+    """A weight or bias under CUDA autocast: float32 as it is (the op casts it), other dtypes
+    cast to dtype (differentiably)."""
+    return t if t is None or t.dtype == torch.float32 else t.to(dtype)
+
+
+def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
+    """sbnet_cupy.submanifold.rulebook_conv on tensors: features [N_in, Cin] through a Rulebook
+    (build_rulebook, or .inverse() of one), weight [Cout, *kernel_size, Cin], bias [Cout] or
+    None; returns [N_out, Cout]. Differentiable in features, weight and bias. algo: "gemm"
+    (gather, then torch.addmm: TF32 where torch allows it) or "fused" (float32 runs as TF32);
+    None: sbnet_cupy.submanifold.choose_algo's (TF32 allowed by
+    torch.backends.cuda.matmul.allow_tf32). CPU tensors multiply a tap at a time with torch's
+    ops (float16 and bfloat16 in float32 arithmetic); algo is then unused.
+    Under torch.autocast("cuda") the convolution runs in the autocast dtype; a float32 weight
+    and bias (AMP's parameters) get float32 gradients that never pass through float16. Outside
+    it, weight and bias must have the features' dtype."""
+    if not isinstance(rulebook, Rulebook):
+        raise TypeError(f"rulebook must be a torch_bridge.submanifold.Rulebook, got "
+                        f"{type(rulebook).__name__}")
+    neighbors, neighbors_t = rulebook.neighbors, rulebook.neighbors_t
+    autocast = features.is_cuda and torch.is_autocast_enabled("cuda")
+    if autocast:
+        # As autocast runs a matrix product: in its dtype (the features' cast differentiable,
+        # so that their gradient comes back in their dtype). A float32 weight and bias go into
+        # the op as they are: it multiplies with them cast, and returns their gradients in
+        # float32, never through float16 (an AMP step's scaled sums overflow it). Other dtypes
+        # are cast here.
+        dtype = torch.get_autocast_dtype("cuda")
+        features = features.to(dtype)
+        weight, bias = _autocast_param(weight, dtype), _autocast_param(bias, dtype)
+        autocast = dtype in (torch.float16, torch.bfloat16)
+    if algo is None:
+        algo = "gemm" if not features.is_cuda else choose_algo(
+            _checks.dtype_name(features), torch.backends.cuda.matmul.allow_tf32)
+    _checked(_CHECKS, _check_conv, (features, weight, bias, neighbors,
+                                    tuple(rulebook.kernel_size), neighbors_t.shape[1], algo,
+                                    autocast))
+    _same_device(features, weight, bias, neighbors, features=features, weight=weight, bias=bias,
+                 rulebook=neighbors)
+    order = order_t = None
+    if features.is_cuda and algo == "fused" and fused_sorts(
+            neighbors.shape[1], features.shape[1], weight.shape[0]):
+        order = rulebook.fused_order()  # and the backward's dual op's, on neighbors_t
+        if torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad):
+            order_t = rulebook.fused_order(transposed=True)
+    args = (features, weight, bias, neighbors, neighbors_t, order, order_t, algo)
+    tensors = (features, weight, neighbors, neighbors_t) + (() if bias is None else (bias,))
+    differentiable = (features, weight) + (() if bias is None else (bias,))
+    # The route is chosen here and the op called from here: no dispatching frame between this
+    # function and the op's implementation.
+    return _route(_conv_op, _conv_autograd, _conv_impl, tensors, differentiable)(*args)
