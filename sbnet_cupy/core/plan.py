@@ -56,13 +56,17 @@ def resident_ctas(function, threads, shared_mem, device):
     return _launch.device_info(device).sms * max(1, per_sm)
 
 
-def reduction_splits(tiles, parts, sms, ctas_per_sm=2):
+def reduction_splits(tiles, parts, sms, ctas_per_sm=2, round_up=True):
     """Into how many splits to cut a reduction of `parts` parts (taps, channel chunks) whose
-    output has `tiles` tiles, so that a GPU of `sms` SMs gets about ctas_per_sm CTAs an SM:
-    one where the tiles alone fill it, at most one a part."""
-    if parts < 2 or not 0 < tiles < ctas_per_sm * sms:
+    output has `tiles` tiles, so that a GPU of `sms` SMs gets about ctas_per_sm CTAs an SM: one
+    where the tiles alone fill it, at most one a part. round_up: at least that many CTAs (else
+    at most, so a grid that fills the GPU once is not split: what the fused submanifold
+    kernel's measurements chose)."""
+    target = ctas_per_sm * sms
+    if parts < 2 or not 0 < tiles < target:
         return 1
-    return max(1, min(parts, -(-ctas_per_sm * sms // tiles)))
+    splits = -(-target // tiles) if round_up else target // tiles
+    return max(1, min(parts, splits))
 
 
 def split_sum_plan(device, op, ctype, rows, cols, pitch, splits, dependent=False):

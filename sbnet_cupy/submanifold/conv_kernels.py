@@ -163,10 +163,10 @@ def _fused_plan(device, dtype, aligned, n_out, cin, cout, taps):
 
 def fused_splits(device, tiles, taps):
     """How many splits of the taps the fused kernel runs with `tiles` CTAs of sites x channels
-    (plan.reduction_splits: about _FUSED_CTAS_PER_SM CTAs an SM, at most one a tap). Few sites
+    (plan.reduction_splits: at most _FUSED_CTAS_PER_SM CTAs an SM, at most one a tap). Few sites
     make few tiles, and then one CTA's long chain of stages would be the kernel's time."""
     return _plan.reduction_splits(tiles, taps, _launch.device_info(device).sms,
-                                  _FUSED_CTAS_PER_SM)
+                                  _FUSED_CTAS_PER_SM, round_up=False)
 
 
 def instantiations():

@@ -21,6 +21,17 @@ def test_reduction_splits(tiles, parts, sms, want):
     assert plan.reduction_splits(tiles, parts, sms) == want
 
 
+@pytest.mark.parametrize("tiles, parts, sms, want", [
+    (263, 27, 132, 1),    # one wave short of two CTAs an SM: not split
+    (131, 27, 132, 2),
+    (10, 27, 132, 26),    # floor(264 / 10)
+    (10, 8, 132, 8),      # capped at one a part
+    (300, 27, 132, 1),
+])
+def test_reduction_splits_rounded_down(tiles, parts, sms, want):
+    assert plan.reduction_splits(tiles, parts, sms, round_up=False) == want
+
+
 def test_plan_without_a_device():
     """A plan for tables and tests (no device): the name NVRTC and the profiler see, the launch
     shape as 3-tuples, the record's constants kept in order."""

@@ -320,14 +320,15 @@ def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
 
 
 def test_fused_splits_fill_the_gpu(monkeypatch):
-    """Few tiles split their taps until the grid has _FUSED_CTAS_PER_SM CTAs an SM (at most one
-    split a tap; plan.reduction_splits' rule, from the device's SM count); enough tiles run
+    """Few tiles split their taps up to _FUSED_CTAS_PER_SM CTAs an SM (at most one split a tap;
+    plan.reduction_splits' rule rounded down, from the device's SM count); enough tiles run
     unsplit."""
     monkeypatch.setattr(_launch, "device_info", lambda device: _launch.H100)  # 132 SMs
     per_sm = conv_kernels._FUSED_CTAS_PER_SM
     assert sm.fused_splits(0, 22, 9) == 9
     assert sm.fused_splits(0, 22, 125) == per_sm * 132 // 22
-    assert sm.fused_splits(0, 100, 27) == 3  # rounded up: 264 / 100
+    assert sm.fused_splits(0, 100, 27) == 2  # rounded down: 264 / 100
+    assert sm.fused_splits(0, 133, 27) == 1
     assert sm.fused_splits(0, 132 * per_sm, 27) == 1
     assert sm.fused_splits(0, 10_000, 27) == 1
     assert sm.fused_splits(0, 1, 1) == 1
