@@ -95,10 +95,14 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None):
     out = backend.empty((n_out, cout), features)
     if n_out == 0 or cout == 0:
         return out
+    dtype = backend.dtype_name(features)
+    width = padded_width(cin, _kernels.ITEMSIZES[dtype])
+    if width != cin:
+        features, weight = _padded(backend, features, width), _padded(backend, weight, width)
+        cin = width
     device = backend.device(features)
     x, w = backend.pointer(features), backend.pointer(weight)
-    plan = _fused_plan(device, backend.dtype_name(features), _checks.alignment(x, w) == 16,
-                       n_out, cin, cout, taps)
+    plan = _fused_plan(device, dtype, _checks.alignment(x, w) == 16, n_out, cin, cout, taps)
     stream = backend.stream(device)
     bias = None if bias is None else backend.contiguous(bias)  # kept until the launches
     b = backend.pointer(bias)
@@ -113,6 +117,24 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None):
     plan.conv.launch(stream, x, w, 0, backend.pointer(neighbors), 0, partial, n_out, cin, cout,
                      taps, plan.split_taps, order)
     plan.split_sum.launch(stream, partial, b, backend.pointer(out))
+    return out
+
+
+def padded_width(cin, itemsize):
+    """The channels the fused kernel takes rows of cin channels as: rows narrower than 32 bytes
+    that are not whole 16-byte vectors (the 3-5 features of a LiDAR voxel) padded with zeros to
+    the next 16 bytes, which the kernel copies with cp.async and packs several taps into a
+    k-step of, where it would stage each tap through registers as one k-step of its own; other
+    rows as they are."""
+    row = cin * itemsize
+    return cin if row % 16 == 0 or row >= 32 else -(-row // 16) * 16 // itemsize
+
+
+def _padded(backend, a, width):
+    """a [..., c] (a backend's array) as [..., width]: its c columns, then zeros."""
+    out = backend.empty(tuple(a.shape[:-1]) + (width,), a)
+    out[..., :a.shape[-1]] = a
+    out[..., a.shape[-1]:] = 0
     return out
 
 

@@ -251,20 +251,30 @@ def test_fused_split_taps(rng, fused_splits, shape, kernel, n, cin, cout, splits
     numpy.testing.assert_array_equal(y2.get(), settled.get())
 
 
+@pytest.mark.parametrize("cin, itemsize, width", [
+    (5, 2, 8), (3, 2, 8), (12, 2, 16), (8, 2, 8), (17, 2, 17), (1, 2, 8),
+    (5, 4, 8), (3, 4, 4), (4, 4, 4), (9, 4, 9), (2, 8, 2)])
+def test_fused_pads_narrow_rows(cin, itemsize, width):
+    """Rows under 32 bytes that are not whole 16-byte vectors go to the fused kernel padded to
+    the next 16 bytes; wider ones (staged through registers) and whole ones as they are."""
+    assert conv_kernels.padded_width(cin, itemsize) == width
+
+
 @requires_gpu
 @pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
-@pytest.mark.parametrize("cin", [8, 24, 40, 5])
+@pytest.mark.parametrize("cin", [8, 24, 40, 5, 17])
 @pytest.mark.parametrize("stage, tile", [(s, t) for s in (32, 64, 128) for t in (16, 32, 64, 128)
                                          if s * t < 128 * 128])
 def test_fused_every_configuration(rng, monkeypatch, stage, tile, cin, dtype):
     """Every stage and tile width the kernels are built for (bench.submanifold_tiles times them
     all), whatever the rule would pick: rows of one, several and a part of a stage, odd rows
-    through registers (stages of 32 and 64 bytes)."""
+    through registers (stages of 32 and 64 bytes), narrow rows padded (5 channels)."""
     import cupy
 
     from conftest import _poison_pool
 
-    vector = cin * numpy.dtype(dtype).itemsize % 16 == 0
+    itemsize = numpy.dtype(dtype).itemsize
+    vector = conv_kernels.padded_width(cin, itemsize) * itemsize % 16 == 0
     if not vector and stage == 128:
         pytest.skip("odd rows are staged 32 or 64 bytes at a time")
     monkeypatch.setattr(conv_kernels, "fused_config", lambda vector, itemsize, cout: (stage, tile))
