@@ -41,7 +41,7 @@ import numpy
 
 import sbnet_cupy
 from sbnet_cupy.core import launch as _launch
-from sbnet_cupy import sparse_kernel_conv as skc
+from sbnet_cupy import pruned as skc
 from bench._common import RESULTS, read_csv, require_gpu, write_csv
 from bench.ops import _graph_ms
 
