@@ -33,6 +33,14 @@ def test_plan_without_a_device():
     assert "split_sum<float>" in repr(p)
 
 
+def test_split_sum_plan():
+    """split_sum's launch: a grid-stride loop over the output, the reduction's shape last."""
+    p = plan.split_sum_plan(None, "sparse_kernel_conv", "half_t", 1000, 24, 32, 3)
+    assert p.name == "split_sum<half_t>" and p.template_args == ("half_t",)
+    assert p.constants == (1000, 24, 32, 3) and p.record is records.SPLIT_SUM_ARGS
+    assert p.block[0] * p.grid[0] >= 1000 * 24 and p.shared_mem == 0
+
+
 def test_numpy_backend():
     a = numpy.arange(12, dtype=numpy.float32).reshape(3, 4)[:, ::2]
     b = backend.NUMPY.contiguous(a)
@@ -40,6 +48,8 @@ def test_numpy_backend():
     e = backend.NUMPY.empty((2, 5), a, "float16")
     assert (e.shape, e.dtype) == ((2, 5), numpy.float16)
     assert backend.NUMPY.empty((1,), a).dtype == numpy.float32
+    z = backend.NUMPY.zeros((3,), a, "float64")
+    assert z.dtype == numpy.float64 and not z.any() and backend.NUMPY.itemsize(z) == 8
     assert not backend.NUMPY.gpu
     assert backend.backend_of(a) is backend.NUMPY
 
