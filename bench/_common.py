@@ -1,5 +1,7 @@
-"""What the benchmarks share: CUDA-event timing, CUDA-graph capture, and their CSV files."""
+"""What the benchmarks share: CUDA-event timing, CUDA-graph capture, their command lines and
+their CSV files."""
 
+import argparse
 import csv
 import pathlib
 import statistics
@@ -8,6 +10,15 @@ import sys
 # Where the benchmarks write unless given --out: bench/results in this clone, whatever the
 # current directory.
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def results_parser(doc):
+    """The command line of a benchmark whose docstring is `doc` (its first line the
+    description), with --out: the folder for its results."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help="folder for the results (default: bench/results in this clone)")
+    return parser
 
 
 def require_gpu(module, torch=True):

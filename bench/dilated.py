@@ -34,7 +34,6 @@ Writes <out>/dilated_<device>.csv (routes), dilated_reshapes_<device>.csv (kerne
 dilated_<device>.md and dilated_<device>.png.
 """
 
-import argparse
 import datetime
 import itertools
 import math
@@ -48,8 +47,8 @@ import torch.nn.functional as F
 
 import torch_bridge as tb
 from sbnet_cupy.dilated.space_to_batch import dilated_conv_geometry
-from bench._common import RESULTS, events_ms, graph, read_csv, require_gpu, write_csv
-from torch_bridge import dilated
+from bench._common import events_ms, graph, read_csv, require_gpu, results_parser, write_csv
+from torch_bridge.dilated import conv as dilated
 
 # (N, C_in, K, H = W, rate): the seed's runs (batch 128, 3 -> 128, scale 2), wider layers at
 # scales 2, 4, 8, and a DeepLab ASPP branch (2048 -> 256 channels at rate 12, 64 not a multiple).
@@ -440,9 +439,7 @@ def plot(rows, reshape_rows, modes, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
-                        help="folder for the results (default: bench/results in this clone)")
+    parser = results_parser(__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="three configurations and reshapes (the slowest kinds), few repeats")
     parser.add_argument("--modes", nargs="+", default=["eager", "graph"],
@@ -453,7 +450,7 @@ def main(argv=None):
                         "the tables take the median (--quick: 1)")
     parser.add_argument("--conv-layout", choices=["auto", "nchw"], default="auto",
                         help="the reshape route's convolution: channels_last where "
-                        "torch_bridge.dilated.conv_channels_last says so, or always NCHW")
+                        "torch_bridge.dilated.conv.conv_channels_last says so, or always NCHW")
     parser.add_argument("--fit", type=pathlib.Path,
                         help="only print the reshape_wins tables that fit this CSV of routes")
     parser.add_argument("--rescore", type=pathlib.Path,

@@ -26,7 +26,6 @@ sweep point are the same at both batches and sizes. Writes <out>/sparse_kernel_c
 again with the current rule, without a GPU.
 """
 
-import argparse
 import concurrent.futures
 import datetime
 import math
@@ -41,8 +40,8 @@ import numpy
 
 import sbnet_cupy
 from sbnet_cupy.core import launch as _launch
-from sbnet_cupy import sparse_kernel_conv as skc
-from bench._common import RESULTS, read_csv, require_gpu, write_csv
+from sbnet_cupy import pruned as skc
+from bench._common import read_csv, require_gpu, results_parser, write_csv
 from bench.ops import _graph_ms
 
 SIZE = (256, 512)
@@ -330,9 +329,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
-                        help="folder for the results (default: bench/results in this clone)")
+    parser = results_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="a few cases, batch 1 (< 2 min)")
     parser.add_argument("--sweeps", nargs="+", choices=list(SWEEPS), default=list(SWEEPS))

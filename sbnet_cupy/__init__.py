@@ -12,9 +12,8 @@ from .blocks.sparse_conv import (conv2d_same, conv2d_valid, fold_batchnorm,
                                  random_bottleneck_weights, res_block_bottleneck, sparse_conv2d,
                                  sparse_res_block_bottleneck)
 from .blocks.sparse_gather import sparse_gather
-from .sparse_kernel_conv import (SparseKernel, sparse_kernel_conv2d,
-                                 sparse_kernel_conv2d_grad_input,
-                                 sparse_kernel_conv2d_grad_values)
+from .pruned import (SparseKernel, sparse_kernel_conv2d, sparse_kernel_conv2d_grad_input,
+                     sparse_kernel_conv2d_grad_values)
 from .blocks.sparse_scatter import sparse_scatter, sparse_scatter_var
 from . import submanifold
 from .submanifold import (Rulebook, SparseTensorData, rulebook_conv, strided_rulebook,

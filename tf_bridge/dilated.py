@@ -6,50 +6,45 @@ import tensorflow as tf
 
 import sbnet_cupy
 from sbnet_cupy.dilated.space_to_batch import (check_atrous_conv2d, check_batch_to_space,
-                                       check_space_to_batch, dilated_conv_geometry)
+                                               check_space_to_batch, dilated_conv_geometry)
 
 from . import _call
 
 
-def _reshape(function, t, geometry, shape):
-    def run(array):
-        return function(array, geometry.block, geometry.margins)
+def _reshape(op, t, block, margins):
+    """sbnet_cupy's op ("space_to_batch" or "batch_to_space") of tensor t, differentiable: its
+    gradient is the other op (each element of the result came from one element of t)."""
+    t = tf.convert_to_tensor(t)
+    forward = op == "space_to_batch"
+    geometry = (check_space_to_batch if forward else check_batch_to_space)(t, block, margins)
+    function = sbnet_cupy.space_to_batch if forward else sbnet_cupy.batch_to_space
 
-    (out,) = _call(run, [t], [t.dtype])
-    out.set_shape(shape)
-    return out
+    @tf.custom_gradient
+    def reshape(t):
+        def grad(dy):
+            return _reshape("batch_to_space" if forward else "space_to_batch", dy,
+                            geometry.block, geometry.margins)
+
+        def run(array):
+            return function(array, geometry.block, geometry.margins)
+
+        (out,) = _call(run, [t], [t.dtype])
+        out.set_shape(geometry.y_shape if forward else geometry.x_shape)
+        return out, grad
+
+    return reshape(t)
 
 
 def space_to_batch(x, block, paddings=0):
     """sbnet_cupy.space_to_batch on an NHWC tensor (tf.space_to_batch's result);
     differentiable."""
-    x = tf.convert_to_tensor(x)
-    geometry = check_space_to_batch(x, block, paddings)
-
-    @tf.custom_gradient
-    def forward(x):
-        def grad(dy):  # each element of x went to one element of the result
-            return batch_to_space(dy, geometry.block, geometry.margins)
-
-        return _reshape(sbnet_cupy.space_to_batch, x, geometry, geometry.y_shape), grad
-
-    return forward(x)
+    return _reshape("space_to_batch", x, block, paddings)
 
 
 def batch_to_space(y, block, crops=0):
     """sbnet_cupy.batch_to_space on an NHWC tensor (tf.batch_to_space's result);
     differentiable."""
-    y = tf.convert_to_tensor(y)
-    geometry = check_batch_to_space(y, block, crops)
-
-    @tf.custom_gradient
-    def forward(y):
-        def grad(dx):  # each element of the result came from one element of y
-            return space_to_batch(dx, geometry.block, geometry.margins)
-
-        return _reshape(sbnet_cupy.batch_to_space, y, geometry, geometry.x_shape), grad
-
-    return forward(y)
+    return _reshape("batch_to_space", y, block, crops)
 
 
 def atrous_conv2d(value, filters, rate, padding):

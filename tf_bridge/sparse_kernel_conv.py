@@ -8,7 +8,7 @@ import numpy
 import tensorflow as tf
 
 import sbnet_cupy
-from sbnet_cupy import sparse_kernel_conv as _core
+from sbnet_cupy import pruned as _core
 
 from . import _call
 

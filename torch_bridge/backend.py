@@ -40,6 +40,12 @@ class _Torch(Backend):
     def empty(self, shape, like, dtype=None):
         return like.new_empty(shape, dtype=dtype and getattr(torch, dtype))
 
+    def zeros(self, shape, like, dtype=None):
+        return like.new_zeros(shape, dtype=dtype and getattr(torch, dtype))
+
+    def itemsize(self, t):
+        return t.element_size()
+
     def float_scratch(self, device, n):
         scratch = torch.empty(n, dtype=torch.float32, device=device)
         return scratch.data_ptr(), scratch

@@ -3,11 +3,12 @@ written once for CuPy arrays and torch tensors alike (and tf_bridge, which hands
 over through DLPack).
 
 A backend answers what the launch code needs of an array library: an array's device and
-address, the current stream, a contiguous array, new arrays and float32 scratch. ``NUMPY`` is
-the host: ops given it run their NumPy reference instead of launching. ``CUPY`` launches on
-CuPy's current stream with memory from CuPy's pool; torch_bridge's ``TORCH`` on torch's current
-stream with memory from torch's caching allocator. ``backend_of(a)`` picks NUMPY or CUPY for an
-array; torch_bridge passes TORCH (or NUMPY, with NumPy views of CPU tensors).
+address and element size, the current stream, a contiguous array, new arrays (empty or
+zeroed) and float32 scratch. ``NUMPY`` is the host: ops given it run their NumPy reference
+instead of launching. ``CUPY`` launches on CuPy's current stream with memory from CuPy's pool;
+torch_bridge's ``TORCH`` on torch's current stream with memory from torch's caching allocator.
+``backend_of(a)`` picks NUMPY or CUPY for an array; torch_bridge passes TORCH (or NUMPY, with
+NumPy views of CPU tensors).
 """
 
 import numpy
@@ -57,6 +58,14 @@ class Backend:
         name)."""
         raise NotImplementedError
 
+    def zeros(self, shape, like, dtype=None):
+        """empty's array, zeroed (for kernels that add into their output)."""
+        raise NotImplementedError
+
+    def itemsize(self, a):
+        """Bytes an element of `a`."""
+        return a.itemsize
+
     def float_scratch(self, device, n):
         """n float32 on `device`, usable on its current stream: (address, owner). The owner
         keeps the memory until the launches that use it are queued."""
@@ -77,6 +86,9 @@ class _Numpy(Backend):
 
     def empty(self, shape, like, dtype=None):
         return numpy.empty(shape, dtype=dtype or like.dtype)
+
+    def zeros(self, shape, like, dtype=None):
+        return numpy.zeros(shape, dtype=dtype or like.dtype)
 
 
 class _Cupy(Backend):
@@ -101,6 +113,9 @@ class _Cupy(Backend):
 
     def empty(self, shape, like, dtype=None):
         return cupy.empty(shape, dtype=dtype or like.dtype)
+
+    def zeros(self, shape, like, dtype=None):
+        return cupy.zeros(shape, dtype=dtype or like.dtype)
 
     def float_scratch(self, device, n):
         scratch = cupy.empty(n, dtype=cupy.float32)

@@ -19,29 +19,33 @@ class KernelPlan:
     """One kernel launch planned for one device.
 
     Attributes: device, function (the compiled kernel's address, None where there is no
-    device: plans made for tables and tests), name (``kernel<args>``), grid and block (3-tuples;
+    device: plans made for tables and tests; or for a `generated` kernel, whose code is made per
+    call, such as a pruned weight's mask: each launch passes its own function),
+    name (``kernel<args>``), template_args, grid and block (3-tuples;
     a call may pass another grid, for counts that change per call), shared_mem (dynamic bytes),
     record (the kernel's argument Record), constants (the values of the record's last fields,
     fixed by the plan: record.tail(**fields)), dependent (launched as a programmatic dependent
     launch where the GPU takes it; see core/launch.py)."""
 
-    __slots__ = ("device", "function", "name", "grid", "block", "shared_mem", "record",
-                 "constants", "dependent")
+    __slots__ = ("device", "function", "name", "template_args", "grid", "block", "shared_mem",
+                 "record", "constants", "dependent")
 
     def __init__(self, device, op, kernel, template_args, grid, block, shared_mem, record,
-                 constants=(), dependent=False):
+                 constants=(), dependent=False, generated=False):
         self.device = device
-        self.function = (None if device is None
+        self.function = (None if device is None or generated
                          else _launch.function(device, op, kernel, *template_args))
         self.name = _kernels.name_expression(kernel, *template_args)
+        self.template_args = tuple(template_args)
         self.grid, self.block, self.shared_mem = tuple(grid), tuple(block), shared_mem
         self.record, self.constants, self.dependent = record, tuple(constants), dependent
 
-    def launch(self, stream, *values, grid=None):
+    def launch(self, stream, *values, grid=None, function=None):
         """Launch on `stream` with the record's leading leaves `values` (in its order), then
-        the plan's constants."""
-        _launch.launch(self.device, stream, self.function, grid or self.grid, self.block,
-                       self.shared_mem, self.record, values + self.constants, self.dependent)
+        the plan's constants; `function`: a generated plan's kernel (see the attributes)."""
+        _launch.launch(self.device, stream, function or self.function, grid or self.grid,
+                       self.block, self.shared_mem, self.record, values + self.constants,
+                       self.dependent)
 
     def __repr__(self):
         return (f"KernelPlan({self.name}, grid={self.grid}, block={self.block}, "
@@ -80,3 +84,19 @@ def split_sum_plan(device, op, ctype, rows, cols, pitch, splits, dependent=False
     return KernelPlan(device, op, "split_sum", (ctype,), (blocks, 1, 1),
                       (_launch._SPLIT_SUM_THREADS, 1, 1), 0, record,
                       record.tail(rows=rows, cols=cols, pitch=pitch, splits=splits), dependent)
+
+
+def generated_function(device, op, source, kernel, *template_args):
+    """(address, owner) of ``kernel<template_args>`` compiled on `device` from kernels/<op>.cu
+    (core.kernels.kernel_source) followed by `source`: code generated per call, such as a pruned
+    weight's mask as code (sbnet_cupy/pruned/program.py). NVRTC compiles it on first use, CuPy's
+    disk cache serves it after; the owner keeps its module loaded, and the caller keeps the owner
+    as long as the code's source object lives (so that masks come and go with their weights)."""
+    import cupy
+
+    name = _kernels.name_expression(kernel, *template_args)
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=_kernels.kernel_source(op) + "\n" + source,
+                                options=_kernels.COMPILE_OPTIONS, name_expressions=(name,))
+        compiled = module.get_function(name).kernel  # the driver-level function
+    return compiled.ptr, (module, compiled)

@@ -1,12 +1,13 @@
-"""The CUDA space_to_batch / batch_to_space: each launch's plan (kernel, grid, tile, the
-argument record's values) from the reshape's geometry, and the launches on raw addresses."""
+"""The CUDA space_to_batch / batch_to_space: each launch's KernelPlan (core/plan.py: kernel,
+grid, tile, the argument record's values) from the reshape's geometry, and the launch on any
+backend's arrays (CuPy's, torch's)."""
 
 import functools
 import math
 
 import numpy
 
-from ..core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
+from ..core import checks as _checks, kernels as _kernels, plan as _plan, records as _records
 
 # Launch shapes (kernels/space_to_batch.cu). NCHW kernels stage a tile of about _TILE_BYTES in
 # shared memory, a row of it at most _ROW_BYTES of padded columns; both kernels cut their work
@@ -24,36 +25,24 @@ _INT32_LIMIT = 2**31
 # divisors; the plans build all but x and y by name (Record.tail).
 _NHWC_ARGS = _records.NHWC_ARGS
 _NCHW_ARGS = _records.NCHW_ARGS
+_OP = "space_to_batch"  # kernels/space_to_batch.cu
 
 
 # --- CUDA -----------------------------------------------------------------------------------
 
-def _cupy_call(src, dst):
-    """(device, stream, src address, dst address) of a launch on CuPy arrays."""
-    import cupy
-
-    src = src if src.flags.c_contiguous else cupy.ascontiguousarray(src)
-    return src.data.device_id, cupy.cuda.get_current_stream().ptr, src.data.ptr, dst.data.ptr
-
-
-def launch_space_to_batch(device, stream, x, y, geometry, itemsize):
-    """The CUDA space_to_batch on raw addresses (checked arguments): C-contiguous x and y of
-    geometry's shapes (a Reshape from check_space_to_batch), elements of `itemsize` bytes, on
-    `device` and `stream` (a cudaStream_t address)."""
-    _launch_reshape(device, stream, "space_to_batch", geometry, x, y, itemsize)
-
-
-def launch_batch_to_space(device, stream, y, x, geometry, itemsize):
-    """The CUDA batch_to_space on raw addresses, as launch_space_to_batch (geometry from
-    check_batch_to_space)."""
-    _launch_reshape(device, stream, "batch_to_space", geometry, x, y, itemsize)
-
-
-def _launch_reshape(device, stream, op, geometry, x, y, itemsize):
-    plan = _plan(device, op, geometry, itemsize, _checks.alignment(x, y))
-    if plan is not None:
-        function, grid, block, smem, arguments, values = plan
-        _launch.launch(device, stream, function, grid, block, smem, arguments, (x, y) + values)
+def launch_reshape(backend, op, src, dst, geometry):
+    """The CUDA space_to_batch (op "space_to_batch": src is x, dst y) or batch_to_space (src y,
+    dst x) on `backend`'s arrays (core.backend.CUPY, or torch_bridge's TORCH), checked: src and
+    dst C-contiguous in the layouts that `geometry` (the Reshape of check_space_to_batch or
+    check_batch_to_space) gives x and y, or tensors whose memory is laid out so."""
+    device = backend.device(src)
+    src_address, dst_address = backend.pointer(src), backend.pointer(dst)
+    plan = reshape_plan(device, op, geometry, backend.itemsize(src),
+                        _checks.alignment(src_address, dst_address))
+    if plan is not None:  # None: nothing to move
+        x, y = ((src_address, dst_address) if op == "space_to_batch"
+                else (dst_address, src_address))
+        plan.launch(backend.stream(device), x, y)
 
 
 def _divisor(d):
@@ -65,19 +54,11 @@ def _divisor(d):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(device, op, g, itemsize, align):
-    """(kernel address on `device`, grid, CTA, shared-memory bytes, argument struct, values
-    after the two pointers) of a launch, None if the output is empty; `align` is the largest
-    power of two (<= 16) dividing both pointers."""
-    shape = _shape_plan(op, g, itemsize, align)
-    if shape is None:
-        return None
-    kernel, template, *launch = shape
-    return (_launch.function(device, "space_to_batch", kernel, *template), *launch)
-
-
-def _shape_plan(op, g, itemsize, align):
-    """_plan's kernel name and template arguments instead of its address (no GPU needed)."""
+def reshape_plan(device, op, g, itemsize, align):
+    """The KernelPlan of op ("space_to_batch" or "batch_to_space") with Reshape g on `device`
+    (None: no GPU, a plan for tests), None if the output is empty: elements of `itemsize` bytes,
+    `align` the largest power of two (<= 16) dividing both addresses. A launch passes x and y
+    (their addresses), the plan the rest of the record."""
     (n, c, h, w), (hq, wq), (bh, bw) = g.x_dims, g.y_hw, g.block
     (top, _), (left, _) = g.margins
     if n * c * (hq * wq if op == "space_to_batch" else h * w) == 0:
@@ -90,16 +71,17 @@ def _shape_plan(op, g, itemsize, align):
                              f"{g.data_format!r} needs elements of 2, 4 or 8 bytes, aligned, "
                              f"and block_w * itemsize <= {_ROW_BYTES} on the GPU, got block "
                              f"{g.block} and {itemsize}-byte elements aligned to {align}")
-        return _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, True)
+        return _nchw_plan(device, op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align,
+                          True)
     if g.data_format == "NHWC" or not nchw_kernel:
         # NCHW with a very wide block, or elements of an odd size or alignment, moves elements
         # as the pixels of an NHWC [N*C, H, W, 1].
         n, words_bytes = (n, c * itemsize) if g.data_format == "NHWC" else (n * c, itemsize)
-        return _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, words_bytes, align)
-    return _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, False)
+        return _nhwc_plan(device, op, n, h, w, hq, wq, bh, bw, top, left, words_bytes, align)
+    return _nchw_plan(device, op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, False)
 
 
-def _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, pixel_bytes, align):
+def _nhwc_plan(device, op, n, h, w, hq, wq, bh, bw, top, left, pixel_bytes, align):
     word = _kernels.widest_access(pixel_bytes, align)
     words = pixel_bytes // word
     if op == "space_to_batch":
@@ -116,11 +98,13 @@ def _nhwc_plan(op, n, h, w, hq, wq, bh, bw, top, left, pixel_bytes, align):
     values = _NHWC_ARGS.tail(n=n, height=h, width=w, out_w=wq, off_h=top, off_w=left,
                              chunk=chunk, words=_divisor(words), block_h=_divisor(bh),
                              block_w=_divisor(bw), out_h=_divisor(hq))
-    return (f"{op}_nhwc", (_kernels.STORAGE_CTYPES[word],), (row_ctas, chunks, 1),
-            (threads_x, threads_y, 1), 0, _NHWC_ARGS, values)
+    return _plan.KernelPlan(device, _OP, f"{op}_nhwc", (_kernels.STORAGE_CTYPES[word],),
+                            (row_ctas, chunks, 1), (threads_x, threads_y, 1), 0, _NHWC_ARGS,
+                            values)
 
 
-def _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, channels_last):
+def _nchw_plan(device, op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align,
+               channels_last):
     """The NCHW kernels' launch; channels_last: y is NHWC (CL in the kernel source)."""
     def row_limit(v):  # channels last, a tile holds a vector of bands at least
         return min(_ROW_BYTES, _TILE_BYTES // v) if channels_last else _ROW_BYTES
@@ -177,8 +161,10 @@ def _nchw_plan(op, n, c, h, w, hq, wq, bh, bw, top, left, itemsize, align, chann
         channels=_divisor(c), tile_rows=_divisor(tile_rows), tile_bands=_divisor(tile_bands),
         tile_cols=_divisor(tile_cols), row_vectors=_divisor(row_vectors),
         col_vectors=_divisor(col_vectors))
-    return (f"{op}_nchw", (_kernels.STORAGE_CTYPES[itemsize], vector, vector_y, channels_last),
-            grid, (_THREADS, 1, 1), tile_bands * band_words * 4, _NCHW_ARGS, values)
+    return _plan.KernelPlan(device, _OP, f"{op}_nchw",
+                            (_kernels.STORAGE_CTYPES[itemsize], vector, vector_y, channels_last),
+                            grid, (_THREADS, 1, 1), tile_bands * band_words * 4, _NCHW_ARGS,
+                            values)
 
 
 def _tile_pitches(words, tile_rows, tile_bands, tile_cols, col_vectors, row_vectors, bw, vector,

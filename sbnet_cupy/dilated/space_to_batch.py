@@ -7,12 +7,11 @@ from collections import namedtuple
 
 import numpy
 
-from ..core import checks as _checks
+from ..core import backend as _backend, checks as _checks
 from ..blocks.sparse_conv import conv2d_valid
-from .reshape_plan import _cupy_call, launch_batch_to_space, launch_space_to_batch
+from .reshape_plan import launch_reshape
 
 DATA_FORMATS = ("NHWC", "NCHW")
-
 
 
 class Reshape(namedtuple("Reshape", ["x_dims", "y_hw", "block", "margins", "data_format",
@@ -70,13 +69,7 @@ def space_to_batch(x, block, paddings=0, *, data_format="NHWC", batch_format=Non
     geometry = _checks.memoized(_CHECKED_S2B, check_space_to_batch,
                                 (x, block, paddings, data_format, batch_format),
                                 _checks.ARRAY_TYPES)
-    with _checks.on_device(x):
-        out = _output(xp, x, out, geometry.y_shape)
-        if xp is numpy:
-            _space_to_batch_numpy(x, geometry, out)
-        else:
-            launch_space_to_batch(*_cupy_call(x, out), geometry, x.itemsize)
-    return out
+    return _reshape(xp, "space_to_batch", x, geometry, geometry.y_shape, out)
 
 
 def batch_to_space(y, block, crops=0, *, data_format="NHWC", batch_format=None, out=None):
@@ -104,12 +97,20 @@ def batch_to_space(y, block, crops=0, *, data_format="NHWC", batch_format=None, 
     geometry = _checks.memoized(_CHECKED_B2S, check_batch_to_space,
                                 (y, block, crops, data_format, batch_format),
                                 _checks.ARRAY_TYPES)
-    with _checks.on_device(y):
-        out = _output(xp, y, out, geometry.x_shape)
+    return _reshape(xp, "batch_to_space", y, geometry, geometry.x_shape, out)
+
+
+def _reshape(xp, op, src, geometry, shape, out):
+    """space_to_batch (op "space_to_batch", src x) or batch_to_space (src y) of checked
+    arguments into `out` (None: a new array of `shape`)."""
+    with _checks.on_device(src):
+        out = _output(xp, src, out, shape)
         if xp is numpy:
-            _batch_to_space_numpy(y, geometry, out)
+            numpy_reshape = (_space_to_batch_numpy if op == "space_to_batch"
+                             else _batch_to_space_numpy)
+            numpy_reshape(src, geometry, out)
         else:
-            launch_batch_to_space(*_cupy_call(y, out), geometry, y.itemsize)
+            launch_reshape(_backend.CUPY, op, _backend.CUPY.contiguous(src), out, geometry)
     return out
 
 
@@ -262,10 +263,17 @@ def _dims(name, shape, data_format):
 def check_space_to_batch(x, block, paddings, data_format="NHWC", batch_format=None):
     """Checks space_to_batch's arguments (x an array or a tensor) and returns its Reshape;
     ValueError/TypeError naming the argument otherwise."""
+    return _reshape_of(space_to_batch_reshape, x, block, "paddings", paddings, data_format,
+                       batch_format)
+
+
+def _reshape_of(reshape, src, block, margins_name, value, data_format, batch_format):
+    """reshape (space_to_batch_reshape or batch_to_space_reshape) of the arguments checked and
+    put in their checked form; margins_name: "paddings" or "crops", whose value is `value`."""
     data_format = _data_format(data_format)
-    return space_to_batch_reshape(tuple(x.shape), _checks.int_pair("block", block, minimum=1),
-                                  margins("paddings", paddings), data_format,
-                                  _batch_format(batch_format, data_format))
+    return reshape(tuple(src.shape), _checks.int_pair("block", block, minimum=1),
+                   margins(margins_name, value), data_format,
+                   _batch_format(batch_format, data_format))
 
 
 @functools.lru_cache(maxsize=256)
@@ -284,10 +292,8 @@ def space_to_batch_reshape(x_shape, block, paddings, data_format, batch_format=N
 
 def check_batch_to_space(y, block, crops, data_format="NHWC", batch_format=None):
     """Checks batch_to_space's arguments (y an array or a tensor) and returns its Reshape."""
-    data_format = _data_format(data_format)
-    return batch_to_space_reshape(tuple(y.shape), _checks.int_pair("block", block, minimum=1),
-                                  margins("crops", crops), data_format,
-                                  _batch_format(batch_format, data_format))
+    return _reshape_of(batch_to_space_reshape, y, block, "crops", crops, data_format,
+                       batch_format)
 
 
 @functools.lru_cache(maxsize=256)

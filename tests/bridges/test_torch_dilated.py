@@ -16,7 +16,7 @@ F = torch.nn.functional
 
 import sbnet_cupy  # noqa: E402
 import torch_bridge as tb  # noqa: E402
-from torch_bridge import dilated  # noqa: E402
+from torch_bridge.dilated import conv as dilated  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

@@ -63,6 +63,8 @@ def test_numpy_backend():
     assert (e.shape, e.dtype) == ((2, 5), numpy.float16)
     assert backend.NUMPY.empty((1,), a).dtype == numpy.float32
     assert backend.NUMPY.dtype_name(e) == "float16" and backend.NUMPY.host(a) is a
+    z = backend.NUMPY.zeros((3,), a, "float64")
+    assert z.dtype == numpy.float64 and not z.any() and backend.NUMPY.itemsize(z) == 8
     assert not backend.NUMPY.gpu
     assert backend.backend_of(a) is backend.NUMPY
 

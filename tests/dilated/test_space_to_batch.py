@@ -5,7 +5,7 @@ import numpy
 import pytest
 
 import sbnet_cupy
-from sbnet_cupy.dilated.reshape_plan import _divisor, _shape_plan
+from sbnet_cupy.dilated.reshape_plan import _divisor, reshape_plan
 from sbnet_cupy.dilated.space_to_batch import (dilated_conv_geometry, same_padding,
                                                space_to_batch_reshape)
 from axes import MOVE_DTYPES, random_array
@@ -225,13 +225,13 @@ def test_launch_plans_fit_the_kernels(layouts):
         shape = (n, c, h, w) if data_format == "NCHW" else (n, h, w, c)
         g = space_to_batch_reshape(shape, (rate, rate), paddings, data_format, batch_format)
         for op in ("space_to_batch", "batch_to_space"):
-            kernel, template, grid, block, smem, arguments, values = _shape_plan(
-                op, g, itemsize, align)
-            arguments.pack(0, 0, *values)
-            named = dict(zip(arguments.names[2:], values))  # the fields after x and y
-            assert smem <= 48 * 1024 and max(grid[1:]) < 2**16 and numpy.prod(block) <= 1024
-            if kernel.endswith("_nchw"):
-                vector, vector_y, channels_last = template[1:]
+            plan = reshape_plan(None, op, g, itemsize, align)
+            plan.record.pack(0, 0, *plan.constants)
+            named = dict(zip(plan.record.names[2:], plan.constants))  # the fields after x and y
+            assert (plan.shared_mem <= 48 * 1024 and max(plan.grid[1:]) < 2**16
+                    and numpy.prod(plan.block) <= 1024)
+            if plan.name.split("<")[0].endswith("_nchw"):
+                vector, vector_y, channels_last = plan.template_args[1:]
                 assert max(vector, vector_y) * itemsize <= align
                 assert channels_last == (batch_format == "NHWC")
                 tile_bands, tile_cols, col_vectors = (
@@ -248,13 +248,14 @@ def test_launch_plans_fit_the_kernels(layouts):
 
 
 def _transliterated_nchw(op, g, src, itemsize, align):
-    """kernels/space_to_batch.cu's NCHW kernels as NumPy runs them: the plan of _shape_plan,
+    """kernels/space_to_batch.cu's NCHW kernels as NumPy runs them: the plan of reshape_plan,
     every CTA's x vectors (locate_x) into a tile of element slots at tile_at's addresses and y's
     vectors (locate_y, y_element) out of it, or the other way round. Checks the tile's bounds,
     that nothing reads a slot no one wrote, and that every output element is written once.
     Returns y as [block_h * block_w, bands * out_w] or x as [planes, h, w]."""
-    _, (_, vx, vy, cl), grid, _, smem, arguments, values = _shape_plan(op, g, itemsize, align)
-    a = dict(zip(arguments.names[2:], values))  # nchw_args's fields after x and y, by name
+    plan = reshape_plan(None, op, g, itemsize, align)
+    (_, vx, vy, cl), grid, smem = plan.template_args, plan.grid, plan.shared_mem
+    a = dict(zip(plan.record.names[2:], plan.constants))  # nchw_args's fields after x and y
     h, w, out_w, block_h, bands, off_h, off_w, row_words, band_words = (a[name] for name in (
         "height", "width", "out_w", "block_h", "bands", "off_h", "off_w", "row_words",
         "band_words"))

@@ -7,7 +7,8 @@ import numpy
 import pytest
 
 import sbnet_cupy
-from sbnet_cupy import SparseKernel, sparse_kernel_conv as skc
+from sbnet_cupy import SparseKernel, pruned as skc
+from sbnet_cupy.pruned.geometry import _padding
 from sbnet_cupy.core import kernels as _kernels, launch as _launch, records as _records
 from axes import random_array
 from reference import zero_inserted_kernel
@@ -168,7 +169,7 @@ def _geometry(in_hw, kernel_hw, strides, padding, dilations):
 def reference_gradients(x, w, dy, strides, padding, dilations):
     """dx and dw (dense) of sum(dy * reference(x, w)), from the definition: every product
     x[n, y, x, ci] * w[kh, kw, ci, co] that reached out[n, oy, ox, co] sends dy there back."""
-    out_hw, pads = _geometry(x.shape[1:3], w.shape[:2], strides, skc._padding(padding),
+    out_hw, pads = _geometry(x.shape[1:3], w.shape[:2], strides, _padding(padding),
                                      dilations)
     dx, dw = numpy.zeros(x.shape), numpy.zeros(w.shape)
     for kh in range(w.shape[0]):
@@ -288,7 +289,7 @@ def test_direct_split_matches_reference(rng, case):
     """"direct" with split input channels (partial sums, then the split sum with the bias)
     against the definition, as test_compiled_matches_reference."""
     x_shape, w_shape, _, strides, padding, dilations, dtype = case
-    out_hw, pads = _geometry(x_shape[1:3], w_shape[:2], strides, skc._padding(padding),
+    out_hw, pads = _geometry(x_shape[1:3], w_shape[:2], strides, _padding(padding),
                              dilations)
     plan = skc.conv_plan("direct", "float32", x_shape[0], x_shape[1:3], w_shape[2], out_hw,
                          w_shape[3], w_shape[:2], strides, dilations, pads, (1, 1), 1,
@@ -547,7 +548,8 @@ def test_rule_falls_back_where_compiled_finds_no_room():
 # is bounds-checked, so a word the kernels would read before staging it, or a tile too small for
 # its plan, fails the comparison; so does an output the kernels would not write.
 
-# The int fields of the records, whose values a plan's `ints` hold (the pointers come first).
+# The int fields of the records, whose values a plan's constants hold (the pointers come
+# first).
 CONV_FIELDS = _records.CONV_ARGS.names[_records.CONV_ARGS.names.index("n"):]
 GRAD_FIELDS = _records.GRAD_VALUES_ARGS.names[_records.GRAD_VALUES_ARGS.names.index("n"):]
 
@@ -615,23 +617,30 @@ def _store_staged(out, acc, a, n, oy0, ox0, co0, q_per_warp, bias, smem_bytes, i
             out[n, oy, (ox0 + pixel[ok])[:, None], co] = _read(staged, slot(pixel[ok], c[ok]))
 
 
-def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
+def launch_arrays(kernel, transposed, layout):
+    """(ranges, taps, values) that launch_conv hands to the kernel of a plan's layout."""
+    ranges, codes, order = kernel._taps.arrays(transposed, layout)
+    return ranges, codes, kernel._launch_values(transposed, layout, order)
+
+
+def emulate_conv(conv, x, out_shape, arrays, bias=None, program=None):
     """sparse_kernel_conv_direct, or _compiled running `program`, as
-    kernels/sparse_kernel_conv.cu runs `plan`."""
-    if plan.strategy == "compiled":
+    kernels/sparse_kernel_conv.cu runs the ConvPlan `conv`."""
+    plan = conv.kernel
+    if conv.strategy == "compiled":
         return emulate_compiled(plan, program, x, out_shape, arrays[2], bias)
-    a = dict(zip(CONV_FIELDS, plan.ints))
+    a = dict(zip(CONV_FIELDS, plan.constants))
     ranges, taps, values = (to_numpy(v) for v in arrays)
     values = values.astype(numpy.float64)
-    p_rows, q_per_warp = plan.template[1:3]
+    p_rows, q_per_warp = plan.template_args[1:3]
     out = numpy.full(out_shape, numpy.nan)
-    smem = numpy.empty(plan.smem // (8 if plan.template[0] == "double" else 4))
+    smem = numpy.empty(plan.shared_mem // (8 if plan.template_args[0] == "double" else 4))
     lanes = numpy.arange(32)
     group_blocks = -(-a["groups"] // a["warps_q"])
     images = a["n"] * group_blocks
     splits = plan.grid[2] // images if images else 1
     assert splits == -(-a["cin"] // a["split_cin"]) or a["cin"] == 0
-    assert (plan.split_sum is None) == (splits == 1)
+    assert (conv.split_sum is None) == (splits == 1)
     # Split channels: [split, n, out_h, out_w, padded channels] (float64 here: the emulation
     # checks indices and coverage, not float32 rounding).
     partial = numpy.full((splits, *out_shape[:3], a["groups"] * q_per_warp), numpy.nan)
@@ -670,7 +679,8 @@ def emulate_conv(plan, x, out_shape, arrays, bias=None, program=None):
             _store(out, acc, a, n, oy0, ox0, g0 * q_per_warp, q_per_warp,
                    None if bias is None else bias.astype(numpy.float64))
     if splits > 1:  # split_sum (kernels/common.cuh) with the plan's rows, cols and pitch
-        _, rows, cols, pitch, summed = plan.split_sum
+        rows, cols, pitch, summed = conv.split_sum.constants
+        assert conv.scratch == partial.size
         assert (rows, cols, pitch, summed) == (out.size // a["cout"], a["cout"],
                                                a["groups"] * q_per_warp, splits)
         sums = partial.reshape(splits, rows, pitch)[:, :, :cols].sum(axis=0)
@@ -693,14 +703,14 @@ def _store_partial(partial, acc, a, n, oy0, ox0, g0):
 def emulate_compiled(plan, program, x, out_shape, values, bias=None):
     """sparse_kernel_conv_compiled<T, Program> running `program` (its groups and columns, which
     the generated code spells out) as kernels/sparse_kernel_conv.cu runs `plan`."""
-    a = dict(zip(CONV_FIELDS, plan.ints))
+    a = dict(zip(CONV_FIELDS, plan.constants))
     p_rows, q_per_warp = program.p, program.q
     assert (a["warps_q"], plan.block[0]) == (1, 32 * a["warps_y"])
     assert a["tile_rows"] <= a["pitch"] and a["pitch"] % 8 == 4, "pitch: 16-byte loads, banks"
     values = to_numpy(values).astype(numpy.float64)
-    itemsize = 4 if plan.template[0] == "float" else 2
+    itemsize = 4 if plan.template_args[0] == "float" else 2
     out = numpy.full(out_shape, numpy.nan)
-    smem = numpy.empty(plan.smem // 4)
+    smem = numpy.empty(plan.shared_mem // 4)
     vals_at = a["chunk"] * a["tile_cols"] * a["pitch"]
     lanes = numpy.arange(32)
     assert plan.grid[2] == a["n"] and plan.grid[0] % a["groups"] == 0
@@ -736,7 +746,7 @@ def emulate_compiled(plan, program, x, out_shape, values, bias=None):
         bias64 = None if bias is None else bias.astype(numpy.float64)
         if q_per_warp * itemsize >= 32:
             _store_staged(out, acc, a, n, oy0, ox0, g * q_per_warp, q_per_warp, bias64,
-                          plan.smem, itemsize)
+                          plan.shared_mem, itemsize)
         else:
             _store(out, acc, a, n, oy0, ox0, g * q_per_warp, q_per_warp, bias64)
     assert not numpy.isnan(out).any(), "outputs left unwritten"
@@ -745,11 +755,11 @@ def emulate_compiled(plan, program, x, out_shape, values, bias=None):
 
 def emulate_grad_values(plan, x, dy, ranges, taps, nnz):
     """sparse_kernel_conv_grad_values, as kernels/sparse_kernel_conv.cu runs `plan`."""
-    a = dict(zip(GRAD_FIELDS, plan.ints))
+    a = dict(zip(GRAD_FIELDS, plan.constants))
     ranges, taps = to_numpy(ranges), to_numpy(taps)
-    p_rows = plan.template[1]
+    p_rows = plan.template_args[1]
     grad = numpy.zeros(nnz)
-    smem = numpy.empty(plan.smem // (8 if plan.template[0] == "double" else 4))
+    smem = numpy.empty(plan.shared_mem // (8 if plan.template_args[0] == "double" else 4))
     dys_at = a["chunk"] * a["tile_cols"] * a["pitch"]
     co_blocks = -(-a["cout"] // a["co_chunk"])
     lanes = numpy.arange(32)
@@ -798,7 +808,7 @@ def _emulate(kernel, strategy, transposed, x, out_shape, dtype, n, in_hw, cin, o
     if strategy == "compiled":
         taps = kernel._taps.transposed()[0] if transposed else kernel._taps
         program = taps.program(plan.layout)
-    return emulate_conv(plan, x, out_shape, kernel._launch_arrays(transposed, plan.layout), bias,
+    return emulate_conv(plan, x, out_shape, launch_arrays(kernel, transposed, plan.layout), bias,
                         program)
 
 
@@ -829,7 +839,7 @@ def test_kernels_transliterated_on_every_geometry(rng, strides, padding, dilatio
     expected = reference(x, w, **kw)
     dy = random_array(rng, expected.shape, numpy.float64)
     expected_dx, expected_dw = reference_gradients(x, w, dy, **kw)
-    out_hw, pads = _geometry(x.shape[1:3], w.shape[:2], strides, skc._padding(padding),
+    out_hw, pads = _geometry(x.shape[1:3], w.shape[:2], strides, _padding(padding),
                              dilations)
     cin, cout = w.shape[2:]
     strides_t, pads_t, input_dilation = skc.transposed_geometry(w.shape, strides, dilations, pads)
@@ -843,7 +853,7 @@ def test_kernels_transliterated_on_every_geometry(rng, strides, padding, dilatio
         numpy.testing.assert_allclose(dx, expected_dx, rtol=1e-12, atol=1e-12, err_msg=strategy)
     plan = skc.grad_values_plan("float64", 2, x.shape[1:3], cin, out_hw, cout, w.shape[:2],
                                 strides, dilations, pads)
-    ranges, taps, _ = kernel._launch_arrays(False, None)
+    ranges, taps, _ = launch_arrays(kernel, False, None)
     dv = emulate_grad_values(plan, x, dy, ranges, taps, kernel.nnz)
     numpy.testing.assert_allclose(dv, expected_dw.reshape(-1)[kernel.positions], rtol=1e-12,
                                   atol=1e-12)
@@ -861,7 +871,7 @@ def test_kernels_transliterated_on_large_dilation(rng):
     for strategy in ("compiled", "direct"):
         plan = skc.conv_plan(strategy, "float32", 1, x.shape[1:3], 70, out_hw, 19, w.shape[:2],
                              (1, 1), (5, 2), pads, (1, 1), kernel.nnz, info=_launch.H100)
-        assert dict(zip(CONV_FIELDS, plan.ints))["chunk"] < 20
+        assert dict(zip(CONV_FIELDS, plan.kernel.constants))["chunk"] < 20
         out = _emulate(kernel, strategy, False, x, expected.shape, "float32", 1, x.shape[1:3], 70,
                        out_hw, 19, (1, 1), (5, 2), pads)
         numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
@@ -878,7 +888,7 @@ def test_kernels_transliterated_where_the_outputs_need_more_room_than_the_tile(r
     expected = reference(x, w, (1, 1), "SAME", (1, 1), bias)
     plan = skc.conv_plan("compiled", dtype, 1, (35, 70), 1, (35, 70), 32, (1, 1), (1, 1), (1, 1),
                          (0, 0), (1, 1), kernel.nnz, info=_launch.H100)
-    a = dict(zip(CONV_FIELDS, plan.ints))
+    a = dict(zip(CONV_FIELDS, plan.kernel.constants))
     assert a["tile_cols"] * a["pitch"] * 4 < a["warps_y"] * 32 * 16 * numpy.dtype(dtype).itemsize
     out = _emulate(kernel, "compiled", False, x, expected.shape, dtype, 1, (35, 70), 1, (35, 70),
                    32, (1, 1), (1, 1), (0, 0), bias=bias)

@@ -15,11 +15,11 @@ import numpy
 import torch
 
 import sbnet_cupy
+from sbnet_cupy import pruned as _core
 from sbnet_cupy.core import checks as _checks
-from sbnet_cupy import sparse_kernel_conv as _core
 
-from .._ops import (_call, _checked, _contiguous, _float_scratch, _numpy, _raw_stream, _register,
-                   _same_device)
+from .._ops import _call, _checked, _contiguous, _numpy, _register, _same_device
+from ..backend import TORCH
 
 
 def _taps(positions, kernel_shape):
@@ -34,16 +34,17 @@ def _taps(positions, kernel_shape):
 
         torch.cuda.current_stream(positions.device).synchronize()  # positions is written
         with cupy.cuda.Device(positions.get_device()):
-            taps = _core._Taps.from_positions(cupy, tuple(kernel_shape), cupy.asarray(positions))
+            taps = _core.Taps.from_positions(cupy, tuple(kernel_shape), cupy.asarray(positions))
             cupy.cuda.get_current_stream().synchronize()  # built before torch's stream reads it
     else:
-        taps = _core._Taps.from_positions(numpy, tuple(kernel_shape), positions.detach().numpy())
+        taps = _core.Taps.from_positions(numpy, tuple(kernel_shape), positions.detach().numpy())
     positions._sbnet_taps = (positions._version, taps)
     return taps
 
 
-def _in_order(values, taps, order):
-    """values[order]: order is a CuPy array of `taps` (or None, the canonical order)."""
+def _in_order(values, taps, transposed, layout, order):
+    """values[order] (launch_conv's values_in): order is a CuPy array of `taps` (or None, the
+    canonical order)."""
     if order is None:
         return _contiguous(values)
     views = taps.__dict__.setdefault("torch_views", {})  # torch's views of its CuPy arrays
@@ -73,29 +74,19 @@ def _out_hw(in_hw, kernel_shape, strides, pads, dilations):
 
 def _conv_impl(x, values, positions, bias, kernel_shape, strides, pads, dilations, strategy):
     x = _contiguous(x)
-    n, height, width, cin = x.shape
-    cout = kernel_shape[3]
+    n, height, width, _ = x.shape
     out_hw = _out_hw((height, width), kernel_shape, strides, pads, dilations)
-    out = x.new_empty((n, *out_hw, cout))
+    out = x.new_empty((n, *out_hw, kernel_shape[3]))
     if not x.is_cuda:
         sbnet_cupy.sparse_kernel_conv2d(
             _numpy(x), _host_kernel(positions, kernel_shape, values), strides=tuple(strides),
             padding=_padding(pads), dilations=tuple(dilations),
             bias=None if bias is None else _numpy(_contiguous(bias)), out=_numpy(out))
         return out
-    device = x.get_device()
-    dtype = _checks.dtype_name(x)
-    plan = _core.conv_plan(strategy or None, dtype, n, (height, width), cin, out_hw, cout,
-                           tuple(kernel_shape[:2]), tuple(strides), tuple(dilations),
-                           (pads[0], pads[2]), (1, 1), positions.shape[0], device)
-    index = _taps(positions, kernel_shape)
-    ranges, taps, order = index.arrays(False, plan.layout)
-    ordered = _in_order(values, index, order)
-    _core.launch_conv(device, _raw_stream(device), plan, index.function(False, plan, dtype, device),
-                      x.data_ptr(), out.data_ptr(),
-                      0 if bias is None else _contiguous(bias).data_ptr(), _core.address(ranges),
-                      _core.address(taps), ordered.data_ptr(),
-                      functools.partial(_float_scratch, x.device))
+    taps = _taps(positions, kernel_shape)
+    _core.launch_conv(TORCH, _checks.dtype_name(x), x, out, bias, taps,
+                      functools.partial(_in_order, values, taps), False, tuple(strides),
+                      tuple(dilations), (pads[0], pads[2]), (1, 1), strategy or None)
     return out
 
 
@@ -144,22 +135,13 @@ def _grad_input_impl(dy, values, positions, kernel_shape, input_shape, strides, 
             _numpy(dy), _host_kernel(positions, kernel_shape, values), tuple(input_shape),
             strides=tuple(strides), padding=_padding(pads), dilations=tuple(dilations))
         return torch.from_numpy(dx)
-    device = dy.get_device()
     dx = dy.new_empty(tuple(input_shape))
     strides_t, pads_t, input_dilation = _core.transposed_geometry(
         kernel_shape, tuple(strides), tuple(dilations), (pads[0], pads[2]))
-    dtype = _checks.dtype_name(dy)
-    plan = _core.conv_plan(None, dtype, dy.shape[0], tuple(dy.shape[1:3]), kernel_shape[3],
-                           tuple(input_shape[1:3]), kernel_shape[2], tuple(kernel_shape[:2]),
-                           strides_t, tuple(dilations), pads_t, input_dilation,
-                           positions.shape[0], device)
-    index = _taps(positions, kernel_shape)
-    ranges, taps, order = index.arrays(True, plan.layout)
-    ordered = _in_order(values, index, order)
-    _core.launch_conv(device, _raw_stream(device), plan, index.function(True, plan, dtype, device),
-                      dy.data_ptr(), dx.data_ptr(), 0, _core.address(ranges),
-                      _core.address(taps), ordered.data_ptr(),
-                      functools.partial(_float_scratch, dy.device))
+    taps = _taps(positions, kernel_shape)
+    _core.launch_conv(TORCH, _checks.dtype_name(dy), dy, dx, None, taps,
+                      functools.partial(_in_order, values, taps), True, strides_t,
+                      tuple(dilations), pads_t, input_dilation)
     return dx
 
 
@@ -186,17 +168,9 @@ def _grad_values_impl(x, dy, positions, kernel_shape, strides, pads, dilations):
     if torch.are_deterministic_algorithms_enabled():
         return _grad_values_deterministic(x, dy, positions, kernel_shape, strides, pads,
                                           dilations)
-    device = x.get_device()
-    dtype = _checks.dtype_name(x)
-    plan = _core.grad_values_plan(dtype, x.shape[0], tuple(x.shape[1:3]), kernel_shape[2],
-                                  tuple(dy.shape[1:3]), kernel_shape[3], tuple(kernel_shape[:2]),
-                                  tuple(strides), tuple(dilations), (pads[0], pads[2]), device)
-    ranges, taps, _ = _taps(positions, kernel_shape).arrays(False, None)
-    grad = torch.zeros(positions.shape[0], device=x.device,
-                       dtype=torch.float64 if dtype == "float64" else torch.float32)
-    if x.numel():
-        _core.launch_grad_values(device, _raw_stream(device), plan, x.data_ptr(), dy.data_ptr(),
-                                 ranges.data.ptr, taps.data.ptr, grad.data_ptr())
+    grad = _core.launch_grad_values(TORCH, _checks.dtype_name(x), x, dy,
+                                    _taps(positions, kernel_shape), tuple(strides),
+                                    tuple(dilations), (pads[0], pads[2]))
     return grad.to(x.dtype)
 
 

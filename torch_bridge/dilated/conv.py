@@ -1,200 +1,21 @@
-"""Dilated convolution through space-to-batch reshapes, on NCHW tensors.
-
-``sbnet::space_to_batch`` and ``sbnet::batch_to_space`` are sbnet_cupy's reshapes as torch ops
-(each the other's gradient), registered and called as the ops of ``_ops`` are. NCHW tensors run
-the NCHW kernels; channels_last tensors stay channels_last and run the NHWC kernels.
-``dilated_conv2d`` is ``F.conv2d(..., dilation=...)`` computed either natively or as
-space_to_batch -> ordinary convolution (cuDNN) -> batch_to_space.
+"""Dilated convolution on NCHW tensors: ``dilated_conv2d`` is ``F.conv2d(..., dilation=...)``
+computed either natively or as space_to_batch -> ordinary convolution (cuDNN) ->
+batch_to_space (the reshapes of torch_bridge.dilated.reshapes), by the rule of reshape_wins's
+tables; DilatedConv2d is the module.
 """
 
 import torch
 import torch.nn.functional as F
 
-import sbnet_cupy
 from sbnet_cupy.core import checks as _checks
-from sbnet_cupy.dilated.space_to_batch import (batch_to_space_reshape, check_batch_to_space,
-                                       check_space_to_batch, dilated_conv_geometry,
-                                       launch_batch_to_space, launch_space_to_batch,
-                                       same_padding, space_to_batch_reshape)
+from sbnet_cupy.dilated.space_to_batch import dilated_conv_geometry, same_padding
 
-from ._ops import _call, _checked, _contiguous, _numpy, _raw_stream, _register, _traced
-from ._weights import prepared
+from .._ops import _checked, _traced
+from .._weights import prepared
+from .reshapes import _batch_to_space, _channels_last, _flat, _space_to_batch, _tensor
 
 METHODS = ("auto", "reshape", "native")
-
-
-def _channels_last(t):
-    """Whether t is stored NHWC (and not also NCHW-contiguous, as with C = 1 or H = W = 1)."""
-    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
-
-
-def _layouts(op, src, mixed):
-    """(tensor to hand to the kernels, x's data format, y's, memory format of the result)."""
-    if mixed:  # x NCHW, y channels_last
-        if op == "space_to_batch":
-            return _contiguous(src), "NCHW", "NHWC", torch.channels_last
-        if not src.is_contiguous(memory_format=torch.channels_last):
-            src = src.contiguous(memory_format=torch.channels_last)
-        return src, "NCHW", "NHWC", torch.contiguous_format
-    if _channels_last(src):
-        return src, "NHWC", "NHWC", torch.channels_last
-    return _contiguous(src), "NCHW", "NCHW", torch.contiguous_format
-
-
-def _as_format(t, data_format):
-    """The NCHW tensor t as the array layout the kernels see: NHWC is a permuted view."""
-    return t.permute(0, 2, 3, 1) if data_format == "NHWC" else t
-
-
-def _dims(t, data_format):
-    """The shape of _as_format(t, data_format), without making the view."""
-    n, c, h, w = t.shape
-    return (n, h, w, c) if data_format == "NHWC" else (n, c, h, w)
-
-
-def _pairs(flat):
-    return ((flat[0], flat[1]), (flat[2], flat[3]))
-
-
-def _flat(margins):
-    return [margins[0][0], margins[0][1], margins[1][0], margins[1][1]]
-
-
-def _run(op, src, block, margins, mixed):
-    """space_to_batch (op="space_to_batch": src is x) or batch_to_space (src is y) of an NCHW
-    tensor: channels_last kept, or with `mixed`, x NCHW and y channels_last."""
-    src, x_format, y_format, memory_format = _layouts(op, src, mixed)
-    if op == "space_to_batch":
-        src_format, out_format, reshape = x_format, y_format, space_to_batch_reshape
-    else:
-        src_format, out_format, reshape = y_format, x_format, batch_to_space_reshape
-    geometry = reshape(_dims(src, src_format), tuple(block), _pairs(margins), x_format, y_format)
-    shape = geometry.y_shape if op == "space_to_batch" else geometry.x_shape
-    out = torch.empty(shape if out_format == "NCHW" else _nchw(shape), dtype=src.dtype,
-                      device=src.device, memory_format=memory_format)
-    if not src.is_cuda:
-        function = (sbnet_cupy.space_to_batch if op == "space_to_batch"
-                    else sbnet_cupy.batch_to_space)
-        function(_numpy(_as_format(src, src_format)), tuple(block), _pairs(margins),
-                 data_format=x_format, batch_format=y_format,
-                 out=_numpy(_as_format(out, out_format)))
-        return out
-    device = src.get_device()
-    launch = launch_space_to_batch if op == "space_to_batch" else launch_batch_to_space
-    launch(device, _raw_stream(device), src.data_ptr(), out.data_ptr(), geometry,
-           src.element_size())
-    return out
-
-
-def _nchw(nhwc_shape):
-    n, h, w, c = nhwc_shape
-    return n, c, h, w
-
-
-def _fake(t, shape, channels_last):
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty(shape, dtype=t.dtype, device=t.device, memory_format=memory_format)
-
-
-# --- space_to_batch -------------------------------------------------------------------------
-
-def _space_to_batch_impl(x, block, paddings, mixed):
-    return _run("space_to_batch", x, block, paddings, mixed)
-
-
-def _space_to_batch_fake(x, block, paddings, mixed):
-    (bh, bw), (top, bottom, left, right) = block, paddings
-    n, c, h, w = x.shape
-    return _fake(x, (bh * bw * n, c, (h + top + bottom) // bh, (w + left + right) // bw),
-                 mixed or _channels_last(x))
-
-
-def _reshape_setup(ctx, inputs, output):
-    """Autograd context of space_to_batch and batch_to_space: each one's backward is the other
-    with the same block, margins and layouts."""
-    _, ctx.block, ctx.margins, ctx.mixed = inputs
-
-
-def _space_to_batch_backward(ctx, grad):
-    # Each element of x went to one element of y; the padding came from nowhere.
-    return _batch_to_space(grad, ctx.block, ctx.margins, ctx.mixed), None, None, None
-
-
-_space_to_batch_op, _space_to_batch_autograd = _register(
-    "space_to_batch(Tensor x, int[] block, int[] paddings, bool mixed) -> Tensor",
-    _space_to_batch_impl, _space_to_batch_fake, _reshape_setup, _space_to_batch_backward)
-
-
-def _space_to_batch(x, block, paddings, mixed=False):
-    args = (x, block, paddings, mixed)
-    return _call(_space_to_batch_op, _space_to_batch_autograd, _space_to_batch_impl, args, (x,),
-                 (x,))
-
-
-# --- batch_to_space -------------------------------------------------------------------------
-
-def _batch_to_space_impl(y, block, crops, mixed):
-    return _run("batch_to_space", y, block, crops, mixed)
-
-
-def _batch_to_space_fake(y, block, crops, mixed):
-    (bh, bw), (top, bottom, left, right) = block, crops
-    batch, c, hq, wq = y.shape
-    return _fake(y, (batch // (bh * bw), c, bh * hq - top - bottom, bw * wq - left - right),
-                 not mixed and _channels_last(y))
-
-
-def _batch_to_space_backward(ctx, grad):
-    # Each element of x came from one element of y; the cropped ones went nowhere.
-    return _space_to_batch(grad, ctx.block, ctx.margins, ctx.mixed), None, None, None
-
-
-_batch_to_space_op, _batch_to_space_autograd = _register(
-    "batch_to_space(Tensor y, int[] block, int[] crops, bool mixed) -> Tensor",
-    _batch_to_space_impl, _batch_to_space_fake, _reshape_setup, _batch_to_space_backward)
-
-
-def _batch_to_space(y, block, crops, mixed=False):
-    args = (y, block, crops, mixed)
-    return _call(_batch_to_space_op, _batch_to_space_autograd, _batch_to_space_impl, args, (y,),
-                 (y,))
-
-
-def _tensor(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def _check_space_to_batch(x, block, paddings):
-    return check_space_to_batch(_tensor("x", x), block, paddings, "NCHW")
-
-
-def _check_batch_to_space(y, block, crops):
-    return check_batch_to_space(_tensor("y", y), block, crops, "NCHW")
-
-
-_SPACE_TO_BATCH_CHECKS, _BATCH_TO_SPACE_CHECKS, _CONV_CHECKS = {}, {}, {}
-
-
-def space_to_batch(x, block, paddings=0, *, mixed=False):
-    """sbnet_cupy.space_to_batch on an NCHW tensor [N, C, H, W] -> [BH*BW*N, C, H', W'];
-    differentiable. A channels_last x gives a channels_last result (NHWC kernels); with
-    mixed=True, x is taken NCHW and the result is channels_last, the channels moved last in the
-    same pass (batch_format="NHWC"; CUDA tensors of 2, 4 or 8-byte elements)."""
-    geometry = _checked(_SPACE_TO_BATCH_CHECKS, _check_space_to_batch, (x, block, paddings))
-    return _space_to_batch(x, list(geometry.block), _flat(geometry.margins), bool(mixed))
-
-
-def batch_to_space(y, block, crops=0, *, mixed=False):
-    """sbnet_cupy.batch_to_space on an NCHW tensor [BH*BW*N, C, H', W'] -> [N, C, H, W];
-    differentiable. A channels_last y gives a channels_last result (NHWC kernels); with
-    mixed=True, y is taken channels_last and the result is NCHW (space_to_batch's inverse)."""
-    geometry = _checked(_BATCH_TO_SPACE_CHECKS, _check_batch_to_space, (y, block, crops))
-    return _batch_to_space(y, list(geometry.block), _flat(geometry.margins), bool(mixed))
-
-
-# --- dilated convolution --------------------------------------------------------------------
+_CONV_CHECKS = {}
 
 # Where the reshape route was faster than the native dilation on the H100, by precision and the
 # gradients that autograd records (bench/results/dilated_NVIDIA_H100_80GB_HBM3.csv: every one of
