@@ -114,13 +114,6 @@ def _contiguous(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _float_scratch(device, n):
-    """n float32 on `device`, their address and owner: the scratch of ops whose kernels leave
-    partial sums for a second kernel (torch's caching allocator, on the current stream)."""
-    scratch = torch.empty(n, dtype=torch.float32, device=device)
-    return scratch.data_ptr(), scratch
-
-
 def _numpy(t):
     """Zero-copy NumPy view of a CPU tensor, for the NumPy backend. bfloat16 travels as int16:
     NumPy has no bfloat16."""

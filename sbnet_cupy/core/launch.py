@@ -26,7 +26,7 @@ from collections import namedtuple
 
 import numpy
 
-from . import kernels as _kernels, records as _records
+from . import kernels as _kernels
 
 try:
     from cupy.cuda import Device, driver, runtime
@@ -132,34 +132,6 @@ def device_info(device):
             attribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor),
             divmod(capability, 10))
         return info
-
-
-def multiprocessors(device):
-    """The number of SMs of `device`: how many CTAs fill it, as the ops size their grids."""
-    return device_info(device).sms
-
-
-def cupy_float_scratch(n):
-    """The address and owner of n float32 on CuPy's current device and stream: the scratch of
-    ops whose kernels leave partial sums for a second kernel (the `float_scratch` they take)."""
-    import cupy
-
-    scratch = cupy.empty(n, dtype=cupy.float32)
-    return scratch.data.ptr, scratch
-
-
-SPLIT_SUM_ARGS = _records.SPLIT_SUM_ARGS
-_SPLIT_SUM_THREADS, _SPLIT_SUM_BLOCKS = 256, 2048  # a grid-stride loop: enough to fill a GPU
-
-
-def launch_split_sum(device, stream, kernel, partial, bias, out, rows, cols, pitch, splits,
-                     dependent=False):
-    """Launch split_sum (kernels/common.cuh; `kernel` from function(device, op, "split_sum",
-    ctype)): out [rows, cols] = bias [cols] (0: none) + the float sums partial [splits, rows,
-    pitch] of each split, in split order."""
-    blocks = max(1, min(-(-rows * cols // _SPLIT_SUM_THREADS), _SPLIT_SUM_BLOCKS))
-    launch(device, stream, kernel, (blocks, 1, 1), (_SPLIT_SUM_THREADS, 1, 1), 0,
-           SPLIT_SUM_ARGS, (partial, bias, out, rows, cols, pitch, splits), dependent)
 
 
 def launch(device, stream, kernel, grid, block, shared_mem, arguments, values, dependent=False):

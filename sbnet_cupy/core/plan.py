@@ -73,16 +73,18 @@ def reduction_splits(tiles, parts, sms, ctas_per_sm=2, round_up=True):
     return max(1, min(parts, splits))
 
 
+_SPLIT_SUM_THREADS, _SPLIT_SUM_BLOCKS = 256, 2048  # blocks enough to fill a GPU
+
+
 def split_sum_plan(device, op, ctype, rows, cols, pitch, splits, dependent=False):
     """The KernelPlan of split_sum<ctype> (kernels/common.cuh, compiled with kernels/<op>.cu)
     after a kernel whose reduction was cut in `splits`: out [rows, cols] = bias [cols] + the
     float sums partial [splits, rows, pitch], in split order. A call passes (partial, bias, out)
-    addresses; the sizes are the plan's constants. The grid is launch.launch_split_sum's."""
-    blocks = max(1, min(-(-rows * cols // _launch._SPLIT_SUM_THREADS),
-                        _launch._SPLIT_SUM_BLOCKS))
+    addresses; the sizes are the plan's constants. A grid-stride loop."""
+    blocks = max(1, min(-(-rows * cols // _SPLIT_SUM_THREADS), _SPLIT_SUM_BLOCKS))
     record = _records.SPLIT_SUM_ARGS
     return KernelPlan(device, op, "split_sum", (ctype,), (blocks, 1, 1),
-                      (_launch._SPLIT_SUM_THREADS, 1, 1), 0, record,
+                      (_SPLIT_SUM_THREADS, 1, 1), 0, record,
                       record.tail(rows=rows, cols=cols, pitch=pitch, splits=splits), dependent)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import cuda_emulation
 from sbnet_cupy.blocks import stack as _blocks, block_conv, reduce_mask
-from sbnet_cupy.core import launch as _launch, records as _records
+from sbnet_cupy.core import launch as _launch, plan, records as _records
 
 OPS = sorted({record.op for record in _records.records() if record.op} | {"common"})
 
@@ -194,7 +194,7 @@ def test_reduce_mask_passes_its_values_in_order(launches):
 
 
 def test_split_sum_passes_its_values_in_order(launches):
-    _launch.launch_split_sum(0, 0, "split_sum", 100, 200, 300, 7, 5, 8, 3)
+    plan.split_sum_plan(0, "submanifold", "float", 7, 5, 8, 3).launch(0, 100, 200, 300)
     (_, got), = launches
     assert got == _named(_records.SPLIT_SUM_ARGS, _records.SPLIT_SUM_ARGS.values(
         partial=100, bias=200, out=300, rows=7, cols=5, pitch=8, splits=3))
