@@ -20,8 +20,9 @@ namespace block_conv_tile {
 constexpr int THREADS = 128;  // a warp group: 4 warps as 2 x 2, each 32 pixels x BN / 2 channels
 constexpr int BM = 64;        // output pixels of one block per tile
 constexpr int WORDS = 32;     // 32-bit words of the reduction per pipeline stage
-constexpr int PITCH = WORDS + 4;  // padded rows: fragment loads hit 32 different banks
 constexpr int SLOTS = 3;      // shared-memory stages of a warp group: loads in flight
+// A warp group's tile of BN output channels (mma_tile, common.cuh).
+template <int BN> using shape = mma_tile<BM, BN, WORDS, 2, SLOTS>;
 // Elements of T a 32-bit word of shared memory holds, and a 16-byte copy moves.
 template <typename T> constexpr int PER_WORD = 4 / sizeof(T);
 template <typename T> constexpr int PER_COPY = 16 / sizeof(T);
@@ -267,16 +268,16 @@ static __device__ __forceinline__ void write_tile(const BlockConvArgs& a,
 template <typename T, int BN, int V, typename Finish>
 static __device__ __forceinline__ void stream_tiles(const BlockConvArgs& a, Finish finish) {
     using namespace block_conv_tile;
+    using Tile = shape<BN>;
+    constexpr int PITCH = Tile::PITCH, SLOT_WORDS = Tile::SLOT_WORDS, NT = Tile::NT;
     constexpr int BK = WORDS * PER_WORD<T>;  // reduction elements a stage
     constexpr int VECTORS = BK / V;  // vectors a tile row
     constexpr int ROWS_PER_PASS = THREADS / VECTORS;
     constexpr int A_PASSES = BM / ROWS_PER_PASS, B_PASSES = BN / ROWS_PER_PASS;
-    constexpr int NT = BN / 16;           // n8 tiles of a warp
     static_assert(THREADS % VECTORS == 0 && BM % ROWS_PER_PASS == 0 && BN % ROWS_PER_PASS == 0,
                   "tile shape");
     static_assert(A_PASSES <= 32, "the load mask is one word");
-    constexpr int SLOT_WORDS = (BM + BN) * PITCH;
-    constexpr int GROUP_WORDS = block_conv_tile::SLOTS * SLOT_WORDS;
+    constexpr int GROUP_WORDS = SLOTS * SLOT_WORDS;
     constexpr bool ASYNC = V * sizeof(T) == 16;  // cp.async moves 16 bytes
     constexpr int ACC = 2 * NT * 4;       // accumulators a thread
     static_assert(ACC * THREADS <= GROUP_WORDS, "a group's partial sums fit in its tiles");
@@ -293,13 +294,12 @@ static __device__ __forceinline__ void stream_tiles(const BlockConvArgs& a, Fini
     const tile_grid grid = tile_grid::of<BN>(a);
     const int pixels = grid.pixels;
     const fragment_place th;
-    const int group = th.group, tid = th.tid, wm = th.wm, wn = th.wn;
+    const int group = th.group, tid = th.tid;
     const int vec = tid % VECTORS, row0 = tid / VECTORS;
     // Slot i of this group: the A tile [BM][PITCH], then the B tile [BN][PITCH].
     unsigned* const slots = block_conv_smem + group * GROUP_WORDS;
-    // Each lane's rows of the ldmatrix loads: the warp's A rows from wm * 32, B rows from
-    // wn * BN / 2.
-    const int a_lane = th.a_offset(wm * 32, PITCH), b_lane = th.b_offset(wn * (BN / 2), PITCH);
+    // TF32 MMAs take the float32 bits as they are: store_tile rounds them, cp.async does not.
+    const mma_mainloop<T, Tile, false> mainloop(th, slots);
     // Where this thread's cp.async copies land in slot 0 (a shared-memory address).
     const unsigned copy_to = shared_address(slots + row0 * PITCH + vec * V / PER_WORD<T>);
     const reduction_cursor first(group * BK + vec * V, a.cin, a.kw);
@@ -420,42 +420,13 @@ static __device__ __forceinline__ void stream_tiles(const BlockConvArgs& a, Fini
             at.advance(a, step);
         };
         float acc[2][NT][4] = {};
-        // The MMAs of one stage, from slot `buffer`: fragments through ldmatrix (load_matrices).
-        auto multiply = [&](int buffer) {
-            const unsigned* ta = slots + buffer * SLOT_WORDS + a_lane;
-            const unsigned* tb = slots + buffer * SLOT_WORDS + BM * PITCH + b_lane;
-#pragma unroll
-            for (int ks = 0; ks < WORDS / 8; ++ks)
-                warp_mma_step<T, 2, NT>(acc, ta + ks * 8, 16 * PITCH, tb + ks * 8, PITCH);
-        };
-
-        // This group's stages: group, group + k_groups, ...
+        // This group's stages: group, group + k_groups, ...; its warps share its slots.
         const int mine = stages > group ? (stages - group + a.k_groups - 1) / a.k_groups : 0;
+        auto sync = [&] { group_sync(group); };
         if (ASYNC && a.scale == nullptr) {
-            constexpr int AHEAD = block_conv_tile::SLOTS - 1;
-#pragma unroll
-            for (int i = 0; i < AHEAD; ++i) {
-                if (i < mine) copy(i);
-                copy_async_commit();  // empty groups too: the wait below counts groups
-            }
-            // Stage i sits in slot i % SLOTS; the copy of stage i + AHEAD takes slot
-            // (i - 1) % SLOTS, which stage i - 1 left.
-            for (int i = 0, slot = 0; i < mine; ++i, slot = slot == AHEAD ? 0 : slot + 1) {
-                copy_async_wait<AHEAD - 1>();  // this thread's copies of stage i have landed
-                group_sync(group);             // everyone's, and slot (i - 1) is free again
-                if (i + AHEAD < mine) copy(slot == 0 ? AHEAD : slot - 1);
-                copy_async_commit();
-                multiply(slot);
-            }
-            copy_async_wait<0>();
+            mainloop.template multistage<mma_schedule::wrapped>(acc, mine, copy, sync);
         } else {
-            if (mine > 0) load();
-            for (int i = 0; i < mine; ++i) {
-                store(i & 1);
-                group_sync(group);
-                if (i + 1 < mine) load();  // in flight during the MMAs
-                multiply(i & 1);
-            }
+            mainloop.pipelined(acc, mine, load, store, sync);
         }
         // The group's own barrier orders nothing __syncthreads does not; it is there for
         // compute-sanitizer racecheck, which loses track of four groups that passed their

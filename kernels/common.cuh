@@ -372,3 +372,120 @@ static __device__ __forceinline__ void copy_async_commit() {
 template <int PENDING> static __device__ __forceinline__ void copy_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
+
+// --- The tensor-core main loop ----------------------------------------------------------------
+// A tensor-core kernel is three parts that change independently, as in CUTLASS: a loader that
+// brings one stage of a tile's reduction from global into shared memory (block_conv: through the
+// block list, the taps and channels flattened; submanifold_fused: through the rulebook, skipping
+// the taps no row of the tile has), the main loop below (slots, cp.async groups, barriers, the
+// warp MMA step), and an epilogue, the kernel's own. A new tile shape is a new mma_tile.
+
+// Words a staged row of WORDS words takes: 4 of padding, so that ldmatrix's 8 rows fall in
+// distinct banks.
+template <int WORDS> constexpr int mma_pitch = WORDS + 4;
+
+// A tile of BM rows (output pixels or sites) x BN columns (output channels), a reduction stage
+// of WORDS 32-bit words a row (WORDS / 8 MMA k-steps), SLOTS stages in shared memory. Four warps,
+// WARPS_M of them down the rows (mma_place), each WM x WN: MT m16 by NT n8 MMA tiles. A slot is
+// the A rows [BM][PITCH], then the B rows [BN][PITCH].
+template <int BM_, int BN_, int WORDS_, int WARPS_M_, int SLOTS_> struct mma_tile {
+    static constexpr int BM = BM_, BN = BN_, WORDS = WORDS_, SLOTS = SLOTS_;
+    static constexpr int WARPS_M = WARPS_M_, WARPS_N = 4 / WARPS_M;
+    static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
+    static constexpr int MT = WM / 16, NT = WN / 8;
+    static constexpr int KSTEPS = WORDS / 8;
+    static constexpr int PITCH = mma_pitch<WORDS>;
+    static constexpr int SLOT_WORDS = (BM + BN) * PITCH;
+    static_assert(WARPS_M * WARPS_N == 4 && WM % 16 == 0 && WN % 8 == 0 && WORDS % 8 == 0,
+                  "four warps of whole m16n8 tiles, whole k-steps a stage");
+};
+
+// How mma_mainloop::multistage counts its slots. The two are the same schedule; nvcc (13, sm_90)
+// makes different code of them, each the better for its kernel in registers, spills and the
+// loop's instructions (checked instantiation by instantiation): wrapped, the first stages' copies
+// unrolled and the slot a counter that wraps (block_conv: three slots, straight-line copies);
+// modulo, the first copies in a loop and the slot the stage modulo SLOTS (submanifold_fused: up
+// to six slots, copies that may be loops of their own).
+enum class mma_schedule { wrapped, modulo };
+
+// The main loop of a thread's warp in a Tile whose slots start at `slots`: the MMAs of a staged
+// stage, and the pipelines that stream a tile's stages through the slots. ROUND: the MMA rounds
+// float words to TF32 (mma_operand), for loaders that stage them as they are.
+template <typename T, typename Tile, bool ROUND> struct mma_mainloop {
+    typedef float accumulators[Tile::MT][Tile::NT][4];
+    const unsigned* slots;
+    // The lane's ldmatrix rows (mma_place) of its warp's A rows and of its B rows (from the
+    // slot's B tile).
+    int a_lane, b_lane;
+
+    __device__ __forceinline__ mma_mainloop(const mma_place<Tile::WARPS_M>& th,
+                                            const unsigned* slots_)
+        : slots(slots_), a_lane(th.a_offset(th.wm * Tile::WM, Tile::PITCH)),
+          b_lane(th.b_offset(th.wn * Tile::WN, Tile::PITCH)) {}
+
+    // acc += the MMAs of the stage in slot `slot`.
+    __device__ __forceinline__ void multiply(accumulators& acc, int slot) const {
+        const unsigned* const a = slots + slot * Tile::SLOT_WORDS + a_lane;
+        const unsigned* const b = slots + slot * Tile::SLOT_WORDS + Tile::BM * Tile::PITCH + b_lane;
+#pragma unroll
+        for (int ks = 0; ks < Tile::KSTEPS; ++ks)
+            warp_mma_step<T, Tile::MT, Tile::NT, ROUND>(acc, a + ks * 8, 16 * Tile::PITCH,
+                                                         b + ks * 8, Tile::PITCH);
+    }
+
+    // acc += the MMAs of `stages` stages, SLOTS - 1 in flight: copy(slot) issues the next stage's
+    // cp.async copies (or plain stores) into slot `slot`; sync() is the barrier of the threads
+    // that share the slots, passed once a stage, once its copies have landed and before the
+    // copies that take the slot the stage before it left. Stage i sits in slot i % SLOTS; its
+    // copies go out at stage i - SLOTS + 1, into the slot that stage i - SLOTS left. Schedule:
+    // how the loop counts its slots (mma_schedule).
+    template <mma_schedule SCHEDULE, typename Copy, typename Sync>
+    __device__ __forceinline__ void multistage(accumulators& acc, int stages, const Copy& copy,
+                                               const Sync& sync) const {
+        constexpr int SLOTS = Tile::SLOTS, AHEAD = SLOTS - 1;
+        static_assert(AHEAD >= 1, "a stage in flight");
+        if constexpr (SCHEDULE == mma_schedule::wrapped) {
+#pragma unroll
+            for (int i = 0; i < AHEAD; ++i) {
+                if (i < stages) copy(i);
+                copy_async_commit();  // empty groups too: the wait below counts groups
+            }
+            for (int i = 0, slot = 0; i < stages; ++i, slot = slot == AHEAD ? 0 : slot + 1) {
+                copy_async_wait<AHEAD - 1>();  // this thread's copies of stage i have landed
+                sync();                        // everyone's, and slot (i - 1) is free again
+                if (i + AHEAD < stages) copy(slot == 0 ? AHEAD : slot - 1);
+                copy_async_commit();
+                multiply(acc, slot);
+            }
+        } else {
+            for (int i = 0; i < AHEAD; ++i) {
+                if (i < stages) copy(i);
+                copy_async_commit();
+            }
+            for (int i = 0; i < stages; ++i) {
+                copy_async_wait<AHEAD - 1>();
+                sync();
+                if (i + AHEAD < stages) copy((i + AHEAD) % SLOTS);
+                copy_async_commit();
+                multiply(acc, i % SLOTS);
+            }
+        }
+        copy_async_wait<0>();
+    }
+
+    // acc += the MMAs of `stages` stages through registers and two slots, one stage in flight:
+    // fetch() loads the next stage into the thread's registers, store(slot) puts them into slot
+    // `slot` (a loader that transforms what it reads, or reads narrower than cp.async's 16 bytes).
+    template <typename Fetch, typename Store, typename Sync>
+    __device__ __forceinline__ void pipelined(accumulators& acc, int stages, const Fetch& fetch,
+                                              const Store& store, const Sync& sync) const {
+        static_assert(Tile::SLOTS >= 2, "a slot to store into while the other is read");
+        if (stages > 0) fetch();
+        for (int i = 0; i < stages; ++i) {
+            store(i & 1);
+            sync();
+            if (i + 1 < stages) fetch();  // in flight during the MMAs
+            multiply(acc, i & 1);
+        }
+    }
+};

@@ -352,25 +352,27 @@ template <typename Mask> __global__ void tap_masks(const MaskArgs a) {
 #define FUSED_TAPS 32  // taps whose neighbour rows a CTA holds at once (one warp's ballot)
 #define FUSED_SLOT_BYTES 37888  // static shared memory for stages, beside the neighbour rows
 
-// Words a staged row of STAGE bytes takes: the data, then 4 of padding (ldmatrix's 8 rows fall
-// in distinct banks).
-template <int STAGE> constexpr int fused_pitch = STAGE / 4 + 4;
+// Words a staged row of STAGE bytes takes (mma_pitch, common.cuh).
+template <int STAGE> constexpr int fused_pitch = mma_pitch<STAGE / 4>;
+
+// Stages of FUSED_BM sites and BN channels, rows of STAGE bytes, that fit in FUSED_SLOT_BYTES
+// (six at most).
+template <int STAGE, int BN>
+constexpr int fused_slots = FUSED_SLOT_BYTES / ((FUSED_BM + BN) * fused_pitch<STAGE> * 4) < 6
+                                ? FUSED_SLOT_BYTES / ((FUSED_BM + BN) * fused_pitch<STAGE> * 4)
+                                : 6;
 
 // A tile of FUSED_BM sites x BN channels in stages of STAGE bytes a row (32: one k-step of the
 // MMA; 64 or 128: two or four, for fewer barriers and copy rounds) and the stages that fit in
-// FUSED_SLOT_BYTES. Four warps of WM x WN: 2 x 2 for BN 128, 64 and 32, 4 x 1 for 16.
-template <int STAGE, int BN> struct fused_tile {
+// FUSED_SLOT_BYTES (mma_tile, common.cuh). Four warps of WM x WN: 2 x 2 for BN 128, 64 and 32,
+// 4 x 1 for 16.
+template <int STAGE, int BN>
+struct fused_tile : mma_tile<FUSED_BM, BN, STAGE / 4, BN == 16 ? 4 : 2, fused_slots<STAGE, BN>> {
     static_assert(STAGE == 32 || STAGE == 64 || STAGE == 128, "a stage is 1, 2 or 4 k-steps");
     static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128,
                   "a tile is 16, 32, 64 or 128 channels wide");
-    static constexpr int WARPS_N = BN == 16 ? 1 : 2, WARPS_M = 4 / WARPS_N;
-    static constexpr int WM = FUSED_BM / WARPS_M, WN = BN / WARPS_N;
-    static constexpr int MT = WM / 16, NT = WN / 8;  // m16 and n8 MMA tiles a warp
-    static constexpr int PITCH = fused_pitch<STAGE>;
-    static constexpr int SLOT_WORDS = (FUSED_BM + BN) * PITCH;  // A rows, then B rows
-    static constexpr int FIT = FUSED_SLOT_BYTES / (SLOT_WORDS * 4);
-    static constexpr int SLOTS = FIT < 6 ? FIT : 6;
-    static_assert(SLOTS >= 2 && NT % 2 == 0, "a stage in flight; B fragments in pairs");
+    static_assert(fused_tile::SLOTS >= 2 && fused_tile::NT % 2 == 0,
+                  "a stage in flight; B fragments in pairs");
 };
 
 // Element e of a staged row, in the VEC layout: each thread stages one 16-byte part of rows
@@ -429,8 +431,7 @@ template <typename T, bool VEC, int STAGE, int BN>
 __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedArgs a) {
     using tile_t = fused_tile<STAGE, BN>;
     constexpr int BK = STAGE / sizeof(T), PITCH = tile_t::PITCH, SLOTS = tile_t::SLOTS;
-    constexpr int AHEAD = SLOTS - 1, SLOT_WORDS = tile_t::SLOT_WORDS;
-    constexpr int MT = tile_t::MT, NT = tile_t::NT;
+    constexpr int SLOT_WORDS = tile_t::SLOT_WORDS, MT = tile_t::MT, NT = tile_t::NT;
     static_assert(FUSED_TAPS <= 32, "the taps of a group are one warp's ballot");
     __shared__ __align__(16) unsigned slots[SLOTS * SLOT_WORDS];
     __shared__ int rows[FUSED_TAPS][FUSED_BM];  // neighbour rows of the group's taps
@@ -440,8 +441,8 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     const mma_place<tile_t::WARPS_M> th(threadIdx.x);
     const int lane = th.lane, warp = threadIdx.x >> 5;
     const int wm = th.wm * tile_t::WM, wn = th.wn * tile_t::WN;  // the warp's first row, column
-    // Each lane's rows of the ldmatrix loads in a slot: A from row wm, B from weight row wn.
-    const int a_lane = th.a_offset(wm, PITCH), b_lane = th.b_offset(FUSED_BM + wn, PITCH);
+    // Float words rounded to TF32 by the MMA, as the staging stores them as they are.
+    const mma_mainloop<T, tile_t, true> mainloop(th, slots);
     const i64 m0 = (i64)blockIdx.x * FUSED_BM;
     const int n0 = blockIdx.y * BN;
     // A stage: `width` channels of `per_stage` taps; a tap's channels in `chunks` stages.
@@ -481,11 +482,11 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
         }
         __syncthreads();
         const int stages = (n_active + per_stage - 1) / per_stage * chunks;
-        // load() stages s = 0, 1, 2, ... in turn: taps [first, first + per_stage) of the
+        // load(slot) stages s = 0, 1, 2, ... in turn: taps [first, first + per_stage) of the
         // active ones, channels [chunk * width, + width).
         int first = 0, chunk = 0;
         auto load = [&](int s) {
-            unsigned* slot = slots + s % SLOTS * SLOT_WORDS;
+            unsigned* slot = slots + s * SLOT_WORDS;
             const int col0 = chunk * width;
             // The stage's g-th tap (of the group), or -1 past the active ones.
             auto tap_of = [&](int g) { return first + g < n_active ? active[first + g] : -1; };
@@ -503,23 +504,8 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
                 first += per_stage;
             }
         };
-        for (int s = 0; s < AHEAD; ++s) {
-            if (s < stages) load(s);
-            copy_async_commit();  // empty groups too: the wait below counts groups
-        }
-        for (int s = 0; s < stages; ++s) {
-            copy_async_wait<AHEAD - 1>();  // this thread's copies of stage s have landed
-            __syncthreads();  // everyone's; and stage s - 1's slot is read, free for s + AHEAD
-            if (s + AHEAD < stages) load(s + AHEAD);
-            copy_async_commit();
-            // Its MMAs; float words rounded to TF32, as the staging stored them as they are.
-            const unsigned* const tile = slots + s % SLOTS * SLOT_WORDS;
-#pragma unroll
-            for (int ks = 0; ks < STAGE / 32; ++ks)
-                warp_mma_step<T, MT, NT, true>(acc, tile + a_lane + ks * 8, 16 * PITCH,
-                                               tile + b_lane + ks * 8, PITCH);
-        }
-        copy_async_wait<0>();
+        mainloop.template multistage<mma_schedule::modulo>(acc, stages, load,
+                                                           [] { __syncthreads(); });
     }
     T* out = (T*)a.out;
     const T* bias = (const T*)a.bias;
