@@ -52,7 +52,7 @@ template <> __device__ __forceinline__ bfloat16_t from_acc<bfloat16_t>(float v) 
 }
 
 // Programmatic dependent launch (sm_90 and later): a kernel launched with it
-// (sbnet_cupy._launch.launch(..., dependent=True)) may be scheduled while the kernel before it
+// (sbnet_cupy/core/launch.py's launch(..., dependent=True)) may be scheduled while the kernel before it
 // on the stream is still running, so its prologue and launch overlap that kernel's tail. It must
 // call wait_for_previous_kernel before it touches memory that kernel may read or write; it calls
 // allow_next_kernel to let the next such kernel be scheduled. Both do nothing on older GPUs and
@@ -212,7 +212,7 @@ static __device__ __forceinline__ block_row locate_row(const BlockList& list, in
 // The second kernel of a reduction split over CTAs (the fused submanifold convolution's taps,
 // the pruned-kernel convolution's input channels): out [rows, cols] = bias [cols] (or none) +
 // each split's float sums, partial [splits, rows, pitch], added in split order (deterministic,
-// no atomics). sbnet_cupy._launch.launch_split_sum launches it.
+// no atomics). sbnet_cupy/core/plan.py's split_sum_plan launches it.
 // Its arguments: SplitSumArgs (sbnet_cupy/core/records.py).
 
 template <typename T> __global__ void split_sum(const SplitSumArgs a) {

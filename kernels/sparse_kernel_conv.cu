@@ -1,5 +1,5 @@
 // sparse_kernel_conv: 2-D convolution (NHWC input, HWIO weights) with a pruned weight, reading
-// only its non-zero taps (sbnet_cupy/sparse_kernel_conv.py builds the tap lists, and generates
+// only its non-zero taps (sbnet_cupy/pruned/weight.py builds the tap lists, program.py
 // the Program of the compiled kernel).
 //
 // Every kernel stages a tile of the input (with its halo) in shared memory, converted to the
@@ -241,7 +241,7 @@ __global__ void sparse_kernel_conv_direct(const ConvArgs a) {
 
 // The compiled kernel (strategy "compiled"), for str_h == 1 and idil == 1: one weight's mask
 // compiled in. A warp computes P rows x 32 columns of output for a group of Q output channels.
-// sbnet_cupy/sparse_kernel_conv.py generates a Program for the mask: per group, straight-line
+// sbnet_cupy/pruned/program.py generates a Program for the mask: per group, straight-line
 // code over its columns (ci, kw): the thread loads the input rows of the column that its taps
 // read (its window) into registers once, with 16-byte loads at immediate offsets, and every
 // tap of the column, whatever its kh, is then P FMAs from registers, the tap's accumulators and
