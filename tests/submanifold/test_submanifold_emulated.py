@@ -22,11 +22,11 @@ ARGUMENTS = {"submanifold_fused": "FusedArgs", "split_sum": "SplitSumArgs",
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
+def kernels(emulation_dir):
     return cuda_emulation.build(
         "submanifold", {name: ARGUMENTS.get(name.split("<")[0], "RuleArgs")
                         for name in submanifold.instantiations()},
-        tmp_path_factory.mktemp("emulated"))
+        emulation_dir)
 
 
 @pytest.fixture
