@@ -50,6 +50,17 @@ def _poison_pool():
     del junk  # back to the pool, to be handed out again by the next allocations
 
 
+@pytest.fixture(scope="session")
+def emulation_dir(tmp_path_factory):
+    """The folder tests/cuda_emulation builds its kernel libraries in: one for all of the run's
+    pytest-xdist workers (whose own folders share a parent), so that g++ builds each kernel file
+    once, not once a worker."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "emulated"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 def to_numpy(a):
     return cupy.asnumpy(a) if cupy is not None and isinstance(a, cupy.ndarray) else a
 
@@ -95,7 +106,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "emulated: runs kernels/*.cu on the CPU (tests/"
                             "cuda_emulation) in a forked child, so that a fault fails the test")
     config.addinivalue_line("markers", "version_free: the outcome does not depend on the "
-                            "versions of NumPy, TensorFlow or torch (NVRTC, g++ only)")
+                            "versions of NumPy, TensorFlow or torch (NVRTC, g++, or only our "
+                            "own index arithmetic: kernels transliterated, launch plans)")
 
 
 def pytest_collection_modifyitems(config, items):

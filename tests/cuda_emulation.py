@@ -6,6 +6,7 @@ CI, which has no GPU: what the kernels compute, on small inputs. kernels/common.
 as it is, less its inline PTX, which the header emulates."""
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import pathlib
@@ -91,12 +92,15 @@ def build(op, kernels, folder):
     source = _emulated_source(op, kernels)
     key = hashlib.sha1(source.encode()).hexdigest()[:16]
     library = pathlib.Path(folder) / f"{op}_{key}.so"
-    if not library.exists():
-        cpp = library.with_suffix(".cpp")
-        cpp.write_text(source)
-        subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
-                        "-Wno-unknown-pragmas", "-D_FORTIFY_SOURCE=3", "-D_GLIBCXX_ASSERTIONS",
-                        "-o", str(library), str(cpp)], check=True)
+    # The folder may be shared by pytest-xdist's workers: the first builds, the others wait.
+    with open(library.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not library.exists():
+            cpp = library.with_suffix(".cpp")
+            cpp.write_text(source)
+            subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
+                            "-Wno-unknown-pragmas", "-D_FORTIFY_SOURCE=3",
+                            "-D_GLIBCXX_ASSERTIONS", "-o", str(library), str(cpp)], check=True)
     handle = ctypes.CDLL(str(library))
     entries = {name: getattr(handle, f"entry_{i}") for i, name in enumerate(kernels)}
     for entry in entries.values():

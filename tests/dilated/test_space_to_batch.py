@@ -193,6 +193,7 @@ def test_paddings_as_arrays():
                                      sbnet_cupy.space_to_batch(x, 2, ((1, 0), (0, 1))))
 
 
+@pytest.mark.version_free
 def test_kernel_division_is_exact():
     """The kernels divide by (n * mul) >> shift with the host's _divisor: exact on [0, 2**31)."""
     rng = numpy.random.default_rng(0)
@@ -207,6 +208,7 @@ def test_kernel_division_is_exact():
         assert all((v * mul) >> shift == v // d for v in n)
 
 
+@pytest.mark.version_free
 @pytest.mark.parametrize("layouts", [("NHWC", "NHWC"), ("NCHW", "NCHW"), ("NCHW", "NHWC")],
                          ids="-".join)
 def test_launch_plans_fit_the_kernels(layouts):
@@ -343,6 +345,7 @@ def _transliterated_nchw(op, g, src, itemsize, align):
     return y if op == "space_to_batch" else x
 
 
+@pytest.mark.version_free
 @pytest.mark.parametrize("dims, rate, left, itemsize, batch_format", [
     ((1, 1024, 64, 64), 12, 4, 2, None),  # DeepLab's 6-pixel rows: vectors of 4 (x), 8 (y)
     ((8, 256, 16, 8), 8, 0, 2, None),  # one pixel a row of y: y's vectors span 4 rows

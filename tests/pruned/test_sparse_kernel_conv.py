@@ -812,6 +812,7 @@ def _emulate(kernel, strategy, transposed, x, out_shape, dtype, n, in_hw, cin, o
                         program)
 
 
+@pytest.mark.version_free
 @pytest.mark.parametrize("dtype", ["float32", "float16"])  # the plans' layouts (and stores) differ
 @pytest.mark.parametrize("name, x_shape, w_shape", EMULATED)
 def test_kernels_transliterated_on_sweep_shapes(rng, name, x_shape, w_shape, dtype):
@@ -828,6 +829,7 @@ def test_kernels_transliterated_on_sweep_shapes(rng, name, x_shape, w_shape, dty
         numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
 
 
+@pytest.mark.version_free
 @pytest.mark.parametrize("strides, padding, dilations", COMBOS)
 def test_kernels_transliterated_on_every_geometry(rng, strides, padding, dilations):
     """Forward, input gradient (the transposed weight, zeros between dy's pixels) and values
@@ -859,6 +861,7 @@ def test_kernels_transliterated_on_every_geometry(rng, strides, padding, dilatio
                                   atol=1e-12)
 
 
+@pytest.mark.version_free
 def test_kernels_transliterated_on_large_dilation(rng):
     """A kernel spanning several quads of rows, and a chunked input (more channels than a tile
     holds) whose first chunks have no taps for some groups."""
@@ -877,6 +880,7 @@ def test_kernels_transliterated_on_large_dilation(rng):
         numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9, err_msg=strategy)
 
 
+@pytest.mark.version_free
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_kernels_transliterated_where_the_outputs_need_more_room_than_the_tile(rng, dtype):
     """A 1x1 kernel on 1 channel: the tile is smaller than the rows that the compiled kernel's
@@ -895,6 +899,7 @@ def test_kernels_transliterated_where_the_outputs_need_more_room_than_the_tile(r
     numpy.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.version_free
 @pytest.mark.parametrize("density", ["zero", "one", 1.0])
 def test_kernels_transliterated_on_edge_densities(rng, density):
     """No taps (the layouts hold only the end marker), one tap, every tap: forward and input
@@ -916,6 +921,7 @@ def test_kernels_transliterated_on_edge_densities(rng, density):
         numpy.testing.assert_allclose(dx, expected_dx, rtol=1e-9, atol=1e-9, err_msg=strategy)
 
 
+@pytest.mark.version_free
 @pytest.mark.parametrize("arch", ["80", "90"])
 def test_compiled_programs_compile(rng, arch):
     """Generated Programs compile with NVRTC (no GPU needed): strides and dilations, a chunked

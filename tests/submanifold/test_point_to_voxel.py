@@ -291,12 +291,12 @@ class _NumpyAlloc:
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
+def kernels(emulation_dir):
     if not cuda_emulation.available():
         pytest.skip("needs g++")
     return cuda_emulation.build("point_to_voxel", dict.fromkeys(p2v.instantiations(),
                                                                "P2VArgs"),
-                                tmp_path_factory.mktemp("emulated"))
+                                emulation_dir)
 
 
 def _emulated(points, args, empty_mean, voxels=None):

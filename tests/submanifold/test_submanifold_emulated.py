@@ -23,11 +23,11 @@ ARGUMENTS = {"submanifold_fused": "FusedArgs", "split_sum": "SplitSumArgs",
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
+def kernels(emulation_dir):
     return cuda_emulation.build(
         "submanifold", {name: ARGUMENTS.get(name.split("<")[0], "RuleArgs")
                         for name in submanifold.instantiations()},
-        tmp_path_factory.mktemp("emulated"))
+        emulation_dir)
 
 
 # The plans of the launches, which keep the kernels they were made with (emulated ones here).
