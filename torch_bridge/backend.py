@@ -46,6 +46,9 @@ class _Torch(Backend):
     def itemsize(self, t):
         return t.element_size()
 
+    def padded(self, t, width):
+        return torch.nn.functional.pad(t, (0, width - t.shape[-1]))  # one op, not three
+
     def float_scratch(self, device, n):
         scratch = torch.empty(n, dtype=torch.float32, device=device)
         return scratch.data_ptr(), scratch

@@ -66,6 +66,13 @@ class Backend:
         """Bytes an element of `a`."""
         return a.itemsize
 
+    def padded(self, a, width):
+        """a [..., c] as a new array [..., width]: its c columns, then zeros."""
+        out = self.empty(tuple(a.shape[:-1]) + (width,), a)
+        out[..., :a.shape[-1]] = a
+        out[..., a.shape[-1]:] = 0
+        return out
+
     def float_scratch(self, device, n):
         """n float32 on `device`, usable on its current stream: (address, owner). The owner
         keeps the memory until the launches that use it are queued."""

@@ -98,7 +98,7 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None):
     dtype = backend.dtype_name(features)
     width = padded_width(cin, _kernels.ITEMSIZES[dtype])
     if width != cin:
-        features, weight = _padded(backend, features, width), _padded(backend, weight, width)
+        features, weight = backend.padded(features, width), backend.padded(weight, width)
         cin = width
     device = backend.device(features)
     x, w = backend.pointer(features), backend.pointer(weight)
@@ -128,14 +128,6 @@ def padded_width(cin, itemsize):
     rows as they are."""
     row = cin * itemsize
     return cin if row % 16 == 0 or row >= 32 else -(-row // 16) * 16 // itemsize
-
-
-def _padded(backend, a, width):
-    """a [..., c] (a backend's array) as [..., width]: its c columns, then zeros."""
-    out = backend.empty(tuple(a.shape[:-1]) + (width,), a)
-    out[..., :a.shape[-1]] = a
-    out[..., a.shape[-1]:] = 0
-    return out
 
 
 def fused_config(vector, itemsize, cout):

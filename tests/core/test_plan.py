@@ -65,6 +65,8 @@ def test_numpy_backend():
     assert backend.NUMPY.dtype_name(e) == "float16" and backend.NUMPY.host(a) is a
     z = backend.NUMPY.zeros((3,), a, "float64")
     assert z.dtype == numpy.float64 and not z.any() and backend.NUMPY.itemsize(z) == 8
+    p = backend.NUMPY.padded(a, 5)
+    assert p.shape == (3, 5) and numpy.array_equal(p[:, :2], a) and not p[:, 2:].any()
     assert not backend.NUMPY.gpu
     assert backend.backend_of(a) is backend.NUMPY
 
@@ -110,6 +112,8 @@ def test_torch_backend():
     assert TORCH.pointer(c) == c.data_ptr() and TORCH.pointer(None) == 0
     assert TORCH.device(c) == torch.cuda.current_device()
     assert TORCH.stream(TORCH.device(c)) == torch.cuda.current_stream().cuda_stream
+    p = TORCH.padded(c, 7)
+    assert p.shape == (4, 7) and torch.equal(p[:, :3], c) and not p[:, 3:].any()
     e = TORCH.empty((2, 2), c, "float16")
     assert e.dtype == torch.float16 and e.device == c.device
     address, owner = TORCH.float_scratch(TORCH.device(c), 5)
