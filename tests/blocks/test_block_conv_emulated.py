@@ -108,6 +108,11 @@ def _case(rng, dtype, cin, cout, kernel, bsize_out, shape, *, op="Assign", prolo
         assert numpy.isnan(got[~written]).all()
 
 
+# The wide cases that float32 leaves to the GPU tests, each covered here in float16 and its
+# float32 path by the narrower cases (float32's halo in several chunks: 48 channels, halo).
+_FLOAT16_ONLY = {(48, "streamed"), (96, "streamed"), (96, "halo")}
+
+
 @pytest.mark.parametrize("staging", ["streamed", "halo"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 # n_blocks: 2 where they make as many CTAs, each looping over several tiles, as 4 would.
@@ -121,6 +126,8 @@ def test_conv_equals_dense(rng, launched, monkeypatch, staging, dtype, cin, cout
     registers, 1x1 / 3x3 / 5x5, odd channel counts, part tiles of pixels and channels, rows
     outside the batch and padding rows past the count; each staging forced (the halo's where
     it applies: wider than 1x1 on 16-byte vectors, here in one to three chunks)."""
+    if dtype == "float32" and (cin, staging) in _FLOAT16_ONLY:
+        pytest.skip("float32 at 48-96 channels: test_block_conv.py on the GPU (96, each staging)")
     monkeypatch.setattr(block_conv, "STAGING", staging)
     _case(rng, dtype, cin, cout, kernel, bsize_out, (2, 23, 37), n_blocks=n_blocks)
     halo = staging == "halo" and kernel > 1 and cin % (16 // numpy.dtype(dtype).itemsize) == 0
