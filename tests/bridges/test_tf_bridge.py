@@ -56,6 +56,11 @@ def test_forward_equals_sbnet_cupy(rng, geometry, add, atomic, transpose):
     (DISJOINT, "scatter", False, False), (DISJOINT, "scatter", True, False),
     (OVERLAPPING, "scatter", True, True)])
 def test_gradients(rng, geometry, op, add, atomic, transpose):
+    """TensorFlow's numerical Jacobians against the registered gradients (each Jacobian costs two
+    calls an input element: CI's slowest bridge test). The transposed layouts are checked on
+    the overlapping geometry, gather and scatter-add, which reach the same gradient code."""
+    if transpose and geometry is DISJOINT:
+        pytest.skip("transposed: on the overlapping geometry (CI's time)")
     x, _, found, kw = _inputs(rng, geometry)
     counts, indices = tf.constant(found.bin_counts), tf.constant(found.active_block_indices)
     if op == "gather":
