@@ -17,6 +17,7 @@ import os
 from collections import namedtuple
 
 from ..core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
+from ..core import plan as _plans
 
 # The kernels' argument records (sbnet_cupy/core/records.py): the launches below pass their values
 # in these records' order.
@@ -156,10 +157,8 @@ def _plan(device, dtype_name, cin, width, alignment, op):
     driver.funcSetAttribute(function,
                             driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             max_groups * group_bytes)
-    sms = info.sms
-    ctas = tuple(sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
-        function, THREADS * groups, groups * group_bytes))
-        for groups in range(1, max_groups + 1))
+    ctas = tuple(_plans.resident_ctas(function, THREADS * groups, groups * group_bytes, device)
+                 for groups in range(1, max_groups + 1))
     return BlockConvPlan(function, group_bytes, ctas)
 
 
@@ -188,10 +187,9 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
                                 _kernels.ARITHMETIC_CTYPES[dtype_name], width, op)
     driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             limit)
-    sms = info.sms
-    ctas = tuple(bytes_ and sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
-        function, THREADS * groups, bytes_)) for groups, bytes_ in enumerate(shared, 1))
-    return HaloPlan(function, chunk, chunks, shared, ctas, sms)
+    ctas = tuple(bytes_ and _plans.resident_ctas(function, THREADS * groups, bytes_, device)
+                 for groups, bytes_ in enumerate(shared, 1))
+    return HaloPlan(function, chunk, chunks, shared, ctas, info.sms)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -323,9 +321,8 @@ def _pair_plan(device, dtype_name, bn, bn2):
     shared = tuple(b for b in shared if b <= limit)
     driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             shared[-1])
-    sms = info.sms
-    ctas = tuple(sms * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
-        function, THREADS * groups, bytes_)) for groups, bytes_ in enumerate(shared, 1))
+    ctas = tuple(_plans.resident_ctas(function, THREADS * groups, bytes_, device)
+                 for groups, bytes_ in enumerate(shared, 1))
     return function, shared, ctas
 
 
