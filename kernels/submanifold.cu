@@ -349,7 +349,7 @@ template <typename Mask> __global__ void tap_masks(const MaskArgs a) {
 
 #define FUSED_BM 64
 #define FUSED_THREADS 128
-#define FUSED_TAPS 32  // taps whose neighbour rows a CTA holds at once (one warp's ballot)
+#define FUSED_TAPS 32  // taps whose neighbour rows a CTA holds at once (bits of one word)
 #define FUSED_SLOT_BYTES 37888  // static shared memory for stages, beside the neighbour rows
 
 // Words a staged row of STAGE bytes takes (mma_pitch, common.cuh).
@@ -432,12 +432,18 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     using tile_t = fused_tile<STAGE, BN>;
     constexpr int BK = STAGE / sizeof(T), PITCH = tile_t::PITCH, SLOTS = tile_t::SLOTS;
     constexpr int SLOT_WORDS = tile_t::SLOT_WORDS, MT = tile_t::MT, NT = tile_t::NT;
-    static_assert(FUSED_TAPS <= 32, "the taps of a group are one warp's ballot");
+    static_assert(FUSED_TAPS <= 32, "the taps of a group are the bits of one word");
     __shared__ __align__(16) unsigned slots[SLOTS * SLOT_WORDS];
     __shared__ int rows[FUSED_TAPS][FUSED_BM];  // neighbour rows of the group's taps
     __shared__ int out_rows[FUSED_BM];          // the tile's output rows, -1 past n_out
-    __shared__ int active[FUSED_TAPS];          // the group's taps some row has, in order
-    __shared__ int n_active;
+    // The group's taps some row has, in tap order: a copy a warp, so that each warp writes and
+    // reads its own with no barrier of the CTA.
+    __shared__ int active[FUSED_THREADS / 32][FUSED_TAPS];
+    __shared__ unsigned warp_taps[FUSED_THREADS / 32];  // bit t: a row of the warp's has tap t
+    static_assert(FUSED_THREADS % FUSED_BM == 0, "a thread reads the map of one output row");
+    // A thread reads the neighbour rows of output row `mine` for taps t0, t0 + TAP_STRIDE, ...
+    constexpr int TAP_STRIDE = FUSED_THREADS / FUSED_BM, PER_THREAD = FUSED_TAPS / TAP_STRIDE;
+    const int mine = threadIdx.x % FUSED_BM, t0 = threadIdx.x / FUSED_BM;
     const mma_place<tile_t::WARPS_M> th(threadIdx.x);
     const int lane = th.lane, warp = threadIdx.x >> 5;
     const int wm = th.wm * tile_t::WM, wn = th.wn * tile_t::WN;  // the warp's first row, column
@@ -456,31 +462,38 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     // Launched as a dependent (launch_fused): features may be the previous kernel's output.
     wait_for_previous_kernel();
     allow_next_kernel();
-    for (int r = threadIdx.x; r < FUSED_BM; r += FUSED_THREADS) {
-        const i64 o = m0 + r;
-        out_rows[r] = o < a.n_out ? (a.order ? a.order[o] : (int)o) : -1;
-    }
-    __syncthreads();
+    const int out_row =
+        m0 + mine < a.n_out ? (a.order ? a.order[m0 + mine] : (int)(m0 + mine)) : -1;
+    if (t0 == 0) out_rows[mine] = out_row;
+    __syncthreads();  // for the epilogue, where the CTA has no taps
     float acc[MT][NT][4] = {};
     for (int k0 = tap_begin; k0 < tap_end; k0 += FUSED_TAPS) {
         const int group = min(FUSED_TAPS, tap_end - k0);
+        // All of a thread's map reads in flight at once: the tile's prologue is one load's
+        // latency, not PER_THREAD of them.
+        int found[PER_THREAD];
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int t = t0 + i * TAP_STRIDE;
+            found[i] = t < group && out_row >= 0 ? a.map[(i64)(k0 + t) * a.n_out + out_row] : -1;
+        }
+        unsigned has = 0;  // bit t: this thread's row has tap t
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i)
+            has |= (unsigned)(found[i] >= 0) << (t0 + i * TAP_STRIDE);
+        has = __reduce_or_sync(0xffffffffu, has);
         // The previous group's last stage is read; its slots and rows may be overwritten.
         __syncthreads();
-        for (int j = threadIdx.x; j < group * FUSED_BM; j += FUSED_THREADS) {
-            const int t = j / FUSED_BM, r = j - t * FUSED_BM;
-            const int o = out_rows[r];
-            rows[t][r] = o >= 0 ? a.map[(i64)(k0 + t) * a.n_out + o] : -1;
-        }
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) rows[t0 + i * TAP_STRIDE][mine] = found[i];
+        if (lane == 0) warp_taps[warp] = has;
         __syncthreads();
-        if (warp == 0) {  // in tap order, so the sum's order is fixed
-            bool has = false;
-            if (lane < group)
-                for (int r = 0; r < FUSED_BM && !has; ++r) has = rows[lane][r] >= 0;
-            const unsigned ballot = __ballot_sync(0xffffffffu, has);
-            if (has) active[__popc(ballot & ((1u << lane) - 1))] = lane;
-            if (lane == 0) n_active = __popc(ballot);
-        }
-        __syncthreads();
+        unsigned group_taps = 0;
+#pragma unroll
+        for (int w = 0; w < FUSED_THREADS / 32; ++w) group_taps |= warp_taps[w];
+        const int n_active = __popc(group_taps);
+        if (group_taps >> lane & 1u) active[warp][__popc(group_taps & ((1u << lane) - 1u))] = lane;
+        __syncwarp();
         const int stages = (n_active + per_stage - 1) / per_stage * chunks;
         // load(slot) stages s = 0, 1, 2, ... in turn: taps [first, first + per_stage) of the
         // active ones, channels [chunk * width, + width).
@@ -489,7 +502,9 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
             unsigned* slot = slots + s * SLOT_WORDS;
             const int col0 = chunk * width;
             // The stage's g-th tap (of the group), or -1 past the active ones.
-            auto tap_of = [&](int g) { return first + g < n_active ? active[first + g] : -1; };
+            auto tap_of = [&](int g) {
+                return first + g < n_active ? active[warp][first + g] : -1;
+            };
             // Rows in units of cin: neighbour rows of the features, a tap's weights.
             fused_stage<T, VEC, STAGE, FUSED_BM>(slot, features, a.cin, width, per_stage, a.cin,
                                                  col0, part, tap_of,

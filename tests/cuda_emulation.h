@@ -1,7 +1,8 @@
 // The CUDA features that kernels/block_conv.cu and kernels/submanifold.cu use, emulated on the
 // CPU so that CI (no GPU) runs the kernels' own code: one std::thread a CUDA thread, the CTAs of
-// a grid one after another; __syncthreads and bar.sync as barriers; ldmatrix, mma.sync and
-// __ballot_sync by exchanging the lanes' registers within a warp, in PTX's fragment layouts;
+// a grid one after another; __syncthreads, __syncwarp and bar.sync as barriers; ldmatrix,
+// mma.sync, __ballot_sync and __reduce_or_sync by exchanging the lanes' registers within a warp,
+// in PTX's fragment layouts;
 // cp.async copies made at their wait_group; a misaligned cp.async or ldmatrix address reported
 // as the GPU's fault would be. tests/cuda_emulation.py builds kernels/common.cuh and the kernel
 // file without their inline PTX: this file's first part goes before common.cuh, its second part
@@ -70,6 +71,16 @@ static inline unsigned __ballot_sync(unsigned, int predicate) {
     w.bar.arrive_and_wait();
     return ballot;
 }
+static inline unsigned __reduce_or_sync(unsigned, unsigned value) {
+    Warp& w = my_warp();
+    w.a[my_lane()][0] = value;
+    w.bar.arrive_and_wait();
+    unsigned all = 0;
+    for (int l = 0; l < 32; ++l) all |= w.a[l][0];
+    w.bar.arrive_and_wait();
+    return all;
+}
+static inline void __syncwarp() { my_warp().bar.arrive_and_wait(); }
 static inline int __popc(unsigned v) { return __builtin_popcount(v); }
 static inline int __ffs(int v) { return __builtin_ffs(v); }
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
