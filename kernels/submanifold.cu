@@ -438,7 +438,9 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     __shared__ int out_rows[FUSED_BM];          // the tile's output rows, -1 past n_out
     // The group's taps some row has, in tap order: a copy a warp, so that each warp writes and
     // reads its own with no barrier of the CTA.
-    __shared__ int active[FUSED_THREADS / 32][FUSED_TAPS];
+    // Bytes, not ints: the four copies then take no more shared memory than one did, which
+    // would cost the widest tiles a CTA an SM.
+    __shared__ unsigned char active[FUSED_THREADS / 32][FUSED_TAPS];
     __shared__ unsigned warp_taps[FUSED_THREADS / 32];  // bit t: a row of the warp's has tap t
     static_assert(FUSED_THREADS % FUSED_BM == 0, "a thread reads the map of one output row");
     // A thread reads the neighbour rows of output row `mine` for taps t0, t0 + TAP_STRIDE, ...
