@@ -1,0 +1,86 @@
+"""GPU time of the fused submanifold convolution in one call of a detector backbone, by kernel
+instantiation: for an A/B of a kernel change between two trees (run it with each tree's root on
+PYTHONPATH, the trees in turns). Ours only, public API only. Prints ``KERNEL mode model name us``
+for each instantiation and ``TOTAL mode model fused_us all_us`` (medians over the profiled calls;
+split sums count with the fused kernel).
+
+    python -m bench.conv_time eval-fp16 --model VoxelResBackBone8x --scale waymo --batch 2
+"""
+
+import argparse
+import collections
+import statistics
+
+import torch
+
+import torch_bridge.submanifold as ours
+from bench import detectors
+from bench._common import allow_tf32, require_gpu
+
+MODES = ("eval-fp16", "eval-tf32", "train-amp")
+
+
+def profiled_call(call):
+    """{kernel name: us} of the GPU kernels of one call of `call` (torch profiler)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        call()
+        torch.cuda.synchronize()
+    times = collections.defaultdict(float)
+    for event in profile.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name.split("(")[0].replace("void ", "").replace(" ", "")] += \
+                event.device_time
+    return times
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=MODES)
+    parser.add_argument("--model", choices=list(detectors.MODELS), default="VoxelResBackBone8x")
+    parser.add_argument("--scale", default="waymo")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=5)
+    args = parser.parse_args(argv)
+    require_gpu("bench.conv_time")
+    allow_tf32(True)
+    indices, features, shape = detectors.inputs(args.scale, args.batch, "cuda", {})
+    net = detectors.build("ours", ours, args.model, features.shape[1], "cuda")
+    if args.mode == "eval-fp16":
+        net, features = net.half().eval(), features.half()
+    net.train(args.mode == "train-amp")
+    scaler = torch.amp.GradScaler()
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-4)
+
+    def call():
+        x = ours.SparseConvTensor(features, indices, shape, args.batch)
+        if args.mode != "train-amp":
+            with torch.no_grad():
+                net(x)
+            return
+        with torch.autocast("cuda", torch.float16):
+            outs = net(x)
+            loss = detectors.loss_of(outs if isinstance(outs, (list, tuple)) else [outs])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        call()
+    by_kernel, fused, total = collections.defaultdict(list), [], []
+    for _ in range(args.calls):
+        times = profiled_call(call)
+        mine = {k: v for k, v in times.items() if k.startswith(("submanifold_fused", "split_sum"))}
+        for name, us in mine.items():
+            by_kernel[name].append(us)
+        fused.append(sum(mine.values()))
+        total.append(sum(times.values()))
+    for name, us in sorted(by_kernel.items()):
+        print(f"KERNEL {args.mode} {args.model} {name} {statistics.median(us):.1f}")
+    print(f"TOTAL {args.mode} {args.model} {statistics.median(fused):.1f} "
+          f"{statistics.median(total):.1f}")
+
+
+if __name__ == "__main__":
+    main()
