@@ -284,6 +284,17 @@ static __device__ __forceinline__ unsigned shared_address(const void* p) {
 static __device__ __forceinline__ void copy_async16(unsigned* dst, const void* src, bool valid) {
     copy_async16(shared_address(dst), src, valid);
 }
+// copy_async16 with zeros where `flag` is negative: the copy's predicate is the sign test itself
+// (cp.async's ignore-src form), one instruction where turning a bool into a source size takes
+// three, in loops that issue little else.
+static __device__ __forceinline__ void copy_async16_unless_negative(unsigned dst, const void* src,
+                                                                    int flag) {
+    asm volatile(
+        "{\n .reg .pred ignore;\n setp.lt.s32 ignore, %2, 0;\n"
+        " cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}" ::"r"(dst),
+        "l"(src), "r"(flag)
+        : "memory");
+}
 
 // Four (x4) or two (x2) 8 x 4-word matrices of shared memory into registers: lane l gives the
 // address of row l % 8 of matrix l / 8 and receives word l % 4 of row l / 4 of each matrix, the

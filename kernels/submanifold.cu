@@ -394,7 +394,7 @@ template <typename T, int STAGE> struct fused_part {
 // the caller's wait), and a thread's parts (`part`) are of one tap, looked up once; otherwise
 // the stores are the thread's own. Selects, not branches: the stage loop is latency-bound.
 template <typename T, bool VEC, int STAGE, int ROWS, typename TapOf, typename RowOf>
-static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base, i64 stride,
+static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base, int stride,
                                                    int width, int per_stage, int cols, int col0,
                                                    fused_part<T, STAGE> part, TapOf tap_of,
                                                    RowOf row_of) {
@@ -405,15 +405,21 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
         // A thread stages the same part of rows threadIdx.x / PARTS + i * STRIDE.
         constexpr int STRIDE = FUSED_THREADS / PARTS;
         const int tap = part.g < per_stage && col0 + part.c < cols ? tap_of(part.g) : -1;
-        const T* at = base + col0 + part.c;
-        unsigned* dst = tile + threadIdx.x / PARTS * PITCH + threadIdx.x % PARTS * 4;
+        // In bytes, so that a row's address is one wide multiply-add: at + row * row_bytes.
+        const char* at = (const char*)(base + col0 + part.c);
+        const unsigned row_bytes = (unsigned)stride * (unsigned)sizeof(T);
+        const unsigned dst =
+            shared_address(tile + threadIdx.x / PARTS * PITCH + threadIdx.x % PARTS * 4);
 #pragma unroll
         for (int i = 0; i < (ROWS + STRIDE - 1) / STRIDE; ++i) {
             const int r = threadIdx.x / PARTS + i * STRIDE;
             if (ROWS % STRIDE != 0 && r >= ROWS) break;
             const int row = row_of(max(tap, 0), r);
-            const bool valid = tap >= 0 && row >= 0;
-            copy_async16(dst + i * STRIDE * PITCH, at + (valid ? row : 0) * stride, valid);
+            // An unsigned 32 x 32 -> 64-bit product (max(row, 0)): one instruction, where a
+            // signed or 64-bit one takes three or four. Negative row | tap: zeros.
+            copy_async16_unless_negative(dst + i * STRIDE * PITCH * 4,
+                                         at + (unsigned long long)(unsigned)max(row, 0) * row_bytes,
+                                         row | tap);
         }
     } else {
         T* t = (T*)tile;
@@ -422,7 +428,7 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
             const int tap = g < per_stage && col0 + c < cols ? tap_of(g) : -1;
             const int row = tap < 0 ? -1 : row_of(tap, r);
             t[r * (PITCH * 4 / (int)sizeof(T)) + k] =
-                row >= 0 ? base[row * stride + col0 + c] : T();
+                row >= 0 ? base[(i64)row * stride + col0 + c] : T();
         }
     }
 }

@@ -135,6 +135,9 @@ static inline void copy_async16(unsigned dst, const void* src, bool valid) {
     if (valid) check_aligned(src, "cp.async: global address not 16-byte aligned");
     open_group.push_back({dst, src, valid});
 }
+static inline void copy_async16_unless_negative(unsigned dst, const void* src, int flag) {
+    copy_async16(dst, src, flag >= 0);
+}
 static inline void copy_async_commit() {
     copy_groups.push_back(std::move(open_group));
     open_group.clear();
