@@ -42,10 +42,26 @@ class KernelPlan:
 
     def launch(self, stream, *values, grid=None, function=None):
         """Launch on `stream` with the record's leading leaves `values` (in its order), then
-        the plan's constants; `function`: a generated plan's kernel (see the attributes)."""
-        _launch.launch(self.device, stream, function or self.function, grid or self.grid,
-                       self.block, self.shared_mem, self.record, values + self.constants,
-                       self.dependent)
+        the plan's constants; `function`: a generated plan's kernel (see the attributes). The
+        driver is called from here, so that a module's call reaches it in few frames."""
+        state = _launch.thread_state
+        self.record.pack_into(state.arguments, 0, *values, *self.constants)
+        function, grid = function or self.function, grid or self.grid
+        restore = _launch.make_current(self.device)
+        try:
+            launch_ex = self.dependent and _launch.dependent_launch(self.device, stream)
+            if launch_ex:
+                status = launch_ex(_launch.launch_config(grid, self.block, self.shared_mem,
+                                                         stream),
+                                   function, state.kernel_params, None)
+                if status:
+                    raise _launch.driver.CUDADriverError(status)
+            else:
+                _launch.driver.launchKernel(function, *grid, *self.block, self.shared_mem,
+                                            stream, state.kernel_params, 0)
+        finally:
+            if restore is not None:
+                _launch.runtime.setDevice(restore)
 
     def __repr__(self):
         return (f"KernelPlan({self.name}, grid={self.grid}, block={self.block}, "

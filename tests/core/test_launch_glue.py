@@ -51,12 +51,14 @@ def launches(monkeypatch):
     named by their name expressions, the generated ones at GENERATED."""
     recorded = []
 
-    def launch(device, stream, kernel, grid, block, shared, arguments, values, dependent=False):
-        assert len(values) == len(arguments.names)
-        recorded.append((kernel, tuple(grid), stream, dict(zip(arguments.names, values))))
+    def launch(plan, stream, *values, grid=None, function=None):
+        values += plan.constants
+        assert len(values) == len(plan.record.names)
+        recorded.append((function or plan.function, tuple(grid or plan.grid), stream,
+                         dict(zip(plan.record.names, values))))
 
     compiled = []
-    monkeypatch.setattr(_launch, "launch", launch)
+    monkeypatch.setattr(_plan.KernelPlan, "launch", launch)
     monkeypatch.setattr(_launch, "function", lambda device, op, kernel, *args:
                         f"{kernel}<{', '.join(map(str, args))}>")
     monkeypatch.setattr(_launch, "device_info", lambda device: INFO)

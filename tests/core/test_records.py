@@ -89,11 +89,12 @@ def launches(monkeypatch):
     """Launches recorded as {field name: value}, on a device of INFO, without a GPU."""
     recorded = []
 
-    def launch(device, stream, kernel, grid, block, shared, arguments, values, dependent=False):
-        assert len(values) == len(arguments.names)
-        recorded.append((kernel, dict(zip(arguments.names, values))))
+    def launch(kernel, stream, *values, grid=None, function=None):
+        values += kernel.constants
+        assert len(values) == len(kernel.record.names)
+        recorded.append((kernel.function, dict(zip(kernel.record.names, values))))
 
-    monkeypatch.setattr(_launch, "launch", launch)
+    monkeypatch.setattr(plan.KernelPlan, "launch", launch)
     monkeypatch.setattr(_launch, "function",
                         lambda device, op, kernel, *args: f"{kernel}<{args}>")
     monkeypatch.setattr(_launch, "driver", cuda_emulation._Driver())
