@@ -102,19 +102,3 @@ def split_sum_plan(device, op, ctype, rows, cols, pitch, splits, dependent=False
     return KernelPlan(device, op, "split_sum", (ctype,), (blocks, 1, 1),
                       (_SPLIT_SUM_THREADS, 1, 1), 0, record,
                       record.tail(rows=rows, cols=cols, pitch=pitch, splits=splits), dependent)
-
-
-def generated_function(device, op, source, kernel, *template_args):
-    """(address, owner) of ``kernel<template_args>`` compiled on `device` from kernels/<op>.cu
-    (core.kernels.kernel_source) followed by `source`: code generated per call, such as a pruned
-    weight's mask as code (sbnet_cupy/pruned/program.py). NVRTC compiles it on first use, CuPy's
-    disk cache serves it after; the owner keeps its module loaded, and the caller keeps the owner
-    as long as the code's source object lives (so that masks come and go with their weights)."""
-    import cupy
-
-    name = _kernels.name_expression(kernel, *template_args)
-    with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=_kernels.kernel_source(op) + "\n" + source,
-                                options=_kernels.COMPILE_OPTIONS, name_expressions=(name,))
-        compiled = module.get_function(name).kernel  # the driver-level function
-    return compiled.ptr, (module, compiled)
