@@ -164,6 +164,8 @@ def install(monkeypatch, entries, sms):
                         lambda device, op, kernel, *args: _kernels.name_expression(kernel, *args))
     # Every launch through launchKernel: never the real cuLaunchKernelEx of a GPU's host.
     monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", False)
+    # The emulated device's context is no GPU's: a later real launch makes its own current.
+    monkeypatch.setattr(_launch.thread_state, "devices", set())
     return launched
 
 

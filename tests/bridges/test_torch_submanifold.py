@@ -514,6 +514,7 @@ def test_module_call_reaches_the_driver_in_four_frames_on_the_cpu(rng, monkeypat
         monkeypatch.setattr(_launch, "function", lambda device, op, kernel, *args: kernel)
         monkeypatch.setattr(_launch, "driver", _RecordingDriver(None, stacks))
         monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", False)
+        monkeypatch.setattr(_launch.thread_state, "devices", set())
         try:
             layer(y)
         finally:

@@ -102,6 +102,7 @@ def driver(monkeypatch):
     monkeypatch.setattr(_launch, "function", lambda *args: 0x10)
     monkeypatch.setattr(_launch, "_dependent", {0: launch_ex, 1: None})
     monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", True)
+    monkeypatch.setattr(_launch.thread_state, "devices", set())  # no real context made current
     fake.ex_calls = ex_calls
     return fake
 
@@ -145,7 +146,6 @@ def test_other_launches_are_plain(driver, monkeypatch, device, stream, dependent
 def test_a_launch_on_another_device_makes_it_current_and_back(driver, monkeypatch):
     """The first launch of a thread on a device, or one on a device other than the current:
     its context made current for the launch, the current device restored after."""
-    monkeypatch.setattr(_launch.thread_state, "devices", set())
     p = _split_sum(1, False)
     p.launch(0, 1, 2, 3)
     assert _launch.runtime.set == [1, 0]
