@@ -471,6 +471,7 @@ def test_module_call_reaches_the_launch_in_four_frames(rng, monkeypatch, algo, s
         return recording
 
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs, made on the current stream
     with torch.no_grad(), torch.cuda.stream(stream):
         y = layer(x)  # builds and caches the rulebook
         monkeypatch.setattr(_launch, "driver", _RecordingDriver(_launch.driver, stacks))
