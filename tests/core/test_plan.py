@@ -3,6 +3,7 @@ torch_bridge/backend.py), checked from their definitions."""
 
 import inspect
 import pathlib
+import types
 
 import numpy
 import pytest
@@ -201,12 +202,18 @@ def test_cupy_backend():
 
 
 def test_torch_backend_on_the_host():
-    """What the TORCH backend answers of any tensor: NumPy's dtype names, a NumPy copy."""
+    """What the TORCH backend answers of any tensor: NumPy's dtype names (of every dtype: the
+    blocks family takes bool and uint8 masks and moves any data), a NumPy copy."""
     torch = pytest.importorskip("torch")
+    from sbnet_cupy.core import checks
     from torch_bridge.backend import TORCH
 
-    for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64"):
+    for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "uint8",
+                 "int8", "int16", "complex64"):
         assert TORCH.dtype_name(torch.zeros(1, dtype=getattr(torch, name))) == name
+    for dtype in (d for d in vars(torch).values() if isinstance(d, torch.dtype)):
+        # A stand-in with the dtype: some dtypes' tensors warn when made.
+        assert TORCH.dtype_name(types.SimpleNamespace(dtype=dtype)) == checks.name_of(dtype)
     t = torch.arange(6, dtype=torch.int32).reshape(2, 3)
     numpy.testing.assert_array_equal(TORCH.host(t), numpy.arange(6).reshape(2, 3))
 
