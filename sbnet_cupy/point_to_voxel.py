@@ -20,7 +20,8 @@ from collections import namedtuple
 
 import numpy
 
-from .core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
+from .core import backend as _backend, checks as _checks, kernels as _kernels
+from .core import plan as _plans, records as _records
 from .submanifold import table_capacity
 
 # Voxel sizes (float32 values), grid minimum and cells along each axis, z first.
@@ -35,22 +36,6 @@ _RANK_THREADS = 1024  # kernels/point_to_voxel.cu, P2V_RANK_THREADS
 _MAX_BLOCKS = 65535 * 16  # grid-stride loops beyond this
 
 
-class _CupyAlloc:
-    """voxelize_raw's device arrays: CuPy's, on the current device and stream."""
-
-    @staticmethod
-    def empty(shape, dtype):
-        import cupy
-
-        a = cupy.empty(shape, dtype)
-        return a, a.data.ptr
-
-    @staticmethod
-    def host(a):
-        return a.get()
-
-
-_CUPY = _CupyAlloc()
 _ARGS = _records.P2V_ARGS  # every kernel's argument record
 
 
@@ -157,13 +142,11 @@ def point_to_voxel(points, vsize_xyz, coors_range_xyz, max_num_voxels,
         points = cupy.ascontiguousarray(points)
 
         def new_voxels(count):
-            out = (cupy.zeros((count, max_points, features), points.dtype) if voxels is None
-                   else voxels[:count])
-            return out, out.data.ptr
+            return (cupy.zeros((count, max_points, features), points.dtype) if voxels is None
+                    else voxels[:count])
 
-        return voxelize_raw(_CUPY, points.data.device_id, cupy.cuda.get_current_stream().ptr,
-                            points.data.ptr, points.shape[0], features, points.dtype.name,
-                            grid, max_voxels, max_points, bool(empty_mean), new_voxels)
+        return voxelize(_backend.CUPY, points, grid, max_voxels, max_points, bool(empty_mean),
+                        new_voxels)
 
 
 # --- NumPy ---------------------------------------------------------------------------------
@@ -273,55 +256,65 @@ def _scratch(n, capacity, cap, max_points):
     return offsets, at
 
 
-def voxelize_raw(alloc, device, stream, points, n, features, dtype, grid, max_voxels,
-                 max_points, empty_mean, new_voxels):
-    """point_to_voxel's CUDA path on the raw address `points` (C-contiguous [n, features] of
-    dtype, NumPy's name; on `device`, kernels on `stream`), with checked arguments. `alloc`
-    makes the device arrays (empty(shape, dtype) -> (array, address); host(array) -> numpy);
-    new_voxels(count) -> (array, address): where the [count, max_points, features] voxels go,
-    made once their count is known. One host sync, for that count."""
+def voxelize(backend, points, grid, max_voxels, max_points, empty_mean, new_voxels):
+    """point_to_voxel's CUDA path on a backend's arrays (core/backend.py: CUPY, torch_bridge's
+    TORCH), checked: points C-contiguous [n, features]; the kernels run on the backend's
+    stream. new_voxels(count): where the [count, max_points, features] voxels go, made once
+    their count is known. One host sync, for that count."""
+    n, features = points.shape
     ndim = len(grid.shape)
-    point_voxel_id, ids = alloc.empty((n,), "int64")
+    point_voxel_id = backend.empty((n,), points, "int64")
     if n == 0:
-        return (new_voxels(0)[0], alloc.empty((0, ndim), "int32")[0],
-                alloc.empty((0,), "int32")[0], point_voxel_id)
+        return (new_voxels(0), backend.empty((0, ndim), points, "int32"),
+                backend.empty((0,), points, "int32"), point_voxel_id)
     capacity, cap = table_capacity(n), min(n, max_voxels)
     offsets, size = _scratch(n, capacity, cap, max_points)
-    owner, base = alloc.empty((size // 4,), "int32")
+    scratch = backend.empty((size // 4,), points, "int32")
+    base = backend.pointer(scratch)
     table, slot, bits, word_rank, total, voxel, bucket, selected = (base + o for o in offsets)
     pad = _MAX_DIMS - ndim
-    ctype = CTYPES[dtype]
+    device = backend.device(points)
+    stream = backend.stream(device)
+    ctype = CTYPES[backend.dtype_name(points)]
 
     def arguments(voxels=0, coords=0, num_points=0):  # the outputs: 0 until their count is known
         return _ARGS.values(
-            points=points, voxels=voxels, table=table, slot=slot, bits=bits,
+            points=backend.pointer(points), voxels=voxels, table=table, slot=slot, bits=bits,
             word_rank=word_rank, total=total, voxel=voxel, bucket=bucket, selected=selected,
-            coords=coords, num_points=num_points, point_voxel_id=ids, mask=capacity - 1, n=n,
-            features=features, ndim=ndim, max_voxels=max_voxels, max_points=max_points,
-            empty_mean=int(empty_mean), cap=cap, grid=(*grid.shape, *(1,) * pad),
-            lower=(*grid.lower, *(0.0,) * pad), vsize=(*grid.vsize, *(1.0,) * pad))
+            coords=coords, num_points=num_points, point_voxel_id=backend.pointer(point_voxel_id),
+            mask=capacity - 1, n=n, features=features, ndim=ndim, max_voxels=max_voxels,
+            max_points=max_points, empty_mean=int(empty_mean), cap=cap,
+            grid=(*grid.shape, *(1,) * pad), lower=(*grid.lower, *(0.0,) * pad),
+            vsize=(*grid.vsize, *(1.0,) * pad))
 
-    def launch(kernel, items, values, blocks=None, block=_THREADS):
-        function = _launch.function(device, "point_to_voxel", kernel, ctype)
-        _launch.launch(device, stream, function, blocks or _grid(items), (block, 1, 1), 0, _ARGS,
-                       values)
+    def launch(kernel, items, values):
+        plan = _plan(device, kernel, ctype)
+        plan.launch(stream, *values, grid=plan.grid if kernel == "p2v_rank" else _grid(items))
 
     values = arguments()
-    launch("p2v_clear", capacity, values)
-    launch("p2v_insert", n, values)
-    launch("p2v_mark", n, values)
-    launch("p2v_rank", 1, values, blocks=(1, 1, 1), block=_RANK_THREADS)
-    launch("p2v_assign", n, values)
-    launch("p2v_scatter", n, values)
-    count = min(int(alloc.host(owner[offsets[4] // 4:offsets[4] // 4 + 1])[0]), max_voxels)
-    voxels, voxels_ptr = new_voxels(count)
-    coords, coords_ptr = alloc.empty((count, ndim), "int32")
-    num_points, num_points_ptr = alloc.empty((count,), "int32")
+    for kernel, items in (("p2v_clear", capacity), ("p2v_insert", n), ("p2v_mark", n),
+                          ("p2v_rank", 1), ("p2v_assign", n), ("p2v_scatter", n)):
+        launch(kernel, items, values)
+    found = backend.host(scratch[offsets[4] // 4:offsets[4] // 4 + 1])
+    count = min(int(found[0]), max_voxels)
+    voxels = new_voxels(count)
+    coords = backend.empty((count, ndim), points, "int32")
+    num_points = backend.empty((count,), points, "int32")
     if count:
-        values = arguments(voxels_ptr, coords_ptr, num_points_ptr)
+        values = arguments(backend.pointer(voxels), backend.pointer(coords),
+                           backend.pointer(num_points))
         launch("p2v_select", count, values)
         launch("p2v_gather", count * features, values)
     return voxels, coords, num_points, point_voxel_id
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(device, kernel, ctype):
+    """The KernelPlan of `kernel`<ctype>: p2v_rank one CTA of _RANK_THREADS, the others
+    _THREADS a CTA over a grid that a launch passes (its items)."""
+    rank = kernel == "p2v_rank"
+    return _plans.KernelPlan(device, "point_to_voxel", kernel, (ctype,), (1, 1, 1),
+                             (_RANK_THREADS if rank else _THREADS, 1, 1), 0, _ARGS)
 
 
 @functools.cache

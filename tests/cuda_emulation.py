@@ -1,7 +1,8 @@
 """The kernels of kernels/block_conv.cu and kernels/submanifold.cu on the CPU: their own source,
 built by g++ with the CUDA features those two files use emulated (tests/cuda_emulation.h),
-behind sbnet_cupy.core.launch, so that the host-side planning runs as it is (tile widths, warp
-groups, splits, shared memory) and each launch runs the emulated kernel on NumPy arrays. For
+behind the driver calls of sbnet_cupy.core.launch, so that the host-side planning runs as it
+is (tile widths, warp groups, splits, shared memory) and each launch runs the emulated kernel
+on NumPy arrays. For
 CI, which has no GPU: what the kernels compute, on small inputs. kernels/common.cuh is built
 as it is, less its inline PTX, which the header emulates."""
 
@@ -117,9 +118,22 @@ class _Runtime:
     def deviceGetAttribute(self, attribute, device):
         return SHARED_MEMORY_OPTIN if attribute == 1 else self.sms
 
+    def getDevice(self):
+        return 0
+
+    def setDevice(self, device):
+        pass
+
 
 class _Driver:
+    """The driver calls that the plans make. launchKernel runs the emulated kernel
+    `entries[kernel]` on the arguments that the plan packed into its buffer, and appends
+    (name expression, grid, threads, shared bytes) to `launched`."""
+
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+    def __init__(self, entries=None, launched=None):
+        self.entries, self.launched = entries, launched
 
     def funcSetAttribute(self, *args):
         pass
@@ -127,28 +141,31 @@ class _Driver:
     def occupancyMaxActiveBlocksPerMultiprocessor(self, function, threads, shared):
         return min(2048 // threads, (SHARED_MEMORY_OPTIN + 1024) // (shared + 1024))
 
-
-def install(monkeypatch, entries, sms):
-    """Route sbnet_cupy.core.launch to the emulated kernels `entries` on a GPU of `sms` SMs; returns
-    the list that each launch appends (name expression, grid, threads, shared bytes) to."""
-    launched = []
-
-    def launch(device, stream, kernel, grid, block, shared, arguments, values, dependent=False):
-        packed = ctypes.create_string_buffer(arguments.size)
-        arguments.pack_into(packed, 0, *values)
-        launched.append((kernel, tuple(grid), block[0], shared))
-        fault = entries[kernel](packed, *grid, block[0], shared)
+    def launchKernel(self, kernel, gx, gy, gz, bx, by, bz, shared, stream, kernel_params, extra):
+        self.launched.append((kernel, (gx, gy, gz), bx, shared))
+        arguments = ctypes.c_void_p.from_address(kernel_params)  # the buffer's address
+        fault = self.entries[kernel](arguments, gx, gy, gz, bx, shared)
         if fault is not None:
             raise AssertionError(f"{kernel}: {fault.decode()}")
 
+
+def install(monkeypatch, entries, sms):
+    """Route the plans' launches (sbnet_cupy.core.plan.KernelPlan.launch, whose driver calls
+    sbnet_cupy.core.launch serves) to the emulated kernels `entries` on a GPU of `sms` SMs;
+    returns the list that each launch appends (name expression, grid, threads, shared bytes)
+    to."""
+    launched = []
     monkeypatch.setattr(_launch, "runtime", _Runtime(sms))
     info = _launch.DeviceInfo(sms=sms, shared_per_block_optin=SHARED_MEMORY_OPTIN,
                               shared_per_sm=SHARED_MEMORY_OPTIN + 1024, compute_capability=(9, 0))
     monkeypatch.setattr(_launch, "device_info", lambda device: info)
-    monkeypatch.setattr(_launch, "driver", _Driver())
+    monkeypatch.setattr(_launch, "driver", _Driver(entries, launched))
     monkeypatch.setattr(_launch, "function",
                         lambda device, op, kernel, *args: _kernels.name_expression(kernel, *args))
-    monkeypatch.setattr(_launch, "launch", launch)
+    # Every launch through launchKernel: never the real cuLaunchKernelEx of a GPU's host.
+    monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", False)
+    # The emulated device's context is no GPU's: a later real launch makes its own current.
+    monkeypatch.setattr(_launch.thread_state, "devices", set())
     return launched
 
 

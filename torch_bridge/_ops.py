@@ -5,9 +5,10 @@ as possible. The ops themselves live with their families (torch_bridge.blocks.op
 How a call runs (``_route`` picks the route, which the op's wrapper calls, or ``_call`` does):
 - Eager, nothing to record for autograd (``torch.no_grad()``, ``inference_mode()``, or no input
   that requires grad): the wrapper checks the arguments once, with sbnet_cupy's own checks, and
-  calls the implementation directly, without the dispatcher. CUDA tensors launch the kernels on
-  raw pointers (sbnet_cupy's ``launch_*`` functions, or its launch functions of a backend with
-  torch_bridge.backend.TORCH) on torch's current stream.
+  calls the implementation directly, without the dispatcher (or, where that would add a frame
+  on the way to the kernel, the implementation's lines: rulebook_conv). CUDA tensors launch the
+  kernels through sbnet_cupy's launch functions of a backend, with
+  torch_bridge.backend.TORCH, on torch's current stream.
 - Eager, with a gradient to record: the same implementation inside a ``torch.autograd.Function``
   whose setup and backward are the functions registered as the op's autograd.
 - Traced (torch.compile, torch.export, fake tensors, functorch transforms, dispatch modes): the
@@ -102,12 +103,6 @@ def _same_device(first, *others, **tensors):
         described = ", ".join(f"{n} is on {'cpu' if d < 0 else f'cuda:{d}'}"
                               for n, d in devices.items())
         raise ValueError(f"tensors on different devices: {described}")
-
-
-try:
-    _raw_stream = torch._C._cuda_getCurrentRawStream  # what inductor's generated code calls
-except AttributeError:  # a build without CUDA, which never launches
-    _raw_stream = None
 
 
 def _contiguous(t):

@@ -11,9 +11,10 @@ except AttributeError:  # a build without CUDA, which never launches
     _raw_stream = None
 
 
-# NumPy's names of the dtypes the kernels take (a lookup costs less than str(dtype)).
-_DTYPE_NAMES = {getattr(torch, name): name for name in (
-    "float16", "bfloat16", "float32", "float64", "int32", "int64")}
+# NumPy's names of torch's dtypes, every one of them (a lookup costs less than str(dtype)): the
+# blocks family takes masks of bool and uint8, and moves data of any dtype.
+_DTYPE_NAMES = {dtype: str(dtype)[6:] for dtype in vars(torch).values()
+                if isinstance(dtype, torch.dtype)}
 
 
 class _Torch(Backend):

@@ -10,7 +10,9 @@ import numpy
 import torch
 
 from sbnet_cupy.point_to_voxel import (check_points, point_to_voxel_numpy, positive_int,
-                                       voxel_grid, voxelize_raw)
+                                       voxel_grid, voxelize)
+
+from .backend import TORCH
 
 
 class PointToVoxel:
@@ -88,16 +90,8 @@ class PointToVoxel:
 
     def _cuda(self, pc, empty_mean):
         buffer = self.voxels
-
-        def new_voxels(count):
-            return buffer[:count], buffer.data_ptr()
-
-        device = pc.get_device()
-        return voxelize_raw(_TorchAlloc(pc.device), device,
-                                  torch.cuda.current_stream(device).cuda_stream, pc.data_ptr(),
-                                  pc.shape[0], self.num_point_features, str(pc.dtype)[6:],
-                                  self._grid, self.max_num_voxels,
-                                  self.max_num_points_per_voxel, empty_mean, new_voxels)
+        return voxelize(TORCH, pc, self._grid, self.max_num_voxels,
+                        self.max_num_points_per_voxel, empty_mean, lambda count: buffer[:count])
 
     def __repr__(self):
         return (f"PointToVoxel(vsize_xyz={self.vsize[::-1]}, grid_size={self.grid_size[::-1]}, "
@@ -106,18 +100,3 @@ class PointToVoxel:
                 f"max_num_points_per_voxel={self.max_num_points_per_voxel}, "
                 f"device={self.device})")
 
-
-class _TorchAlloc:
-    """voxelize_raw's device arrays: torch tensors on `device` (its caching allocator, on
-    torch's current stream, where the kernels run)."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def empty(self, shape, dtype):
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-        return t, t.data_ptr()
-
-    @staticmethod
-    def host(t):
-        return t.cpu().numpy()

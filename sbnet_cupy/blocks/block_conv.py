@@ -35,12 +35,19 @@ DTYPES = ("float32", "float16", "bfloat16")  # float32 runs as TF32
 # of a list must not overlap, which reduce_mask's lists of stride-1 geometry never do).
 OPS = ("Assign", "Add")
 
-# ctas[g - 1]: CTAs of g warp groups that the GPU holds at once (as many entries as the shared
-# memory allows groups).
-BlockConvPlan = namedtuple("BlockConvPlan", ["function", "group_bytes", "ctas"])
-# block_conv_halo's: channels a chunk and chunks; by group count (1, 2, ...) the shared bytes (0
-# where they do not fit) and the CTAs the GPU holds; the GPU's SMs.
-HaloPlan = namedtuple("HaloPlan", ["function", "chunk", "chunks", "shared", "ctas", "sms"])
+# A kernel's launches by warp-group count g: plans[g - 1] the KernelPlan of g groups (block,
+# shared memory, and BlockConvArgs's fields from k_groups on), ctas[g - 1] the CTAs of it that
+# the GPU holds at once (as many entries as the shared memory allows groups); stages: the
+# reduction's 32-word stages.
+BlockConvPlan = namedtuple("BlockConvPlan", ["plans", "ctas", "stages"])
+# block_conv_halo's: channels a chunk and chunks; by group count (1, 2, ...) the KernelPlan
+# (None where its shared bytes do not fit), the shared bytes (0 where they do not fit) and the
+# CTAs the GPU holds; the GPU's SMs.
+HaloPlan = namedtuple("HaloPlan", ["plans", "chunk", "chunks", "shared", "ctas", "sms"])
+# block_conv_pair's: by group count, the KernelPlan (a launch passes its whole record: the 3x3's
+# plan fields come before the 1x1's) and the CTAs the GPU holds; the 3x3's stages, and by group
+# count its BlockConvArgs fields from k_groups on.
+PairPlan = namedtuple("PairPlan", ["plans", "ctas", "stages", "conv_tails"])
 
 
 def image_side(height, width, boffset, bstride):
@@ -144,22 +151,35 @@ def tile_channels(cout, rows, pixel_tiles, sms):
     return min(least)
 
 
+def _max_dynamic_shared(plan, shared_mem):
+    """Lets plan's kernel take up to shared_mem bytes of dynamic shared memory (past 48 KiB a
+    kernel must opt in); returns plan's function."""
+    driver = _launch.driver
+    driver.funcSetAttribute(plan.function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            shared_mem)
+    return plan.function
+
+
 @functools.lru_cache(maxsize=1024)
-def _plan(device, dtype_name, cin, width, alignment, op):
+def _plan(device, dtype_name, cin, width, alignment, op, kernel_size):
+    """The BlockConvPlan of block_conv (the streamed stages) for this convolution."""
     itemsize = _kernels.ITEMSIZES[dtype_name]
     vector = next(v for v in (8, 4, 2, 1)
                   if v * itemsize <= 16 and cin % v == 0 and alignment % (v * itemsize) == 0)
-    function = _launch.function(device, "block_conv", "block_conv",
-                                _kernels.ARITHMETIC_CTYPES[dtype_name], width, vector, op)
-    driver, info = _launch.driver, _launch.device_info(device)
     group_bytes = SLOTS * (TILE_PIXELS + width) * PITCH * 4
-    max_groups = max(1, min(MAX_K_GROUPS, info.shared_per_block_optin // group_bytes))
-    driver.funcSetAttribute(function,
-                            driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            max_groups * group_bytes)
+    max_groups = max(1, min(MAX_K_GROUPS,
+                            _launch.device_info(device).shared_per_block_optin // group_bytes))
+    plans = tuple(_plans.KernelPlan(device, "block_conv", "block_conv",
+                                    (_kernels.ARITHMETIC_CTYPES[dtype_name], width, vector, op),
+                                    (1, 1, 1), (THREADS * groups, 1, 1), groups * group_bytes,
+                                    BLOCK_CONV_ARGS,
+                                    _streamed_tail(dtype_name, cin, kernel_size, groups),
+                                    dependent=True)
+                  for groups in range(1, max_groups + 1))
+    function = _max_dynamic_shared(plans[-1], max_groups * group_bytes)
     ctas = tuple(_plans.resident_ctas(function, THREADS * groups, groups * group_bytes, device)
                  for groups in range(1, max_groups + 1))
-    return BlockConvPlan(function, group_bytes, ctas)
+    return BlockConvPlan(plans, ctas, _stages(dtype_name, cin, kernel_size))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -172,7 +192,7 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
     if (staging == "streamed" or kernel_size == (1, 1) or cin == 0 or cin % vector
             or alignment % 16):
         return None
-    driver, info = _launch.driver, _launch.device_info(device)
+    info = _launch.device_info(device)
     limit = info.shared_per_block_optin
     chunk = halo_chunk(itemsize, cin, kernel_size, out_size, width, limit)
     if chunk is None or staging == "auto" and dtype_name != "float32":
@@ -183,13 +203,17 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
     shared = [halo_layout(itemsize, cin, kernel_size, out_size, width, chunk, groups)[1]
               for groups in range(1, min(MAX_K_GROUPS, chunks) + 1)]
     shared = tuple(b if b <= limit else 0 for b in shared)
-    function = _launch.function(device, "block_conv", "block_conv_halo",
-                                _kernels.ARITHMETIC_CTYPES[dtype_name], width, op)
-    driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            limit)
+    ctype = _kernels.ARITHMETIC_CTYPES[dtype_name]
+    plans = tuple(bytes_ and _plans.KernelPlan(
+        device, "block_conv", "block_conv_halo", (ctype, width, op), (1, 1, 1),
+        (THREADS * groups, 1, 1), bytes_, BLOCK_CONV_ARGS,
+        BLOCK_CONV_ARGS.tail(k_groups=groups, step_taps_y=0, step_taps_x=0, step_channels=0,
+                             halo_chunk=chunk), dependent=True) or None
+        for groups, bytes_ in enumerate(shared, 1))
+    function = _max_dynamic_shared(next(p for p in plans if p), limit)
     ctas = tuple(bytes_ and _plans.resident_ctas(function, THREADS * groups, bytes_, device)
                  for groups, bytes_ in enumerate(shared, 1))
-    return HaloPlan(function, chunk, chunks, shared, ctas, info.sms)
+    return HaloPlan(plans, chunk, chunks, shared, ctas, info.sms)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -237,20 +261,16 @@ def launch_block_conv(device, stream, dtype_name, src, dst, weight, indices, cou
     alignment = _checks.alignment(src, weight)
     width, tiles, halo, groups = _tiling(device, dtype_name, cin, cout, rows, kernel_size,
                                          out_size, alignment, op, prologue=bool(scale))
-    # BLOCK_CONV_ARGS's fields up to `paired`, in order; then k_groups, the steps, halo_chunk.
-    arguments = (src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin, cout,
-                 kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out), bool(zero_outside),
-                 _paired(dtype_name, cout, dst))
     if groups:
-        _launch.launch(device, stream, halo.function, (min(tiles, halo.ctas[groups - 1]), 1, 1),
-                       (THREADS * groups, 1, 1), halo.shared[groups - 1], BLOCK_CONV_ARGS,
-                       (*arguments, groups, 0, 0, 0, halo.chunk), dependent=True)
-        return
-    plan = _plan(device, dtype_name, cin, width, alignment, op)
-    groups, steps = _streamed_groups(dtype_name, cin, kernel_size, tiles, plan.ctas)
-    _launch.launch(device, stream, plan.function, (min(tiles, plan.ctas[groups - 1]), 1, 1),
-                   (THREADS * groups, 1, 1), groups * plan.group_bytes, BLOCK_CONV_ARGS,
-                   (*arguments, groups, *steps, 0), dependent=True)
+        plan, ctas = halo.plans[groups - 1], halo.ctas[groups - 1]
+    else:
+        streamed = _plan(device, dtype_name, cin, width, alignment, op, kernel_size)
+        groups = k_groups(tiles, streamed.stages, streamed.ctas)
+        plan, ctas = streamed.plans[groups - 1], streamed.ctas[groups - 1]
+    # BLOCK_CONV_ARGS's fields up to `paired`, in order (the plan's from k_groups on).
+    plan.launch(stream, src, dst, weight, bias, scale, shift, indices, counts, rows, n_batch, cin,
+                cout, kh, kw, oh, ow, *src_side, *dst_side, bool(relu_out), bool(zero_outside),
+                _paired(dtype_name, cout, dst), grid=(min(tiles, ctas), 1, 1))
 
 
 def _tiling(device, dtype_name, cin, cout, rows, kernel_size, out_size, alignment, op,
@@ -278,13 +298,21 @@ def _paired(dtype_name, cout, dst):
     return cout % 2 == 0 and _checks.alignment(dst) % (2 * _kernels.ITEMSIZES[dtype_name]) == 0
 
 
-def _streamed_groups(dtype_name, cin, kernel_size, tiles, ctas):
-    """Warp groups of a streamed launch, and each group's step from one of its stages to the
-    next: (taps down, taps across, channels)."""
+def _stages(dtype_name, cin, kernel_size):
+    """The 32-word stages of a streamed launch's reduction (its taps and channels)."""
     stage = TILE_WORDS * 4 // _kernels.ITEMSIZES[dtype_name]  # reduction elements a stage
-    groups = k_groups(tiles, math.ceil(kernel_size[0] * kernel_size[1] * cin / stage), ctas)
+    return math.ceil(kernel_size[0] * kernel_size[1] * cin / stage)
+
+
+def _streamed_tail(dtype_name, cin, kernel_size, groups):
+    """BLOCK_CONV_ARGS's fields from k_groups on of a streamed launch of `groups` warp groups:
+    each group's step from one of its stages to the next (taps down, taps across, channels)."""
+    stage = TILE_WORDS * 4 // _kernels.ITEMSIZES[dtype_name]
     step_taps, step_channels = divmod(groups * stage, cin) if cin else (0, 0)
-    return groups, (*divmod(step_taps, kernel_size[1]), step_channels)
+    step_taps_y, step_taps_x = divmod(step_taps, kernel_size[1])
+    return BLOCK_CONV_ARGS.tail(k_groups=groups, step_taps_y=step_taps_y,
+                                step_taps_x=step_taps_x, step_channels=step_channels,
+                                halo_chunk=0)
 
 
 # Whether a unit's 3x3 and last 1x1 run as one launch (block_conv_pair) where they can.
@@ -306,74 +334,87 @@ def pair_width(bottleneck, channels, dtype_name, alignment):
 
 
 @functools.lru_cache(maxsize=1024)
-def _pair_plan(device, dtype_name, bn, bn2):
-    """block_conv_pair's function, and by group count (1, 2, ...) its shared bytes and the CTAs
-    the GPU holds."""
+def _pair_plan(device, dtype_name, bn, bn2, bottleneck):
+    """The PairPlan of block_conv_pair for a unit of `bottleneck` channels."""
     itemsize = _kernels.ITEMSIZES[dtype_name]
-    function = _launch.function(device, "block_conv", "block_conv_pair",
-                                _kernels.ARITHMETIC_CTYPES[dtype_name], bn, bn2)
-    driver, info = _launch.driver, _launch.device_info(device)
-    limit = info.shared_per_block_optin
+    limit = _launch.device_info(device).shared_per_block_optin
     pitch2 = bn * itemsize // 4 + 4
     shared = tuple(max(groups * SLOTS * (TILE_PIXELS + bn) * PITCH,
                        (TILE_PIXELS + groups * bn2) * pitch2) * 4
                    for groups in range(1, MAX_K_GROUPS + 1))
     shared = tuple(b for b in shared if b <= limit)
-    driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            shared[-1])
+    plans = tuple(_plans.KernelPlan(device, "block_conv", "block_conv_pair",
+                                    (_kernels.ARITHMETIC_CTYPES[dtype_name], bn, bn2), (1, 1, 1),
+                                    (THREADS * groups, 1, 1), bytes_, BLOCK_CONV_PAIR_ARGS,
+                                    dependent=True)
+                  for groups, bytes_ in enumerate(shared, 1))
+    function = _max_dynamic_shared(plans[-1], shared[-1])
     ctas = tuple(_plans.resident_ctas(function, THREADS * groups, bytes_, device)
                  for groups, bytes_ in enumerate(shared, 1))
-    return function, shared, ctas
+    return PairPlan(plans, ctas, _stages(dtype_name, bottleneck, (3, 3)),
+                    tuple(_streamed_tail(dtype_name, bottleneck, (3, 3), groups)
+                          for groups in range(1, len(shared) + 1)))
 
 
-def launch_conv(device, stream, dtype_name, x, y, weight, bias, indices, counts, rows, x_shape,
-                y_shape, kernel_size, block_params):
-    """A stride-1 convolution of x [N, H, W, cin] on the listed blocks into y [N, H', W', cout]
-    (block_params from calc_block_params, stride_one; weight OHWI, bias float32 or 0)."""
-    n, height, width, cin = x_shape
-    launch_block_conv(device, stream, dtype_name, x, y, weight, indices, counts, rows, n, cin,
-                      y_shape[3], kernel_size, block_params.bsize_out,
+def launch_conv(backend, x, y, weight, bias, indices, counts, block_params):
+    """A stride-1 convolution of a backend's arrays (core/backend.py: CUPY, torch_bridge's
+    TORCH), checked and C-contiguous: x [N, H, W, cin] on the listed blocks (int32 indices
+    [rows, 3] and counts [1]) into y [N, H', W', cout]; weight [cout, KH, KW, cin] (OHWI) in
+    x's dtype, bias float32 [cout] or None; block_params from calc_block_params, stride_one."""
+    n, height, width, cin = x.shape
+    device = backend.device(x)
+    launch_block_conv(device, backend.stream(device), backend.dtype_name(x), backend.pointer(x),
+                      backend.pointer(y), backend.pointer(weight), backend.pointer(indices),
+                      backend.pointer(counts), indices.shape[0], n, cin, y.shape[3],
+                      tuple(weight.shape[1:3]), block_params.bsize_out,
                       image_side(height, width, block_params.boffset, block_params.bstrides),
-                      image_side(y_shape[1], y_shape[2], (0, 0), block_params.bsize_out),
-                      bias=bias)
+                      image_side(y.shape[1], y.shape[2], (0, 0), block_params.bsize_out),
+                      bias=backend.pointer(bias))
 
 
-def launch_res_unit(device, stream, dtype_name, x, y, weights, indices, counts, rows, x_shape,
-                    bottleneck, block_params, stacks):
-    """SBNet's bottleneck unit on the listed blocks, added into y (x itself, or a copy of it):
-    1x1 (bn1 and ReLU on load, bias and ReLU, zero outside the image) into stacks[0]
-    [rows, bh, bw, K], 3x3 (bias, ReLU) into stacks[1] [rows, bh - 2, bw - 2, K], 1x1 added
-    into y; the 3x3 and the last 1x1 as one block_conv_pair launch (stacks[1] unused) where
-    PAIR and pair_width allow it and the 3x3 streams. weights: addresses of (scale, shift, w1,
-    b1, w2, b2, w3), convolutions OHWI in dtype_name, the rest float32. block_params:
-    calc_block_params_res_block's, stride 1."""
-    n, height, width, channels = x_shape
-    scale, shift, w1, b1, w2, b2, w3 = weights
+def launch_res_unit(backend, x, y, weights, indices, counts, block_params):
+    """SBNet's bottleneck unit on the listed blocks of a backend's arrays (as launch_conv's),
+    added into y (x itself, or a C-contiguous copy of it): 1x1 (bn1 and ReLU on load, bias and
+    ReLU, zero outside the image) into a stack [rows, bh, bw, K], 3x3 (bias, ReLU) into a stack
+    [rows, bh - 2, bw - 2, K], 1x1 added into y; the 3x3 and the last 1x1 as one block_conv_pair
+    launch (no second stack) where PAIR and pair_width allow it and the 3x3 streams. weights:
+    (scale, shift, w1, b1, w2, b2, w3), convolutions OHWI in x's dtype, the rest float32.
+    block_params: calc_block_params_res_block's, stride 1."""
+    n, height, width, channels = x.shape
+    rows, bottleneck = indices.shape[0], weights[2].shape[0]
     (bh, bw), (oh, ow) = block_params.bsize, block_params.bsize_out
-    first, middle = stacks
-    image_in = image_side(height, width, block_params.boffset, block_params.bstrides)
+    device = backend.device(x)
+    stream, dtype_name = backend.stream(device), backend.dtype_name(x)
+    scale, shift, w1, b1, w2, b2, w3 = (backend.pointer(w) for w in weights)
+    x, y, indices, counts = (backend.pointer(a) for a in (x, y, indices, counts))
+    # The stacks live until the launches are queued: the allocators reuse memory in stream order.
+    first_stack = backend.empty((rows, bh, bw, bottleneck), weights[2])
+    first = backend.pointer(first_stack)
     common = (device, stream, dtype_name)
     launch_block_conv(*common, x, first, w1, indices, counts, rows, n, channels, bottleneck,
-                      (1, 1), (bh, bw), image_in, stack_side(bh, bw), bias=b1, scale=scale,
-                      shift=shift, relu_out=True, zero_outside=True)
+                      (1, 1), (bh, bw), image_side(height, width, block_params.boffset,
+                                                   block_params.bstrides),
+                      stack_side(bh, bw), bias=b1, scale=scale, shift=shift, relu_out=True,
+                      zero_outside=True)
     image_out = image_side(height, width, (0, 0), block_params.bsize_out)
     widths = PAIR and pair_width(bottleneck, channels, dtype_name,
                                  _checks.alignment(first, w2, w3))
     # The pair where the 3x3 streams (block_conv_halo would take it as launch_block_conv plans).
     if widths and not _tiling(device, dtype_name, bottleneck, bottleneck, rows, (3, 3), (oh, ow),
                               _checks.alignment(first, w2), "Assign")[3]:
-        bn, bn2 = widths
-        function, shared, ctas = _pair_plan(device, dtype_name, bn, bn2)
-        tiles = _tile_count(rows, (oh, ow), bottleneck, bn)
-        groups, steps = _streamed_groups(dtype_name, bottleneck, (3, 3), tiles, ctas)
-        # BLOCK_CONV_PAIR_ARGS in order: the 3x3's BlockConvArgs, then the 1x1's fields.
-        _launch.launch(device, stream, function, (min(tiles, ctas[groups - 1]), 1, 1),
-                       (THREADS * groups, 1, 1), shared[groups - 1], BLOCK_CONV_PAIR_ARGS,
-                       (first, middle, w2, b2, 0, 0, indices, counts, rows, n, bottleneck,
-                        bottleneck, 3, 3, oh, ow, *stack_side(bh, bw), *stack_side(oh, ow), True,
-                        False, False, groups, *steps, 0, y, w3, channels, *image_out,
-                        _paired(dtype_name, channels, y)), dependent=True)
+        pair = _pair_plan(device, dtype_name, *widths, bottleneck)
+        tiles = _tile_count(rows, (oh, ow), bottleneck, widths[0])
+        groups = k_groups(tiles, pair.stages, pair.ctas)
+        # BLOCK_CONV_PAIR_ARGS in order: the 3x3's BlockConvArgs (its plan's tail for `groups`
+        # groups), then the 1x1's fields.
+        pair.plans[groups - 1].launch(
+            stream, first, 0, w2, b2, 0, 0, indices, counts, rows, n, bottleneck, bottleneck, 3,
+            3, oh, ow, *stack_side(bh, bw), *stack_side(oh, ow), True, False, False,
+            *pair.conv_tails[groups - 1], y, w3, channels, *image_out,
+            _paired(dtype_name, channels, y), grid=(min(tiles, pair.ctas[groups - 1]), 1, 1))
         return
+    middle_stack = backend.empty((rows, oh, ow, bottleneck), weights[2])
+    middle = backend.pointer(middle_stack)
     launch_block_conv(*common, first, middle, w2, indices, counts, rows, n, bottleneck,
                       bottleneck, (3, 3), (oh, ow), stack_side(bh, bw), stack_side(oh, ow),
                       bias=b2, relu_out=True)

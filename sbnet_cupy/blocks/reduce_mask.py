@@ -7,7 +7,8 @@ from collections import namedtuple
 
 import numpy
 
-from ..core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
+from ..core import backend as _backend, checks as _checks, kernels as _kernels
+from ..core import plan as _plans, records as _records
 
 _THREADS = 1024  # 32 warps, one block each; kernels/reduce_mask.cu assumes this
 
@@ -194,31 +195,32 @@ def shared_workspace(device, stream, n_words):
     return buffer.data.ptr
 
 
-# ReduceMaskArgs (sbnet_cupy/core/records.py): mask, words, tickets, indices, count, tol, 13 ints.
-_ARGS = _records.REDUCE_MASK_ARGS
-
-
-def launch_reduce_mask(device, stream, mask, mask_shape, mask_dtype, bcount, geometry, tol,
-                       avgpool, rows, fill_rows, indices, count, workspace):
-    """The CUDA reduce_mask on raw addresses (checked arguments): a C-contiguous mask
-    [N, H, W] of `mask_dtype` (NumPy's or torch's); int32 indices [rows, 3] and count [1];
-    the first fill_rows rows past the count set to -1; `workspace` as shared_workspace gives
-    it (ticket counter zero)."""
+def launch_reduce_mask(backend, mask, bcount, geometry, tol, avgpool, indices, count, fill_rows,
+                       workspace=None):
+    """The CUDA reduce_mask of a backend's arrays (core/backend.py: CUPY, torch_bridge's TORCH),
+    checked: a C-contiguous mask [N, H, W] (or [N, H, W, 1]); int32 indices [rows, 3] and count
+    [1]; the first fill_rows rows past the count set to -1. workspace: the caller's (see
+    reduce_mask), or None for shared_workspace's."""
     (bh, bw), (oh, ow), (sh, sw) = geometry
-    n, height, width = mask_shape
-    n_words = workspace_words(n * bcount[0] * bcount[1]) - 1
-    _launch.launch(device, stream, _function(device, mask_dtype, avgpool, bh, bw),
-                   (n_words, 1, 1), (_THREADS, 1, 1), 0, _ARGS,  # its values in order
-                   (mask, workspace + 4, workspace, indices, count, tol, n, height, width, bh,
-                    bw, oh, ow, sh, sw, bcount[0], bcount[1], rows, fill_rows))
+    n, height, width = mask.shape[:3]
+    n_words = workspace_words(n * bcount[0] * bcount[1])
+    device = backend.device(mask)
+    stream = backend.stream(device)
+    tickets = (shared_workspace(device, stream, n_words) if workspace is None
+               else backend.pointer(workspace))
+    # ReduceMaskArgs's values in order: a flag word for every 32 blocks after the counter.
+    _plan(device, backend.dtype_name(mask), avgpool, bh, bw).launch(
+        stream, backend.pointer(mask), tickets + 4, tickets, backend.pointer(indices),
+        backend.pointer(count), tol, n, height, width, bh, bw, oh, ow, sh, sw, bcount[0],
+        bcount[1], indices.shape[0], fill_rows, grid=(n_words - 1, 1, 1))
 
 
 @functools.lru_cache(maxsize=256)
-def _function(device, mask_dtype, avgpool, bh, bw):
+def _plan(device, mask_dtype, avgpool, bh, bw):
     size = _kernels.specialised_size(bh) if bh == bw else 0
-    return _launch.function(device, "reduce_mask", "reduce_mask",
-                            _kernels.MASK_CTYPES[_checks.name_of(mask_dtype)], avgpool, size,
-                            size)
+    return _plans.KernelPlan(device, "reduce_mask", "reduce_mask",
+                             (_kernels.MASK_CTYPES[mask_dtype], avgpool, size, size), (1, 1, 1),
+                             (_THREADS, 1, 1), 0, _records.REDUCE_MASK_ARGS)
 
 
 def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity, out, workspace):
@@ -239,14 +241,8 @@ def _reduce_mask_cupy(mask, bcount, geometry, tol, avgpool, capacity, out, works
             count.fill(0)
             indices.fill(-1)
             return ReduceMask(indices, count)
-        device, stream = mask.data.device_id, cupy.cuda.get_current_stream().ptr
-        if workspace is None:
-            workspace_ptr = shared_workspace(device, stream, workspace_words(total))
-        else:
-            workspace_ptr = workspace.data.ptr
-        launch_reduce_mask(device, stream, mask.data.ptr, mask.shape, mask.dtype, bcount,
-                           geometry, tol, avgpool, rows, 0 if capacity is None else rows,
-                           indices.data.ptr, count.data.ptr, workspace_ptr)
+        launch_reduce_mask(_backend.CUPY, mask, bcount, geometry, tol, avgpool, indices, count,
+                           0 if capacity is None else rows, workspace)
         if capacity is None:
             indices = indices[:int(count.get()[0])]
     return ReduceMask(indices, count)

@@ -15,7 +15,7 @@ CUPY_TF32=1 is set.
 
 import numpy
 
-from ..core import checks as _checks
+from ..core import backend as _backend, checks as _checks
 from . import block_conv
 from .sparse_gather import sparse_gather
 from .sparse_scatter import sparse_scatter, sparse_scatter_var
@@ -75,23 +75,13 @@ def _use_fused(method, x, block_params, kernel_size):
                                or block_conv.tf32_allowed())
 
 
-def _launch_context(x):
-    import cupy
-
-    return x.data.device_id, cupy.cuda.get_current_stream().ptr
-
-
 def _ohwi(xp, w):
     """HWIO -> [C_out, KH, KW, C_in], the fused kernels' weight layout."""
     return xp.ascontiguousarray(w.transpose(3, 0, 1, 2))
 
 
 def _float32(xp, a):
-    return 0 if a is None else xp.ascontiguousarray(a, dtype=xp.float32)
-
-
-def _ptr(a):
-    return a if isinstance(a, int) else a.data.ptr
+    return None if a is None else xp.ascontiguousarray(a, dtype=xp.float32)
 
 
 def _check_shape(name, a, shape):
@@ -124,10 +114,8 @@ def _sparse_conv2d_fused(x, w, bin_counts, active_block_indices, block_params, b
         x = xp.ascontiguousarray(x)
         weight, bias32 = _ohwi(xp, w), _float32(xp, bias)
         indices, counts = _checks.block_list(xp, active_block_indices, bin_counts)
-        device, stream = _launch_context(x)
-        block_conv.launch_conv(device, stream, _checks.dtype_name(x), x.data.ptr, y.data.ptr,
-                               weight.data.ptr, _ptr(bias32), indices.data.ptr, counts.data.ptr,
-                               indices.shape[0], x.shape, y.shape, (kh, kw), block_params)
+        block_conv.launch_conv(_backend.CUPY, x, y, weight, bias32, indices, counts,
+                               block_params)
     return y
 
 
@@ -201,22 +189,14 @@ def _sparse_res_block_fused(x, bin_counts, active_block_indices, block_params, f
         _check_dtype(f"folded[{name!r}]", folded[name], x)
     if inplace and not x.flags.c_contiguous:
         raise ValueError("inplace=True needs a C-contiguous x")
-    (bh, bw), (oh, ow) = block_params.bsize, block_params.bsize_out
     with _checks.on_device(x):
         y = x if inplace else xp.array(x, order="C")
         indices, counts = _checks.block_list(xp, active_block_indices, bin_counts)
-        rows = indices.shape[0]
-        stacks = (xp.empty((rows, bh, bw, bottleneck), x.dtype),
-                  xp.empty((rows, oh, ow, bottleneck), x.dtype))
         scale, shift = folded["bn1"]
         weights = (_float32(xp, scale), _float32(xp, shift), _ohwi(xp, folded["conv1"]),
                    _float32(xp, folded["bias1"]), _ohwi(xp, folded["conv2"]),
                    _float32(xp, folded["bias2"]), _ohwi(xp, folded["conv3"]))
-        device, stream = _launch_context(x)
-        block_conv.launch_res_unit(device, stream, _checks.dtype_name(x), y.data.ptr,
-                                   y.data.ptr, tuple(a.data.ptr for a in weights),
-                                   indices.data.ptr, counts.data.ptr, rows, x.shape, bottleneck,
-                                   block_params, tuple(a.data.ptr for a in stacks))
+        block_conv.launch_res_unit(_backend.CUPY, y, y, weights, indices, counts, block_params)
     return y
 
 

@@ -5,7 +5,7 @@ import functools
 import numpy
 
 from . import stack as _blocks
-from ..core import checks as _checks, kernels as _kernels
+from ..core import backend as _backend, checks as _checks, kernels as _kernels
 
 
 def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0), bstride=None,
@@ -57,14 +57,8 @@ def sparse_gather(x, bin_counts, active_block_indices, *, bsize, boffset=(0, 0),
         if xp is numpy:
             _gather_numpy(x, counts, indices, geometry, transpose, out, affine, bool(relu))
         else:
-            import cupy
-
-            x = x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
-            scale_ptr, shift_ptr = (0, 0) if affine is None else (a.data.ptr for a in affine)
-            launch_gather(x.data.device_id, cupy.cuda.get_current_stream().ptr, x.data.ptr,
-                          out.data.ptr, indices.data.ptr, counts.data.ptr, scale_ptr, shift_ptr,
-                          x.shape, shape[0], x.dtype, x.itemsize, geometry, transpose,
-                          bool(relu))
+            launch_gather(_backend.CUPY, _backend.CUPY.contiguous(x), out, indices, counts,
+                          *(affine or (None, None)), geometry, transpose, bool(relu))
     return out
 
 
@@ -103,22 +97,27 @@ def affine_dtype(dtype_name):
     return "float64" if dtype_name == "float64" else "float32"
 
 
-def launch_gather(device, stream, x, out, indices, counts, scale, shift, x_shape, rows, dtype,
-                  itemsize, geometry, transpose, relu):
-    """The CUDA gather on raw addresses (checked arguments): C-contiguous x [N, H, W, C] of
-    `dtype` (NumPy's or torch's) into out, int32 indices [rows, 3] and count [1]; scale and
-    shift 0 or [C] in affine_dtype."""
-    n, height, width, channels = x_shape
+def launch_gather(backend, x, out, indices, counts, scale, shift, geometry, transpose, relu):
+    """The CUDA gather of a backend's arrays (core/backend.py: CUPY, torch_bridge's TORCH),
+    checked: C-contiguous x [N, H, W, C] into the stack `out`, int32 indices [rows, 3] and count
+    [1]; scale and shift None or [C] in affine_dtype."""
+    n, height, width, channels = x.shape
+    rows = indices.shape[0]
     if rows == 0 or channels == 0:
         return
-    plan = _gather_plan(device, geometry[0], channels, itemsize, dtype, transpose,
-                        bool(scale), relu, _checks.alignment(x, out))
-    _blocks.launch(plan, device, stream, x, out, indices, counts, rows, (n, height, width),
-                   geometry, scale, shift)
+    device = backend.device(x)
+    src, dst = backend.pointer(x), backend.pointer(out)
+    plan = _gather_plan(device, geometry[0], channels, backend.itemsize(x),
+                        backend.dtype_name(x), transpose, scale is not None, relu,
+                        _checks.alignment(src, dst))
+    _blocks.launch(plan, backend.stream(device), src, dst, backend.pointer(scale),
+                   backend.pointer(shift), backend.pointer(indices), backend.pointer(counts),
+                   rows, (n, height, width), geometry)
 
 
 @functools.lru_cache(maxsize=1024)
-def _gather_plan(device, bsize, channels, itemsize, dtype, transpose, affine, relu, alignment):
+def _gather_plan(device, bsize, channels, itemsize, dtype_name, transpose, affine, relu,
+                 alignment):
     (bh, bw), op = bsize, "sparse_gather"
     if transpose:
         return _blocks.transpose_plan(device, op, "sparse_gather_transposed",
@@ -127,7 +126,7 @@ def _gather_plan(device, bsize, channels, itemsize, dtype, transpose, affine, re
     if affine:
         vector = _kernels.widest_access(channels * itemsize, alignment) // itemsize
         return _blocks.row_plan(device, op, "sparse_gather_affine",
-                                (_kernels.ARITHMETIC_CTYPES[_checks.name_of(dtype)], vector,
+                                (_kernels.ARITHMETIC_CTYPES[dtype_name], vector,
                                  relu), bh, bw,
                                 channels // vector)
     word = _kernels.widest_access(channels * itemsize, alignment)

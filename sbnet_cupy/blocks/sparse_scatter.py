@@ -5,7 +5,7 @@ import functools
 import numpy
 
 from . import stack as _blocks
-from ..core import checks as _checks, kernels as _kernels
+from ..core import backend as _backend, checks as _checks, kernels as _kernels
 
 
 def sparse_scatter(blocks, bin_counts, active_block_indices, ybase, *, bsize, boffset=(0, 0),
@@ -65,13 +65,8 @@ def _scatter(blocks, bin_counts, active_block_indices, ybase, bsize, boffset, bs
         if xp is numpy:
             _scatter_numpy(blocks, counts, indices, work, geometry, add, transpose)
         else:
-            import cupy
-
-            blocks = blocks if blocks.flags.c_contiguous else cupy.ascontiguousarray(blocks)
-            launch_scatter(work.data.device_id, cupy.cuda.get_current_stream().ptr,
-                           blocks.data.ptr, work.data.ptr, indices.data.ptr, counts.data.ptr,
-                           work.shape, blocks.shape[0], work.dtype, work.itemsize, geometry,
-                           add, atomic, transpose)
+            launch_scatter(_backend.CUPY, _backend.CUPY.contiguous(blocks), work, indices,
+                           counts, geometry, add, atomic, transpose)
         if work is not y:
             y[...] = work
     return y
@@ -117,24 +112,26 @@ def _copy(a):
     return copy
 
 
-def launch_scatter(device, stream, blocks, y, indices, counts, y_shape, rows, dtype, itemsize,
-                   geometry, add, atomic, transpose):
-    """The CUDA scatter on raw addresses (checked arguments): the C-contiguous stack of `rows`
-    blocks into C-contiguous y [N, H, W, C] of `dtype` (NumPy's or torch's), in place; int32
+def launch_scatter(backend, blocks, y, indices, counts, geometry, add, atomic, transpose):
+    """The CUDA scatter of a backend's arrays (core/backend.py: CUPY, torch_bridge's TORCH),
+    checked: the C-contiguous stack `blocks` into C-contiguous y [N, H, W, C], in place; int32
     indices [rows, 3] and count [1]."""
-    n, height, width, channels = y_shape
+    n, height, width, channels = y.shape
+    rows = indices.shape[0]
     if rows == 0 or n * height * width * channels == 0:
         return
+    device = backend.device(y)
+    src, dst = backend.pointer(blocks), backend.pointer(y)
     op = ("AtomicAdd" if atomic else "Add") if add else "Assign"
-    plan = _scatter_plan(device, geometry[0], channels, itemsize, dtype, op, transpose,
-                         _checks.alignment(blocks, y))
-    _blocks.launch(plan, device, stream, blocks, y, indices, counts, rows, (n, height, width),
-                   geometry)
+    plan = _scatter_plan(device, geometry[0], channels, backend.itemsize(y),
+                         backend.dtype_name(y), op, transpose, _checks.alignment(src, dst))
+    _blocks.launch(plan, backend.stream(device), src, dst, 0, 0, backend.pointer(indices),
+                   backend.pointer(counts), rows, (n, height, width), geometry)
 
 
 @functools.lru_cache(maxsize=1024)
-def _scatter_plan(device, bsize, channels, itemsize, dtype, op, transpose, alignment):
-    (bh, bw), adds, dtype_name = bsize, op != "Assign", _checks.name_of(dtype)
+def _scatter_plan(device, bsize, channels, itemsize, dtype_name, op, transpose, alignment):
+    (bh, bw), adds = bsize, op != "Assign"
     if transpose:
         element = (_kernels.ARITHMETIC_CTYPES[dtype_name] if adds
                    else _kernels.STORAGE_CTYPES[itemsize])

@@ -1,22 +1,21 @@
-"""What sparse_gather and sparse_scatter share: block geometry on NumPy, launch shapes and the
-launch itself on the GPU."""
+"""What sparse_gather and sparse_scatter share: block geometry on NumPy, their launch plans and
+the launch itself on the GPU.
+
+A gather's or scatter's plan is a KernelPlan (core/plan.py) of its kernel, cached by the op per
+shape, dtype and device: its grid's y and z (the grid's x is the stack's rows, which change
+from call to call with capacity), block, shared memory, and the StackArgs fields that the plan
+fixes (words_per_pixel, tile_rows, log2_tile_c, pitch); a launch passes the rest.
+"""
 
 import math
-from collections import namedtuple
 
 import numpy
 
-from ..core import checks as _checks, launch as _launch, records as _records
+from ..core import checks as _checks, plan as _plan, records as _records
 
 # The gather's and scatter's argument record: src, dst, scale, shift, then a BlockList (indices,
-# count and ten ints), then words_per_pixel, tile_rows, log2_tile_c, pitch.
+# count and ten ints), then the plan's words_per_pixel, tile_rows, log2_tile_c, pitch.
 STACK_ARGS = _records.STACK_ARGS
-
-# A gather or scatter kernel (its address, compiled for one device) and its launch shape, except
-# the grid's x (the stack's rows, which change from call to call with capacity): what the ops
-# cache per shape and device.
-StackPlan = namedtuple("StackPlan", ["function", "grid_yz", "block", "shared_mem",
-                                     "words_per_pixel", "tile_rows", "log2_tile_c", "pitch"])
 
 THREADS = 256
 _UNROLL = 4  # words per thread per pass, as in the kernels
@@ -40,14 +39,16 @@ def block_pixels(indices, n_valid, image_shape, geometry):
 
 
 def row_plan(device, op, kernel, template_args, bh, bw, words_per_pixel):
-    """StackPlan of the row-copy kernel `kernel<template_args>` of kernels/<op>.cu:
+    """KernelPlan of the row-copy kernel `kernel<template_args>` of kernels/<op>.cu:
     threadIdx.x over a row's words (about _UNROLL each), threadIdx.y over block rows."""
     row_words = bw * words_per_pixel
     threads_x = min(THREADS, max(32, 32 * math.ceil(row_words / _UNROLL / 32)))
     threads_y = max(1, min(THREADS // threads_x, bh))
     grid_y = _checks.grid_dim("bsize[0]", math.ceil(bh / threads_y))
-    return StackPlan(_launch.function(device, op, kernel, *template_args), (grid_y, 1),
-                     (threads_x, threads_y, 1), 0, words_per_pixel, 0, 0, 0)
+    return _plan.KernelPlan(device, op, kernel, template_args, (1, grid_y, 1),
+                            (threads_x, threads_y, 1), 0, STACK_ARGS,
+                            STACK_ARGS.tail(words_per_pixel=words_per_pixel, tile_rows=0,
+                                            log2_tile_c=0, pitch=0))
 
 
 def _round_up(value, multiple):
@@ -55,7 +56,7 @@ def _round_up(value, multiple):
 
 
 def transpose_plan(device, op, kernel, element_types, bh, bw, channels, itemsize, alignment):
-    """StackPlan of the transposing kernel `kernel` of kernels/<op>.cu, whose template
+    """KernelPlan of the transposing kernel `kernel` of kernels/<op>.cu, whose template
     arguments are (element type, vector width V, *element_types[1:]). V elements (at most 16
     bytes) move as one access; V divides the channels, bh * bw and every tile's pixels, and the
     pointers' alignment. The tile is [tile channels][pitch], pitch a multiple of 8 * V
@@ -83,22 +84,20 @@ def transpose_plan(device, op, kernel, element_types, bh, bw, channels, itemsize
     grid_yz = (_checks.grid_dim("channels", math.ceil(channels / tile_c)),
                _checks.grid_dim("bsize[0]", math.ceil(bh / tile_rows)))
     pitch = _round_up(tile_rows * bw, 8 * vector)
-    function = _launch.function(device, op, kernel, element_types[0], vector, *element_types[1:])
-    return StackPlan(function, grid_yz, (THREADS, 1, 1), tile_c * pitch * itemsize, channels,
-                     tile_rows, tile_c.bit_length() - 1, pitch)
+    return _plan.KernelPlan(device, op, kernel, (element_types[0], vector, *element_types[1:]),
+                            (1, *grid_yz), (THREADS, 1, 1), tile_c * pitch * itemsize,
+                            STACK_ARGS,
+                            STACK_ARGS.tail(words_per_pixel=channels, tile_rows=tile_rows,
+                                            log2_tile_c=tile_c.bit_length() - 1, pitch=pitch))
 
 
-def launch(plan, device, stream, src, dst, indices, counts, rows, image_shape, geometry,
-           scale=0, shift=0):
-    """Launch a gather or scatter kernel on raw addresses: `rows` stack rows of blocks
-    `geometry` ((bh, bw), (oh, ow), (sh, sw)) in an image [n, height, width, ...]."""
+def launch(plan, stream, src, dst, scale, shift, indices, counts, rows, image_shape, geometry):
+    """Launch a gather or scatter plan on raw addresses: `rows` stack rows of blocks `geometry`
+    ((bh, bw), (oh, ow), (sh, sw)) in an image [n, height, width, ...]."""
     (bh, bw), (oh, ow), (sh, sw) = geometry
     n_batch, height, width = image_shape
     if rows >= 2**31:  # checked here, where the count is known under torch.compile too
         raise ValueError(f"active_block_indices has too many rows: {rows}")
-    _launch.launch(device, stream, plan.function, (rows, *plan.grid_yz), plan.block,
-                   plan.shared_mem,
-                   STACK_ARGS,  # its values in order
-                   (src, dst, scale, shift, indices, counts, rows, n_batch, height, width, bh, bw,
-                    oh, ow, sh, sw, plan.words_per_pixel, plan.tile_rows, plan.log2_tile_c,
-                    plan.pitch))
+    plan.launch(stream, src, dst, scale, shift,  # STACK_ARGS's leading values, in order
+                indices, counts, rows, n_batch, height, width, bh, bw, oh, ow, sh, sw,
+                grid=(rows, plan.grid[1], plan.grid[2]))

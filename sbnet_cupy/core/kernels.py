@@ -79,6 +79,22 @@ def get_kernel(op, kernel, *template_args):
     return _compiler()(op, _cached_name_expression(kernel, template_args))
 
 
+def generated_function(device, op, source, kernel, *template_args):
+    """(address, owner) of ``kernel<template_args>`` compiled on `device` from kernels/<op>.cu
+    (kernel_source) followed by `source`: code generated per call, such as a pruned
+    weight's mask as code (sbnet_cupy/pruned/program.py). NVRTC compiles it on first use, CuPy's
+    disk cache serves it after; the owner keeps its module loaded, and the caller keeps the owner
+    as long as the code's source object lives (so that masks come and go with their weights)."""
+    import cupy
+
+    name = name_expression(kernel, *template_args)
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=kernel_source(op) + "\n" + source,
+                                options=COMPILE_OPTIONS, name_expressions=(name,))
+        compiled = module.get_function(name).kernel  # the driver-level function
+    return compiled.ptr, (module, compiled)
+
+
 @functools.lru_cache(maxsize=None)
 def _cached_name_expression(kernel, template_args):
     return name_expression(kernel, *template_args)

@@ -1,5 +1,6 @@
-"""Kernel launches that cost little host time: every kernel takes its arguments as one struct,
-packed here into a per-thread buffer and handed straight to the driver (cuLaunchKernel).
+"""What kernel launches that cost little host time need of the driver: every kernel takes its
+arguments as one struct, which a KernelPlan (core/plan.py) packs into this thread's buffer
+(thread_state) and hands straight to the driver (cuLaunchKernel), after make_current.
 
 A launch through CuPy's ``Function.__call__`` converts every argument into a CuPy object, which
 costs more host time than the kernels of a small op take, and the bridges used to wrap every
@@ -7,15 +8,16 @@ tensor in a CuPy array and every stream in a CuPy Stream. Here a call is one ``p
 the kernel's argument record (sbnet_cupy/core/records.py) and one driver call on raw pointers,
 whatever produced them (CuPy arrays, torch tensors, DLPack capsules). Launch geometry and
 compiled functions are computed once and cached by the ops, from the device's facts
-(device_info), never from one GPU's numbers.
+(device_info), never from one GPU's numbers; function() compiles and keeps the kernels.
 
-A launch with ``dependent=True`` is a programmatic dependent launch (cuLaunchKernelEx, called
-through ctypes: CuPy exposes no launch with attributes) on GPUs of compute capability 9.0 and
-later, on streams other than the legacy default stream: the kernel may be scheduled while the
-previous kernel on its stream still runs, and waits for it in the kernel
-(wait_for_previous_kernel, kernels/common.cuh), so that a chain of short kernels (a bottleneck
-unit's block convolutions, the fused submanifold convolution and its split sum) does not
-pay a full launch gap between each two. SBNET_DEPENDENT_LAUNCH=0 (or DEPENDENT_LAUNCH = False)
+A plan made with ``dependent=True`` launches as a programmatic dependent launch
+(cuLaunchKernelEx, called through ctypes: CuPy exposes no launch with attributes; see
+dependent_launch and launch_config) on GPUs of compute capability 9.0 and later, on streams
+other than the legacy default stream: the kernel may be scheduled while the previous kernel on
+its stream still runs, and waits for it in the kernel (wait_for_previous_kernel,
+kernels/common.cuh), so that a chain of short kernels (a bottleneck unit's block convolutions,
+the fused submanifold convolution and its split sum) does not pay a full launch gap between
+each two. SBNET_DEPENDENT_LAUNCH=0 (or DEPENDENT_LAUNCH = False)
 launches them as the others.
 """
 
@@ -84,7 +86,7 @@ class _ThreadState(threading.local):
         self.config_ref = ctypes.byref(self.config)
 
 
-_state = _ThreadState()
+thread_state = _ThreadState()
 _functions = {}  # (device, op, name expression) -> (CUfunction address, cupy Function)
 _dependent = {}  # device -> cuLaunchKernelEx where it takes dependent launches, else None
 
@@ -134,52 +136,39 @@ def device_info(device):
         return info
 
 
-def launch(device, stream, kernel, grid, block, shared_mem, arguments, values, dependent=False):
-    """Launch `kernel` (an address from function()) on `device` and `stream` (a cudaStream_t
-    address), grid and block as 3-tuples, with `values` packed by `arguments`: the kernel's
-    Record (sbnet_cupy/core/records.py), `values` its leaves' values in its order (Record.values
-    and Record.tail build them by name); dependent: a programmatic dependent launch where the
-    GPU takes it (the kernel must call wait_for_previous_kernel before it touches memory the
-    previous kernel may use)."""
-    state = _state
-    arguments.pack_into(state.arguments, 0, *values)
+def make_current(device):
+    """Makes `device`'s context current for this thread's launch on it. Returns None where it
+    was already (the common case), else the device that was current, which the launch makes
+    current again after it."""
     current = runtime.getDevice()
-    if current == device and device in state.devices:
-        _start(state, device, stream, kernel, grid, block, shared_mem, dependent)
-        return
+    if current == device and device in thread_state.devices:
+        return None
     # Another device, or this thread's first launch on it: make its context current.
     runtime.setDevice(device)
-    state.devices.add(device)
-    try:
-        _start(state, device, stream, kernel, grid, block, shared_mem, dependent)
-    finally:
-        runtime.setDevice(current)
+    thread_state.devices.add(device)
+    return current
 
 
-def _start(state, device, stream, kernel, grid, block, shared_mem, dependent):
-    # Not on the legacy default stream (0), which synchronises with every other stream: the
-    # chains this serves run on explicit streams (CUDA graph captures, torch's side streams).
-    launch_ex = (_dependent_launch(device) if dependent and DEPENDENT_LAUNCH and stream
-                 else None)
-    if launch_ex is None:
-        driver.launchKernel(kernel, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                            shared_mem, stream, state.kernel_params, 0)
-        return
-    config = state.config
-    config.grid[0], config.grid[1], config.grid[2] = grid
-    config.block[0], config.block[1], config.block[2] = block
-    config.shared_mem, config.stream = shared_mem, stream
-    status = launch_ex(state.config_ref, kernel, state.kernel_params, None)
-    if status:
-        raise driver.CUDADriverError(status)
-
-
-def _dependent_launch(device):
-    """cuLaunchKernelEx if `device` (compute capability 9.0 or later) takes dependent launches,
-    else None."""
+def dependent_launch(device, stream):
+    """cuLaunchKernelEx where a launch on `device` and `stream` may be a programmatic dependent
+    one, else None: DEPENDENT_LAUNCH off, the legacy default stream (0, which synchronises with
+    every other stream: the chains this serves run on explicit streams, such as CUDA graph
+    captures and torch's side streams), or a device before compute capability 9.0."""
+    if not (DEPENDENT_LAUNCH and stream):
+        return None
     try:
         return _dependent[device]
     except KeyError:
         major = device_info(device).compute_capability[0]
         launch_ex = _dependent[device] = _driver_launch_ex() if major >= 9 else None
         return launch_ex
+
+
+def launch_config(grid, block, shared_mem, stream):
+    """This thread's CUlaunchConfig (by reference) of a dependent launch: the programmatic
+    stream serialization attribute, and this launch's shape and stream."""
+    config = thread_state.config
+    config.grid[0], config.grid[1], config.grid[2] = grid
+    config.block[0], config.block[1], config.block[2] = block
+    config.shared_mem, config.stream = shared_mem, stream
+    return thread_state.config_ref

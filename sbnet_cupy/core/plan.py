@@ -42,10 +42,26 @@ class KernelPlan:
 
     def launch(self, stream, *values, grid=None, function=None):
         """Launch on `stream` with the record's leading leaves `values` (in its order), then
-        the plan's constants; `function`: a generated plan's kernel (see the attributes)."""
-        _launch.launch(self.device, stream, function or self.function, grid or self.grid,
-                       self.block, self.shared_mem, self.record, values + self.constants,
-                       self.dependent)
+        the plan's constants; `function`: a generated plan's kernel (see the attributes). The
+        driver is called from here, so that a module's call reaches it in few frames."""
+        state = _launch.thread_state
+        self.record.pack_into(state.arguments, 0, *values, *self.constants)
+        function, grid = function or self.function, grid or self.grid
+        restore = _launch.make_current(self.device)
+        try:
+            launch_ex = self.dependent and _launch.dependent_launch(self.device, stream)
+            if launch_ex:
+                status = launch_ex(_launch.launch_config(grid, self.block, self.shared_mem,
+                                                         stream),
+                                   function, state.kernel_params, None)
+                if status:
+                    raise _launch.driver.CUDADriverError(status)
+            else:
+                _launch.driver.launchKernel(function, *grid, *self.block, self.shared_mem,
+                                            stream, state.kernel_params, 0)
+        finally:
+            if restore is not None:
+                _launch.runtime.setDevice(restore)
 
     def __repr__(self):
         return (f"KernelPlan({self.name}, grid={self.grid}, block={self.block}, "
@@ -86,19 +102,3 @@ def split_sum_plan(device, op, ctype, rows, cols, pitch, splits, dependent=False
     return KernelPlan(device, op, "split_sum", (ctype,), (blocks, 1, 1),
                       (_SPLIT_SUM_THREADS, 1, 1), 0, record,
                       record.tail(rows=rows, cols=cols, pitch=pitch, splits=splits), dependent)
-
-
-def generated_function(device, op, source, kernel, *template_args):
-    """(address, owner) of ``kernel<template_args>`` compiled on `device` from kernels/<op>.cu
-    (core.kernels.kernel_source) followed by `source`: code generated per call, such as a pruned
-    weight's mask as code (sbnet_cupy/pruned/program.py). NVRTC compiles it on first use, CuPy's
-    disk cache serves it after; the owner keeps its module loaded, and the caller keeps the owner
-    as long as the code's source object lives (so that masks come and go with their weights)."""
-    import cupy
-
-    name = _kernels.name_expression(kernel, *template_args)
-    with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=_kernels.kernel_source(op) + "\n" + source,
-                                options=_kernels.COMPILE_OPTIONS, name_expressions=(name,))
-        compiled = module.get_function(name).kernel  # the driver-level function
-    return compiled.ptr, (module, compiled)

@@ -11,7 +11,7 @@ unsigned, i64, float, double, pointers, and records declared before it). From th
   kernels/common.cuh for kernels/<op>.cu, and that the CPU emulator (tests/cuda_emulation.py)
   builds with g++: both compilers check the layout that Python computed, field by field;
 - the record packs the values (`pack_into(buffer, offset, *values)`, one struct.Struct call, as
-  _launch.launch does), in the order of its leaves: its fields in declaration order, a nested
+  KernelPlan.launch does), in the order of its leaves: its fields in declaration order, a nested
   record's fields in place, an array's elements in order (`names` lists them);
 - `values(**fields)` builds that tuple by name, and `tail(**fields)` the values of a trailing run
   of fields (a plan's constants after the per-call pointers), each checked: a missing or unknown
@@ -24,8 +24,9 @@ the record's order, and build their nested records and plan constants by name.
 
 Adding a kernel's record: declare it here as ``NAME = Record("CName", "<op>", \"\"\"<fields>
 \"\"\")`` (array sizes as numbers, or a constant of this module in an f-string), use `CName` in
-kernels/<op>.cu (the header defines it in front of common.cuh) and pass the record to
-_launch.launch. The NVRTC compile check and the emulated tests then check it.
+kernels/<op>.cu (the header defines it in front of common.cuh) and make the kernel's
+KernelPlan (core/plan.py) with the record. The NVRTC compile check and the emulated tests
+then check it.
 """
 
 import keyword

@@ -1,6 +1,6 @@
 """The "compiled" strategy's code: a pruned weight's mask written out as a C++ Program struct
 (kernels/sparse_kernel_conv.cu's sparse_kernel_conv_compiled<T, Program> runs it), one per
-weight and plan layout, compiled by NVRTC on first use (core.plan.generated_function; CuPy keeps
+weight and plan layout, compiled by NVRTC on first use (core.kernels.generated_function; CuPy keeps
 the binary in its disk cache). The tap's accumulator and window offset must be compile-time
 indices for both to stay in registers; the values stay in memory, so training them needs no
 recompilation."""
@@ -10,7 +10,7 @@ from collections import namedtuple
 
 import numpy
 
-from ..core import kernels as _kernels, launch as _launch, plan as _plan
+from ..core import kernels as _kernels, launch as _launch
 from .plans import compiled_smem_limit
 
 _Column = namedtuple("_Column", ["offset", "quads", "first", "taps"])
@@ -101,7 +101,7 @@ class _Program:
         key = (dtype, device)
         entry = self._functions.get(key)
         if entry is None:
-            address, owner = _plan.generated_function(
+            address, owner = _kernels.generated_function(
                 device, "sparse_kernel_conv", self.source, "sparse_kernel_conv_compiled",
                 _kernels.ARITHMETIC_CTYPES[dtype], self.name)
             driver = _launch.driver

@@ -224,35 +224,6 @@ def test_dependent_launches_equal_plain_ones(rng, monkeypatch, dtype, graphed):
     numpy.testing.assert_array_equal(run(True), plain)
 
 
-def test_dependent_launch_host_side(monkeypatch):
-    """Where a block convolution's launch goes (the GPU test above checks what it computes): a
-    dependent launch on a stream fills cuLaunchKernelEx's config; on the default stream, with
-    DEPENDENT_LAUNCH off, or where the device takes none, the plain cuLaunchKernel."""
-    launch = _launch
-
-    if launch.driver is None:
-        pytest.skip("needs CuPy")
-    calls = []
-    monkeypatch.setattr(launch.driver, "launchKernel", lambda *a: calls.append(("plain", a)))
-    monkeypatch.setattr(launch, "_dependent", {0: lambda *a: calls.append(("ex", a)) or 0,
-                                               1: None})
-    state = launch._state
-    launch._start(state, 0, 0xabc, 0x10, (5, 6, 7), (128, 1, 2), 4096, True)
-    kind, (config, kernel, params, extra) = calls.pop()
-    assert (kind, kernel, params, extra) == ("ex", 0x10, state.kernel_params, None)
-    c = state.config
-    assert (tuple(c.grid), tuple(c.block), c.shared_mem, c.stream) == ((5, 6, 7), (128, 1, 2),
-                                                                         4096, 0xabc)
-    assert c.num_attrs == 1 and (c.attrs[0].id, c.attrs[0].value) == (6, 1)
-    for device, stream, dependent, enabled in [(0, 0, True, True), (0, 0xabc, False, True),
-                                               (0, 0xabc, True, False), (1, 0xabc, True, True)]:
-        monkeypatch.setattr(launch, "DEPENDENT_LAUNCH", enabled)
-        launch._start(state, device, stream, 0x10, (5, 6, 7), (128, 1, 2), 4096, dependent)
-        assert calls.pop() == ("plain", (0x10, 5, 6, 7, 128, 1, 2, 4096, stream,
-                                         state.kernel_params, 0))
-    assert not calls
-
-
 def test_tile_channels_pad_least_and_fill_the_gpu():
     pick = block_conv.tile_channels
     assert pick(24, 1000, 4, 132) == 32   # 48 and 64 pad more

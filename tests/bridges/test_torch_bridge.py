@@ -283,3 +283,48 @@ def test_fused_batchnorm_gather_gradient(rng, device):
         eps=1e-6, atol=1e-8)
     with pytest.raises(ValueError, match="scale and shift of sparse_gather get no gradient"):
         tb.sparse_gather(x, *args, scale=scale.requires_grad_(True), shift=shift, **kw)
+
+
+@pytest.mark.parametrize("mask_dtype, dtype", [(torch.bool, torch.uint8),
+                                               (torch.uint8, torch.int8),
+                                               (torch.int32, torch.int16),
+                                               (torch.float16, torch.bool)])
+def test_cuda_path_plans_every_dtype_on_the_cpu(rng, monkeypatch, mask_dtype, dtype):
+    """The CUDA lines of reduce_mask, sparse_gather and sparse_scatter without a GPU: CPU tensors
+    taken for CUDA ones (is_cuda, the TORCH backend's device and stream), compiled kernels named
+    by their name expressions, launches recorded. Masks of bool and uint8 and data of any dtype
+    (docs/blocks.md) plan their kernels from the TORCH backend's dtype names, as on a GPU."""
+    from sbnet_cupy.blocks import reduce_mask as _reduce_mask
+    from sbnet_cupy.blocks import sparse_gather as _gather, sparse_scatter as _scatter
+    from sbnet_cupy.core import launch as _launch, plan as _plan
+    from torch_bridge.backend import TORCH
+    from torch_bridge.blocks import ops
+
+    launched = []
+    caches = (_reduce_mask._plan, _gather._gather_plan, _scatter._scatter_plan)
+    for cache in caches:
+        cache.cache_clear()
+    monkeypatch.setattr(_plan.KernelPlan, "launch",
+                        lambda plan, stream, *values, grid=None: launched.append(plan.name))
+    monkeypatch.setattr(_launch, "function", lambda device, op, kernel, *args: kernel)
+    monkeypatch.setattr(_reduce_mask, "shared_workspace", lambda device, stream, n: 4096)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(TORCH, "device", lambda t: 0)
+    monkeypatch.setattr(TORCH, "stream", lambda device: 0)
+    mask = torch.tensor(rng.random((1, 16, 16)) > 0.5).to(mask_dtype)
+    x = torch.tensor(rng.integers(0, 2, (1, 16, 16, 4))).to(dtype)
+    geometry = ((8, 8), (0, 0), (8, 8))
+    try:
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        indices, counts = ops._reduce_mask_impl(mask, (2, 2), *geometry, 0.5, False, 4)
+        ops._gather_impl(x, counts, indices, *geometry, False, None, None, False)
+        ops._scatter_into(x.new_empty((4, 8, 8, 4)), counts, indices, x, *geometry, False,
+                          False, False)
+    finally:
+        monkeypatch.undo()
+        for cache in caches:
+            cache.cache_clear()
+    kernels = [name.split("<")[0] for name in launched]
+    assert kernels == ["reduce_mask", "sparse_gather", "sparse_scatter"], launched
+    ctype = sbnet_cupy.core.kernels.MASK_CTYPES[str(mask_dtype)[6:]]
+    assert launched[0].startswith(f"reduce_mask<{ctype},"), launched

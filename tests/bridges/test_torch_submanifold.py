@@ -1,6 +1,9 @@
 """torch_bridge.submanifold (spconv's modules) against torch's dense convolutions of the
 zero-filled input, gradcheck in float64, rulebook caching by indice_key; CUDA in every dtype."""
 
+import inspect
+import pathlib
+
 import numpy
 import pytest
 from conftest import HAS_GPU, require
@@ -417,38 +420,109 @@ def test_network_syncs_once_per_strided_rulebook(rng, monkeypatch):
     torch.testing.assert_close(y.features.cpu(), expected.features)
 
 
-@requires_cuda
-@pytest.mark.parametrize("algo", ["fused", "gemm"])
-def test_module_call_reaches_the_launch_in_four_frames(rng, monkeypatch, algo):
-    """Issue 35: an inference call of a SubMConv3d with its rulebook cached reaches the kernel
-    launch (core.launch.launch) through at most four frames of our packages below the module's
-    forward, none of them a generic dispatcher (_ops._call)."""
-    import inspect
-    import pathlib
+def _frames_to_forward(stack):
+    """'file:function' of the frames of `stack` (inspect's, innermost first: the frame that
+    called the driver) up to SubMConv3d's forward, inclusive."""
+    forward = next(i for i, f in enumerate(stack) if f.function == "forward"
+                   and f.filename == spconv.conv.__file__)
+    return [f"{pathlib.Path(f.filename).name}:{f.function}" for f in stack[:forward + 1]]
 
-    import sbnet_cupy
-    import torch_bridge
+
+class _RecordingDriver:
+    """A driver module's stand-in that records the stack of every launchKernel call (innermost
+    first, from its caller) in `stacks`, and passes every call on to `real` (None: none)."""
+
+    def __init__(self, real, stacks):
+        self.real, self.stacks = real, stacks
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def launchKernel(self, *args):
+        self.stacks.append(inspect.stack(0)[1:])
+        if self.real is not None:
+            self.real.launchKernel(*args)
+
+
+@requires_cuda
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
+@pytest.mark.parametrize("algo", ["fused", "gemm"])
+def test_module_call_reaches_the_launch_in_four_frames(rng, monkeypatch, algo, side_stream):
+    """Issue 35: an inference call of a SubMConv3d with its rulebook cached reaches the driver
+    in at most four frames, from the module's forward to the frame that calls the driver (both
+    inclusive): forward, rulebook_conv, the launch function, KernelPlan.launch; no dispatcher
+    between them. On a side stream the fused kernel is a dependent launch (cuLaunchKernelEx on
+    sm_90), counted the same way."""
     from sbnet_cupy.core import launch as _launch
 
     x = sparse_input(rng, 1, (12, 11, 10), 300, 16, torch.float16, "cuda")
     layer = spconv.SubMConv3d(16, 16, 3, indice_key="subm1").cuda().half()
     layer.sbnet_algo = algo
-    packages = tuple(str(pathlib.Path(m.__file__).parent) for m in (sbnet_cupy, torch_bridge))
-    stacks, launch = [], _launch.launch
+    stacks, dependent_launch = [], _launch.dependent_launch
 
-    def recording(*args, **kwargs):
-        stacks.append(inspect.stack(0)[1:])
-        return launch(*args, **kwargs)
+    def recording_dependent_launch(device, stream):
+        launch_ex = dependent_launch(device, stream)
+        if launch_ex is None:
+            return None
 
-    with torch.no_grad():
+        def recording(*args):
+            stacks.append(inspect.stack(0)[1:])
+            return launch_ex(*args)
+        return recording
+
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs, made on the current stream
+    with torch.no_grad(), torch.cuda.stream(stream):
         y = layer(x)  # builds and caches the rulebook
-        monkeypatch.setattr(_launch, "launch", recording)
+        monkeypatch.setattr(_launch, "driver", _RecordingDriver(_launch.driver, stacks))
+        monkeypatch.setattr(_launch, "dependent_launch", recording_dependent_launch)
         layer(y)
+    stream.synchronize()
     assert stacks  # every launch of the call: the convolution's, and a split sum's
     for stack in stacks:
-        forward = next(i for i, f in enumerate(stack) if f.function == "forward"
-                       and f.filename == spconv.conv.__file__)
-        ours = [f"{pathlib.Path(f.filename).name}:{f.function}" for f in stack[:forward]
-                if f.filename.startswith(packages)]
-        assert len(ours) <= 4, ours
-        assert "_ops.py:_call" not in ours
+        frames = _frames_to_forward(stack)
+        assert len(frames) <= 4, frames
+        assert frames[0] == "plan.py:launch", frames
+
+
+@pytest.mark.parametrize("algo", ["fused", "gemm"])
+def test_module_call_reaches_the_driver_in_four_frames_on_the_cpu(rng, monkeypatch, algo):
+    """The four frames without a GPU: CPU tensors taken for CUDA ones (is_cuda, and the TORCH
+    backend's device and stream), a device of 4 SMs, compiled kernels named by their name
+    expressions, and a driver that records where it is called from (and runs nothing)."""
+    from sbnet_cupy.core import launch as _launch
+    from torch_bridge.backend import TORCH
+    import cuda_emulation
+
+    x = sparse_input(rng, 1, (12, 11, 10), 300, 16, torch.float32)
+    layer = spconv.SubMConv3d(16, 16, 3, indice_key="subm1")
+    layer.sbnet_algo = algo
+    stacks = []
+    info = _launch.DeviceInfo(sms=4, shared_per_block_optin=_launch.H100.shared_per_block_optin,
+                              shared_per_sm=_launch.H100.shared_per_sm, compute_capability=(9, 0))
+    plans = (conv_kernels._fused_plan, conv_kernels._gather_plan)
+    for cache in plans:
+        cache.cache_clear()
+    with torch.no_grad():
+        y = layer(x)  # builds and caches the rulebook, on the CPU
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        monkeypatch.setattr(TORCH, "device", lambda t: 0)
+        monkeypatch.setattr(TORCH, "stream", lambda device: 0)
+        monkeypatch.setattr(TORCH, "float_scratch",
+                            lambda device, n: (lambda t: (t.data_ptr(), t))(torch.empty(n)))
+        monkeypatch.setattr(_launch, "runtime", cuda_emulation._Runtime(info.sms))
+        monkeypatch.setattr(_launch, "device_info", lambda device: info)
+        monkeypatch.setattr(_launch, "function", lambda device, op, kernel, *args: kernel)
+        monkeypatch.setattr(_launch, "driver", _RecordingDriver(None, stacks))
+        monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", False)
+        monkeypatch.setattr(_launch.thread_state, "devices", set())
+        try:
+            layer(y)
+        finally:
+            for cache in plans:
+                cache.cache_clear()
+    assert stacks
+    for stack in stacks:
+        frames = _frames_to_forward(stack)
+        assert len(frames) <= 4, frames
+        assert frames[0] == "plan.py:launch" and frames[-2] == "conv_op.py:rulebook_conv", frames

@@ -9,7 +9,8 @@ import numpy
 import pytest
 
 from sbnet_cupy import SparseKernel
-from sbnet_cupy.core import backend as _backend, launch as _launch, plan as _plan
+from sbnet_cupy.core import backend as _backend, kernels as _kernels, launch as _launch
+from sbnet_cupy.core import plan as _plan
 from sbnet_cupy.core import records as _records
 from sbnet_cupy.dilated import reshape_plan as _reshapes
 from sbnet_cupy.dilated.space_to_batch import space_to_batch_reshape
@@ -51,17 +52,19 @@ def launches(monkeypatch):
     named by their name expressions, the generated ones at GENERATED."""
     recorded = []
 
-    def launch(device, stream, kernel, grid, block, shared, arguments, values, dependent=False):
-        assert len(values) == len(arguments.names)
-        recorded.append((kernel, tuple(grid), stream, dict(zip(arguments.names, values))))
+    def launch(plan, stream, *values, grid=None, function=None):
+        values += plan.constants
+        assert len(values) == len(plan.record.names)
+        recorded.append((function or plan.function, tuple(grid or plan.grid), stream,
+                         dict(zip(plan.record.names, values))))
 
     compiled = []
-    monkeypatch.setattr(_launch, "launch", launch)
+    monkeypatch.setattr(_plan.KernelPlan, "launch", launch)
     monkeypatch.setattr(_launch, "function", lambda device, op, kernel, *args:
                         f"{kernel}<{', '.join(map(str, args))}>")
     monkeypatch.setattr(_launch, "device_info", lambda device: INFO)
     monkeypatch.setattr(_launch, "driver", cuda_emulation._Driver())
-    monkeypatch.setattr(_plan, "generated_function",
+    monkeypatch.setattr(_kernels, "generated_function",
                         lambda *args: compiled.append(args) or (GENERATED, None))
     # The taps are CuPy arrays on a GPU; here NumPy's.
     monkeypatch.setattr(_skc, "_cupy_pointer", HOST.pointer)

@@ -1,10 +1,14 @@
 """The plan layer's rules and the backends (sbnet_cupy/core/plan.py, backend.py,
 torch_bridge/backend.py), checked from their definitions."""
 
+import inspect
+import pathlib
+import types
+
 import numpy
 import pytest
 
-from sbnet_cupy.core import backend, plan, records
+from sbnet_cupy.core import backend, launch as _launch, plan, records
 from conftest import requires_gpu
 
 
@@ -55,6 +59,113 @@ def test_split_sum_plan_without_a_device():
     assert plan.split_sum_plan(None, "common", "float", 1, 1, 1, 2).grid == (1, 1, 1)
 
 
+class _Driver:
+    """The driver calls a launch makes, recorded: the plain launch, with the frame that made
+    it (frames[i]: inspect's FrameInfo of the caller)."""
+
+    CUDADriverError = RuntimeError
+
+    def __init__(self):
+        self.calls, self.frames = [], []
+
+    def launchKernel(self, *args):
+        self.calls.append(("plain", args))
+        self.frames.append(inspect.stack(0)[1])
+
+
+class _Runtime:
+    """A host whose current device is `current`; setDevice calls recorded."""
+
+    def __init__(self, current):
+        self.current, self.set = current, []
+
+    def getDevice(self):
+        return self.current
+
+    def setDevice(self, device):
+        self.set.append(device)
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    """KernelPlan.launch's driver calls recorded, on a host of two devices (0 current), 0 of
+    compute capability 9.0 and 1 before it; compiled kernels at 0x10."""
+    fake = _Driver()
+    ex_calls = []
+
+    def launch_ex(config, kernel, params, extra):
+        ex_calls.append((config, kernel, params, extra))
+        fake.frames.append(inspect.stack(0)[1])
+        return 0
+
+    monkeypatch.setattr(_launch, "driver", fake)
+    monkeypatch.setattr(_launch, "runtime", _Runtime(0))
+    monkeypatch.setattr(_launch, "function", lambda *args: 0x10)
+    monkeypatch.setattr(_launch, "_dependent", {0: launch_ex, 1: None})
+    monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", True)
+    monkeypatch.setattr(_launch.thread_state, "devices", set())  # no real context made current
+    fake.ex_calls = ex_calls
+    return fake
+
+
+def _split_sum(device, dependent):
+    return plan.KernelPlan(device, "common", "split_sum", ("float",), (5, 6, 7), (128, 1, 2),
+                           4096, records.SPLIT_SUM_ARGS, (7, 5, 8, 3), dependent)
+
+
+def test_a_dependent_launch_fills_the_config_of_cuLaunchKernelEx(driver):
+    """A dependent plan on a stream of a device that takes them: cuLaunchKernelEx with this
+    thread's config (the programmatic stream serialization attribute, the launch's shape and
+    stream) and argument buffer, packed with the values and the plan's constants."""
+    state = _launch.thread_state
+    _split_sum(0, True).launch(0xabc, 100, 200, 300)
+    (config, kernel, params, extra), = driver.ex_calls
+    assert (kernel, params, extra, driver.calls) == (0x10, state.kernel_params, None, [])
+    assert config is state.config_ref
+    c = state.config
+    assert (tuple(c.grid), tuple(c.block), c.shared_mem, c.stream) == ((5, 6, 7), (128, 1, 2),
+                                                                         4096, 0xabc)
+    assert c.num_attrs == 1 and (c.attrs[0].id, c.attrs[0].value) == (6, 1)
+    packed = records.SPLIT_SUM_ARGS.pack(100, 200, 300, 7, 5, 8, 3)
+    assert state.arguments.tobytes()[:len(packed)] == packed
+
+
+@pytest.mark.parametrize("device, stream, dependent, enabled", [
+    (0, 0, True, True),         # the legacy default stream
+    (0, 0xabc, False, True),    # not a dependent plan
+    (0, 0xabc, True, False),    # DEPENDENT_LAUNCH off
+    (1, 0xabc, True, True),     # a device that takes none
+])
+def test_other_launches_are_plain(driver, monkeypatch, device, stream, dependent, enabled):
+    monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", enabled)
+    _split_sum(device, dependent).launch(stream, 100, 200, 300, grid=(9, 1, 1))
+    assert driver.calls == [("plain", (0x10, 9, 1, 1, 128, 1, 2, 4096, stream,
+                                       _launch.thread_state.kernel_params, 0))]
+    assert not driver.ex_calls
+
+
+def test_a_launch_on_another_device_makes_it_current_and_back(driver, monkeypatch):
+    """The first launch of a thread on a device, or one on a device other than the current:
+    its context made current for the launch, the current device restored after."""
+    p = _split_sum(1, False)
+    p.launch(0, 1, 2, 3)
+    assert _launch.runtime.set == [1, 0]
+    _launch.runtime.current = 1
+    p.launch(0, 1, 2, 3)  # now current, and launched on before
+    assert _launch.runtime.set == [1, 0]
+    assert len(driver.calls) == 2
+
+
+@pytest.mark.parametrize("dependent", [False, True])
+def test_the_driver_is_called_from_the_plans_launch(driver, dependent):
+    """Issue 35's four frames: KernelPlan.launch packs the record and calls the driver itself
+    (plain or dependent), no frame of sbnet_cupy between them."""
+    _split_sum(0, dependent).launch(0xabc, 1, 2, 3)
+    frame, = driver.frames
+    assert (pathlib.Path(frame.filename), frame.function) == (pathlib.Path(plan.__file__),
+                                                              "launch")
+
+
 def test_numpy_backend():
     a = numpy.arange(12, dtype=numpy.float32).reshape(3, 4)[:, ::2]
     b = backend.NUMPY.contiguous(a)
@@ -91,12 +202,18 @@ def test_cupy_backend():
 
 
 def test_torch_backend_on_the_host():
-    """What the TORCH backend answers of any tensor: NumPy's dtype names, a NumPy copy."""
+    """What the TORCH backend answers of any tensor: NumPy's dtype names (of every dtype: the
+    blocks family takes bool and uint8 masks and moves any data), a NumPy copy."""
     torch = pytest.importorskip("torch")
+    from sbnet_cupy.core import checks
     from torch_bridge.backend import TORCH
 
-    for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64"):
+    for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "uint8",
+                 "int8", "int16", "complex64"):
         assert TORCH.dtype_name(torch.zeros(1, dtype=getattr(torch, name))) == name
+    for dtype in (d for d in vars(torch).values() if isinstance(d, torch.dtype)):
+        # A stand-in with the dtype: some dtypes' tensors warn when made.
+        assert TORCH.dtype_name(types.SimpleNamespace(dtype=dtype)) == checks.name_of(dtype)
     t = torch.arange(6, dtype=torch.int32).reshape(2, 3)
     numpy.testing.assert_array_equal(TORCH.host(t), numpy.arange(6).reshape(2, 3))
 

@@ -7,12 +7,11 @@ import shutil
 import struct
 import subprocess
 
-import numpy
 import pytest
 
 import cuda_emulation
 from sbnet_cupy.blocks import stack as _blocks, block_conv, reduce_mask
-from sbnet_cupy.core import launch as _launch, plan, records as _records
+from sbnet_cupy.core import backend as _backend, launch as _launch, plan, records as _records
 
 OPS = sorted({record.op for record in _records.records() if record.op} | {"common"})
 
@@ -90,17 +89,18 @@ def launches(monkeypatch):
     """Launches recorded as {field name: value}, on a device of INFO, without a GPU."""
     recorded = []
 
-    def launch(device, stream, kernel, grid, block, shared, arguments, values, dependent=False):
-        assert len(values) == len(arguments.names)
-        recorded.append((kernel, dict(zip(arguments.names, values))))
+    def launch(kernel, stream, *values, grid=None, function=None):
+        values += kernel.constants
+        assert len(values) == len(kernel.record.names)
+        recorded.append((kernel.function, dict(zip(kernel.record.names, values))))
 
-    monkeypatch.setattr(_launch, "launch", launch)
+    monkeypatch.setattr(plan.KernelPlan, "launch", launch)
     monkeypatch.setattr(_launch, "function",
                         lambda device, op, kernel, *args: f"{kernel}<{args}>")
     monkeypatch.setattr(_launch, "driver", cuda_emulation._Driver())
     monkeypatch.setattr(_launch, "device_info", lambda device: INFO)
     caches = (block_conv._plan, block_conv._halo_plan, block_conv._tile_channels,
-              block_conv._pair_plan, reduce_mask._function)
+              block_conv._pair_plan, reduce_mask._plan)
     for cache in caches:
         cache.cache_clear()
     yield recorded
@@ -110,6 +110,38 @@ def launches(monkeypatch):
 
 def _named(record, values):
     return dict(zip(record.names, values))
+
+
+class _At:
+    """An array as the launches see it through _ADDRESSES: an address, a shape, a dtype."""
+
+    def __init__(self, address, shape, dtype="float16"):
+        self.address, self.shape, self.dtype = address, shape, dtype
+
+
+class _Addresses(_backend.Backend):
+    """A backend of _At arrays on device 0, stream 0; new arrays at 65536, 131072, ..."""
+
+    name, gpu = "addresses", True
+
+    def __init__(self):
+        self.allocated = 0
+
+    def device(self, a):
+        return 0
+
+    def pointer(self, a):
+        return 0 if a is None else a.address
+
+    def stream(self, device):
+        return 0
+
+    def dtype_name(self, a):
+        return a.dtype
+
+    def empty(self, shape, like, dtype=None):
+        self.allocated += 1
+        return _At(65536 * self.allocated, shape, dtype or like.dtype)
 
 
 def test_block_sides_are_blockside_values():
@@ -150,13 +182,18 @@ def test_block_conv_pair_passes_its_values_in_order(launches, monkeypatch):
     monkeypatch.setattr(block_conv, "STAGING", "streamed")
     params = type("Params", (), dict(bsize=(10, 10), bsize_out=(8, 8), boffset=(-1, -1),
                                      bstrides=(8, 8)))()
-    weights = (16, 32, 64, 128, 256, 512, 1024)  # scale, shift, w1, b1, w2, b2, w3
-    block_conv.launch_res_unit(0, 0, "float16", 4096, 8192, weights, 2048, 2064, 6,
-                               (1, 32, 32, 64), 32, params, (65536, 131072))
+    # scale, shift, w1, b1, w2, b2, w3
+    weights = tuple(_At(address, shape) for address, shape in zip(
+        (16, 32, 64, 128, 256, 512, 1024),
+        ((64,), (64,), (32, 1, 1, 64), (32,), (32, 3, 3, 32), (32,), (64, 1, 1, 32))))
+    block_conv.launch_res_unit(_Addresses(), _At(4096, (1, 32, 32, 64)),
+                               _At(8192, (1, 32, 32, 64)), weights, _At(2048, (6, 3), "int32"),
+                               _At(2064, (1,), "int32"), params)
     (_, first), (kernel, got) = launches
     assert kernel.startswith("block_conv_pair")
+    # The first stack, the backend's first array; no second stack.
     conv = _records.BLOCK_CONV_ARGS.values(
-        src=65536, dst=131072, weight=256, bias=512, scale=0, shift=0, indices=2048,
+        src=65536, dst=0, weight=256, bias=512, scale=0, shift=0, indices=2048,
         count=2064, rows=6, n_batch=1, cin=32, cout=32, kh=3, kw=3, out_h=8, out_w=8,
         in_=block_conv.stack_side(10, 10), out=block_conv.stack_side(8, 8), relu_out=1,
         zero_outside=0, paired=0, k_groups=got["conv.k_groups"],
@@ -170,9 +207,12 @@ def test_block_conv_pair_passes_its_values_in_order(launches, monkeypatch):
 
 
 def test_gather_and_scatter_pass_their_values_in_order(launches):
-    plan = _blocks.StackPlan("f", (1, 1), (32, 1, 1), 0, 7, 2, 3, 40)
-    _blocks.launch(plan, 0, 0, 100, 200, 300, 400, 9, (2, 30, 40), ((10, 12), (-1, -2), (8, 9)),
-                   scale=500, shift=600)
+    record = _records.STACK_ARGS
+    kernel = plan.KernelPlan(0, "sparse_gather", "f", (), (1, 1, 1), (32, 1, 1), 0, record,
+                             record.tail(words_per_pixel=7, tile_rows=2, log2_tile_c=3,
+                                         pitch=40))
+    _blocks.launch(kernel, 0, 100, 200, 500, 600, 300, 400, 9, (2, 30, 40),
+                   ((10, 12), (-1, -2), (8, 9)))
     (_, got), = launches
     assert got == _named(_records.STACK_ARGS, _records.STACK_ARGS.values(
         src=100, dst=200, scale=500, shift=600,
@@ -183,9 +223,10 @@ def test_gather_and_scatter_pass_their_values_in_order(launches):
 
 
 def test_reduce_mask_passes_its_values_in_order(launches):
-    reduce_mask.launch_reduce_mask(0, 0, 100, (2, 30, 40), numpy.dtype("float32"), (4, 5),
-                                   ((10, 12), (-1, -2), (8, 9)), 0.25, True, 40, 40, 300, 400,
-                                   1000)
+    reduce_mask.launch_reduce_mask(_Addresses(), _At(100, (2, 30, 40), "float32"), (4, 5),
+                                   ((10, 12), (-1, -2), (8, 9)), 0.25, True,
+                                   _At(300, (40, 3), "int32"), _At(400, (1,), "int32"), 40,
+                                   _At(1000, (2,), "uint32"))
     (_, got), = launches
     assert got == _named(_records.REDUCE_MASK_ARGS, _records.REDUCE_MASK_ARGS.values(
         mask=100, words=1004, tickets=1000, indices=300, count=400, tol=0.25, n_batch=2,

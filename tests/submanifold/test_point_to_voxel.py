@@ -275,21 +275,6 @@ def test_torch_point_to_voxel_checks():
 
 # --- kernels/point_to_voxel.cu on the CPU -----------------------------------------------------
 
-class _NumpyAlloc:
-    """voxelize_raw's device arrays as NumPy arrays, filled with 0xab bytes (the kernels must
-    write or clear what they read)."""
-
-    @staticmethod
-    def empty(shape, dtype):
-        a = numpy.full(math.prod(shape) * numpy.dtype(dtype).itemsize, 0xab,
-                       numpy.uint8).view(dtype).reshape(shape)
-        return a, a.ctypes.data
-
-    @staticmethod
-    def host(a):
-        return a
-
-
 @pytest.fixture(scope="module")
 def kernels(emulation_dir):
     if not cuda_emulation.available():
@@ -304,20 +289,23 @@ def _emulated(points, args, empty_mean, voxels=None):
     points = numpy.ascontiguousarray(points)
 
     def new_voxels(count):
-        out = (numpy.zeros((count, args[3], points.shape[1]), points.dtype) if voxels is None
-               else voxels[:count])
-        return out, out.ctypes.data
+        return (numpy.zeros((count, args[3], points.shape[1]), points.dtype) if voxels is None
+                else voxels[:count])
 
-    return p2v.voxelize_raw(_NumpyAlloc(), 0, 0, points.ctypes.data, points.shape[0],
-                            points.shape[1], points.dtype.name, grid, args[2], args[3],
-                            empty_mean, new_voxels)
+    # The backend's arrays are poisoned: the kernels must write or clear what they read.
+    return p2v.voxelize(cuda_emulation.HostMemory(), points, grid, args[2], args[3], empty_mean,
+                        new_voxels)
 
 
 @pytest.fixture
 def emulated(monkeypatch, kernels):
-    """Launches go to the emulated kernels; grid-stride loops over 2 CTAs at most."""
+    """Launches go to the emulated kernels; grid-stride loops over 2 CTAs at most. The plans
+    made for them are dropped after the test."""
     monkeypatch.setattr(p2v, "_MAX_BLOCKS", 2)
+    p2v._plan.cache_clear()
     cuda_emulation.install(monkeypatch, kernels, sms=2)
+    yield
+    p2v._plan.cache_clear()
 
 
 @pytest.mark.emulated

@@ -14,11 +14,11 @@ kernels (``_weights``, which says how CUDA graphs see the copies).
 import torch
 
 from sbnet_cupy import BlockParams
-from sbnet_cupy.core import checks as _checks
 from sbnet_cupy.blocks.block_conv import launch_conv, launch_res_unit
 
 from .. import _ops
 from .._weights import prepared
+from ..backend import TORCH
 
 
 def fused_dtype(x):
@@ -32,10 +32,6 @@ def fused_dtype(x):
 
 def _params(bsize, boffset, bstride, bsize_out):
     return BlockParams(tuple(bsize), tuple(bsize_out), tuple(boffset), None, tuple(bstride))
-
-
-def _addresses(*tensors):
-    return tuple(0 if t is None else t.data_ptr() for t in tensors)
 
 
 # --- the kernels' copies of the weights ------------------------------------------------------
@@ -72,10 +68,7 @@ def _conv_into(x, weight, bias, bin_counts, active_block_indices, y, bsize, boff
     counts, indices = _ops._block_list(bin_counts, active_block_indices)
     x = _ops._contiguous(x)
     weight, bias = prepared(_conv_weights, x, (weight, bias))
-    device = y.get_device()
-    launch_conv(device, _ops._raw_stream(device), _checks.dtype_name(x), x.data_ptr(),
-                y.data_ptr(), weight.data_ptr(), *_addresses(bias), indices.data_ptr(),
-                counts.data_ptr(), indices.shape[0], x.shape, y.shape, weight.shape[1:3],
+    launch_conv(TORCH, x, y, weight, bias, indices, counts,
                 _params(bsize, boffset, bstride, bsize_out))
 
 
@@ -126,14 +119,8 @@ def _unit_into(y, bin_counts, active_block_indices, scale, shift, w1, b1, w2, b2
     _cuda_only(y)
     counts, indices = _ops._block_list(bin_counts, active_block_indices)
     weights = prepared(_unit_weights, y, (scale, shift, w1, b1, w2, b2, w3))
-    rows, bottleneck = indices.shape[0], w1.shape[0]
-    stacks = (y.new_empty((rows, *bsize, bottleneck)), y.new_empty((rows, *bsize_out,
-                                                                     bottleneck)))
-    device = y.get_device()
-    launch_res_unit(device, _ops._raw_stream(device), _checks.dtype_name(y), y.data_ptr(),
-                    y.data_ptr(), _addresses(*weights),
-                    indices.data_ptr(), counts.data_ptr(), rows, y.shape, bottleneck,
-                    _params(bsize, boffset, bstride, bsize_out), _addresses(*stacks))
+    launch_res_unit(TORCH, y, y, weights, indices, counts,
+                    _params(bsize, boffset, bstride, bsize_out))
 
 
 def _unit_impl(x, bin_counts, active_block_indices, scale, shift, w1, b1, w2, b2, w3, bsize,

@@ -6,12 +6,13 @@ import torch
 import sbnet_cupy
 from sbnet_cupy.core import checks as _checks
 from sbnet_cupy.blocks.reduce_mask import (check_reduce_mask, launch_reduce_mask,
-                                           shared_workspace, workspace_words)
+                                           workspace_words)
 from sbnet_cupy.blocks.sparse_gather import affine_dtype, check_gather, launch_gather, stack_shape
 from sbnet_cupy.blocks.sparse_scatter import check_scatter, launch_scatter
 
-from .._ops import (_block_list, _call, _checked, _contiguous, _geometry, _numpy, _raw_stream,
-                    _register, _same_device)
+from .._ops import (_block_list, _call, _checked, _contiguous, _geometry, _numpy, _register,
+                    _same_device)
+from ..backend import TORCH
 
 
 # --- reduce_mask ---------------------------------------------------------------------------
@@ -35,19 +36,12 @@ def _reduce_mask_impl(mask, bcount, bsize, boffset, bstride, tol, avgpool, capac
         counts.zero_()
         indices.fill_(-1)
     else:
-        device = mask.get_device()
-        stream = _raw_stream(device)
-        if torch.cuda.is_current_stream_capturing():
-            # A workspace of the graph's own, zeroed by a node of the graph at every replay.
-            workspace = torch.zeros(workspace_words(total), dtype=torch.int32,
-                                    device=mask.device)
-            workspace_ptr = workspace.data_ptr()
-        else:
-            workspace_ptr = shared_workspace(device, stream, workspace_words(total))
-        launch_reduce_mask(device, stream, mask.data_ptr(), (n, height, width),
-                           mask.dtype, bcount, geometry, tol, avgpool, rows,
-                           0 if capacity is None else rows, indices.data_ptr(),
-                           counts.data_ptr(), workspace_ptr)
+        # Under capture, a workspace of the graph's own, zeroed by a node of the graph at every
+        # replay; else the one shared by the launches on this stream.
+        workspace = (torch.zeros(workspace_words(total), dtype=torch.int32, device=mask.device)
+                     if torch.cuda.is_current_stream_capturing() else None)
+        launch_reduce_mask(TORCH, mask, bcount, geometry, tol, avgpool, indices, counts,
+                           0 if capacity is None else rows, workspace)
     if capacity is None:
         indices = indices[:int(counts.item())].clone()
     return indices, counts
@@ -100,11 +94,7 @@ def _gather_impl(x, bin_counts, active_block_indices, bsize, boffset, bstride, t
                                  bstride=geometry.bstride, transpose=transpose, out=_numpy(out),
                                  **affine)
         return out
-    device = x.get_device()
-    launch_gather(device, _raw_stream(device), x.data_ptr(), out.data_ptr(), indices.data_ptr(),
-                  counts.data_ptr(), 0 if scale is None else scale.data_ptr(),
-                  0 if shift is None else shift.data_ptr(), x.shape, out.shape[0],
-                  x.dtype, x.element_size(), geometry, transpose, relu)
+    launch_gather(TORCH, x, out, indices, counts, scale, shift, geometry, transpose, relu)
     return out
 
 
@@ -185,14 +175,11 @@ def _scatter_into(blocks, bin_counts, active_block_indices, y, bsize, boffset, b
                                       bstride=geometry.bstride, add=add, atomic=atomic,
                                       transpose=transpose)
         return
-    device = y.get_device()
     lists = [indices]
     if add and atomic and torch.are_deterministic_algorithms_enabled():
         lists, atomic = _apart(indices, geometry), False
     for rows in lists:
-        launch_scatter(device, _raw_stream(device), blocks.data_ptr(), y.data_ptr(),
-                       rows.data_ptr(), counts.data_ptr(), y.shape, blocks.shape[0],
-                       y.dtype, y.element_size(), geometry, add, atomic, transpose)
+        launch_scatter(TORCH, blocks, y, rows, counts, geometry, add, atomic, transpose)
 
 
 def _apart(indices, geometry):
