@@ -514,6 +514,8 @@ block_conv_halo(const BlockConvArgs a) {
     const int pixels = grid.pixels;
     const fragment_place th;
     const int group = th.group, tid = th.tid, wm = th.wm, wn = th.wn;
+    // This group's chunks of each tile: group, group + k_groups, ...
+    const int mine = chunks > group ? (chunks - group + a.k_groups - 1) / a.k_groups : 0;
     // This thread's copies: column `column` (V elements) of rows row0, row0 + ROWS_PER_PASS, ...
     const int column = tid % COPIES, row0 = tid / COPIES;
     unsigned* const slots = block_conv_smem + group * l.group_words;
@@ -587,18 +589,12 @@ block_conv_halo(const BlockConvArgs a) {
             }
         };
 
-        // This group's chunks: group, group + k_groups, ... (the i-th in slot i & 1).
-        const int step = a.k_groups;
-        if (group < chunks) copy(group, 0);
-        copy_async_commit();
-        for (int c = group, i = 0; c < chunks; c += step, ++i) {
-            if (c + step < chunks) copy(c + step, (i + 1) & 1);
-            copy_async_commit();
-            copy_async_wait<1>();  // this thread's copies of chunk c have landed
-            group_sync(group);     // the group's
-            multiply(c, i & 1);
-            group_sync(group);     // slot i & 1 takes the chunk after next
-        }
+        // The group's chunks through its two slots (stream_stages: the next chunk's copies fly
+        // during this chunk's MMAs).
+        stream_stages<mma_schedule::copy_first, 2>(
+            mine, [&](int i, int slot) { copy(group + i * a.k_groups, slot); },
+            [&] { group_sync(group); },
+            [&](int i, int slot) { multiply(group + i * a.k_groups, slot); });
         __syncthreads();  // every group is done with its slots: they hold the partial sums now
         sum_groups<ACC>(&acc[0][0][0], reinterpret_cast<float*>(block_conv_smem), ACC * THREADS,
                         group, a.k_groups, tid);
@@ -626,10 +622,11 @@ block_conv_pair(const BlockConvPairArgs p) {
     using namespace block_conv_tile;
     constexpr int V = PER_COPY<T>;
     constexpr int K_WORDS = BN / PER_WORD<T>;  // words of a row of the 1x1's operands
-    constexpr int PITCH2 = K_WORDS + 4;  // padded: conflict-free ldmatrix
+    // The 1x1's tile: its whole reduction one stage, A (z) and B (a group's weights) apart.
+    using Second = mma_tile<BM, BN2, K_WORDS, 2, 1>;
+    constexpr int PITCH2 = Second::PITCH;
     constexpr int COPIES = K_WORDS / 4;  // copies a weight row
-    constexpr int NT = BN / 16, NT2 = BN2 / 16;
-    static_assert(K_WORDS % 8 == 0, "the 1x1's reduction is whole MMA steps");
+    constexpr int NT = BN / 16;
     extern __shared__ __align__(16) unsigned block_conv_smem[];
     const BlockConvArgs& a = p.conv;
     // The 1x1 as block_conv's arguments, for its epilogue: added into dst2, nothing else.
@@ -675,8 +672,7 @@ block_conv_pair(const BlockConvPairArgs p) {
         const side_origin out2 = side_of(second.out, at.m, a.indices + 3 * (i64)at.m);
         unsigned* const w = z + BM * PITCH2 + th.group * BN2 * PITCH2;  // this group's weights
         const unsigned copy_base = shared_address(w);
-        const int a_lane = th.a_offset(th.wm * 32, PITCH2);
-        const int b_lane = th.b_offset(th.wn * (BN2 / 2), PITCH2);
+        const mma_mainloop<T, Second, false> second_mma(th, z);
         for (int n2 = th.group; n2 < n2_tiles; n2 += a.k_groups) {
             // Weight rows n2 * BN2 ... of the 1x1, K columns: zeros past cout2 and conv.cout.
             for (int c = th.tid; c < BN2 * COPIES; c += THREADS) {
@@ -689,11 +685,8 @@ block_conv_pair(const BlockConvPairArgs p) {
             copy_async_commit();
             copy_async_wait<0>();
             group_sync(th.group);
-            float acc2[2][NT2][4] = {};
-#pragma unroll
-            for (int ks = 0; ks < K_WORDS / 8; ++ks)
-                warp_mma_step<T, 2, NT2>(acc2, z + a_lane + ks * 8, 16 * PITCH2,
-                                         w + b_lane + ks * 8, PITCH2);
+            float acc2[Second::MT][Second::NT][4] = {};
+            second_mma.multiply(acc2, z, w);
             write_tile<T, BN2, Add>(second, acc2, at.p0, n2 * BN2, at.in, out2, th.wm, th.wn,
                                     th.g, th.t);
             group_sync(th.group);  // the group's slot takes its next tile's weights
