@@ -9,7 +9,7 @@ import numpy
 
 from ..core import checks as _checks, kernels as _kernels, launch as _launch, records as _records
 
-_THREADS = 1024  # 32 warps, one block each; kernels/reduce_mask.cu assumes this
+_THREADS = 1024  # 32 warps, one block each; kernels/blocks/reduce_mask.cu assumes this
 
 
 class ReduceMask(namedtuple("ReduceMask", ["active_block_indices", "bin_counts"])):

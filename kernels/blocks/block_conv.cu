@@ -14,7 +14,7 @@
 // launches: image -> stack (1x1), stack -> stack (3x3), stack -> image (1x1, residual add).
 
 // Arguments: BlockConvArgs, its two sides BlockSide (in: the source, out: the destination),
-// declared in sbnet_cupy/core/records.py, which defines them in front of kernels/common.cuh.
+// declared in sbnet_cupy/core/records.py, which defines them in front of kernels/core/common.cuh.
 
 namespace block_conv_tile {
 constexpr int THREADS = 128;  // a warp group: 4 warps as 2 x 2, each 32 pixels x BN / 2 channels
