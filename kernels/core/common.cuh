@@ -400,6 +400,15 @@ template <int BM_, int BN_, int WORDS_, int WARPS_M_, int SLOTS_> struct mma_til
     static constexpr int SLOT_WORDS = (BM + BN) * PITCH;
     static_assert(WARPS_M * WARPS_N == 4 && WM % 16 == 0 && WN % 8 == 0 && WORDS % 8 == 0,
                   "four warps of whole m16n8 tiles, whole k-steps a stage");
+
+    // Where a thread's accumulator [mt][nt][2 * half + e] lies in the tile (for an epilogue):
+    // row acc_row(th, mt, half), column acc_col(th, nt) + e.
+    static __device__ __forceinline__ int acc_row(const mma_place<WARPS_M>& th, int mt, int half) {
+        return th.wm * WM + mt * 16 + th.g + 8 * half;
+    }
+    static __device__ __forceinline__ int acc_col(const mma_place<WARPS_M>& th, int nt) {
+        return th.wn * WN + nt * 8 + 2 * th.t;
+    }
 };
 
 // How stream_stages runs a pipeline of cp.async copies through SLOTS shared-memory slots.
