@@ -676,7 +676,8 @@ block_conv_pair(const BlockConvPairArgs p) {
         const unsigned copy_base = shared_address(w);
         const mma_mainloop<T, Second, false> second_mma(th, z);
         for (int n2 = th.group; n2 < n2_tiles; n2 += a.k_groups) {
-            // Weight rows n2 * BN2 ... of the 1x1, K columns: zeros past cout2 and conv.cout.
+            // The 1x1's one stage, copied and waited for (a group has a tile or two: nothing to
+            // overlap): weight rows n2 * BN2 ..., K columns, zeros past cout2 and conv.cout.
             for (int c = th.tid; c < BN2 * COPIES; c += THREADS) {
                 const int r = c / COPIES, column = c % COPIES;
                 const int co = n2 * BN2 + r, k = column * V;
