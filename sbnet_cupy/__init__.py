@@ -1,6 +1,6 @@
 """Block-sparse convolution ops (SBNet) as run-time compiled CuPy kernels, with a NumPy backend.
 
-The backend follows the arrays: CuPy arrays run the CUDA kernels in kernels/*.cu, NumPy arrays
+The backend follows the arrays: CuPy arrays run the CUDA kernels in kernels/, NumPy arrays
 run a vectorised NumPy implementation (the reference, and the path on machines with no GPU).
 """
 

@@ -103,7 +103,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "emulated: runs kernels/*.cu on the CPU (tests/"
+    config.addinivalue_line("markers", "emulated: runs a kernel file on the CPU (tests/"
                             "cuda_emulation) in a forked child, so that a fault fails the test")
     config.addinivalue_line("markers", "version_free: the outcome does not depend on the "
                             "versions of NumPy, TensorFlow or torch (NVRTC, g++, or only our "

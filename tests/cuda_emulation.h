@@ -1,13 +1,13 @@
-// The CUDA features that kernels/block_conv.cu and kernels/submanifold.cu use, emulated on the
-// CPU so that CI (no GPU) runs the kernels' own code: one std::thread a CUDA thread, the CTAs of
-// a grid one after another; __syncthreads, __syncwarp and bar.sync as barriers; ldmatrix,
-// mma.sync, __ballot_sync and __reduce_or_sync by exchanging the lanes' registers within a warp,
-// in PTX's fragment layouts;
-// cp.async copies made at their wait_group; a misaligned cp.async or ldmatrix address reported
-// as the GPU's fault would be. tests/cuda_emulation.py builds kernels/common.cuh and the kernel
-// file without their inline PTX: this file's first part goes before common.cuh, its second part
-// (what needs common.cuh's types) after it. It checks what a kernel computes, never how fast or
-// how it schedules: races between warps are the GPU's compute-sanitizer's to find.
+// The CUDA features that kernels/blocks/block_conv.cu and kernels/submanifold/submanifold.cu
+// use, emulated on the CPU so that CI (no GPU) runs the kernels' own code: one std::thread a
+// CUDA thread, the CTAs of a grid one after another; __syncthreads, __syncwarp and bar.sync as
+// barriers; ldmatrix, mma.sync, __ballot_sync and __reduce_or_sync by exchanging the lanes'
+// registers within a warp, in PTX's fragment layouts; cp.async copies made at their wait_group;
+// a misaligned cp.async or ldmatrix address reported as the GPU's fault would be.
+// tests/cuda_emulation.py builds kernels/core/common.cuh and the kernel file without their inline
+// PTX: this file's first part goes before common.cuh, its second part (what needs common.cuh's
+// types) after it. It checks what a kernel computes, never how fast or how it schedules: races
+// between warps are the GPU's compute-sanitizer's to find.
 #include <atomic>
 #include <barrier>
 #include <cmath>

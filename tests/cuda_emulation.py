@@ -1,10 +1,10 @@
-"""The kernels of kernels/block_conv.cu and kernels/submanifold.cu on the CPU: their own source,
-built by g++ with the CUDA features those two files use emulated (tests/cuda_emulation.h),
-behind the driver calls of sbnet_cupy.core.launch, so that the host-side planning runs as it
-is (tile widths, warp groups, splits, shared memory) and each launch runs the emulated kernel
-on NumPy arrays. For
-CI, which has no GPU: what the kernels compute, on small inputs. kernels/common.cuh is built
-as it is, less its inline PTX, which the header emulates."""
+"""The kernels of kernels/blocks/block_conv.cu and kernels/submanifold/submanifold.cu (and the
+other kernel files the tests build) on the CPU: their own source, built by g++ with the CUDA
+features they use emulated (tests/cuda_emulation.h), behind the driver calls of
+sbnet_cupy.core.launch, so that the host-side planning runs as it is (tile widths, warp groups,
+splits, shared memory) and each launch runs the emulated kernel on NumPy arrays. For CI, which
+has no GPU: what the kernels compute, on small inputs. kernels/core/common.cuh is built as it
+is, less its inline PTX, which the header emulates."""
 
 import ctypes
 import fcntl
@@ -68,12 +68,11 @@ def _without_inline_ptx(text):
 
 def _emulated_source(op, kernels):
     """The header's CUDA features, the argument records (sbnet_cupy/core/records.py, as NVRTC gets
-    them), kernels/common.cuh and kernels/<op>.cu without their inline PTX (the header's
+    them), kernels/core/common.cuh and the op's kernel file without their inline PTX (the header's
     emulations of it in between), the kernel's dynamic shared memory the emulated one; then one
     C entry point per kernel (name expression: argument struct)."""
-    folder = _kernels._source_dir()
     features, emulations = HEADER.read_text().split(_AFTER_COMMON)
-    text = _without_inline_ptx((folder / f"{op}.cu").read_text())
+    text = _without_inline_ptx(_kernels.kernel_file(op).read_text())
     text = text.replace(f"extern __shared__ __align__(16) unsigned {op}_smem[];",
                         f"unsigned* {op}_smem = (unsigned*)dynamic_shared;")
     entries = "".join(
@@ -83,12 +82,12 @@ def _emulated_source(op, kernels):
         f"    return emu_run(gx, gy, gz, block, shared, [&] {{ {name}(a); }});\n}}\n"
         for i, (name, struct) in enumerate(kernels.items()))
     return "\n".join([features, _records.header(op),
-                      _without_inline_ptx((folder / "common.cuh").read_text()),
+                      _without_inline_ptx(_kernels.common_file().read_text()),
                       emulations, text, entries])
 
 
 def build(op, kernels, folder):
-    """{name expression: C function(args, grid x, y, z, block, shared bytes)} of kernels/<op>.cu's
+    """{name expression: C function(args, grid x, y, z, block, shared bytes)} of op's kernel file's
     `kernels` ({name expression: argument struct}), built in `folder`."""
     source = _emulated_source(op, kernels)
     key = hashlib.sha1(source.encode()).hexdigest()[:16]

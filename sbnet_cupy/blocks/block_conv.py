@@ -1,5 +1,5 @@
 """Convolutions on a list of blocks run straight from and into the NHWC tensors, on tensor cores
-(kernels/block_conv.cu): what sparse_conv2d and sparse_res_block_bottleneck use on the GPU in
+(kernels/blocks/block_conv.cu): what sparse_conv2d and sparse_res_block_bottleneck use on the GPU in
 place of gather -> GEMM -> scatter.
 
 One launch convolves every listed block: it reads the block and its halo from the source (an
@@ -107,7 +107,7 @@ HALO_AUTO_GROUPS = 3
 
 
 def halo_layout(itemsize, cin, kernel_size, out_size, width, chunk, groups=1):
-    """kernels/block_conv.cu halo_layout: (chunks, bytes of shared memory a CTA) of
+    """kernels/blocks/block_conv.cu halo_layout: (chunks, bytes of shared memory a CTA) of
     block_conv_halo for this convolution with tiles of `width` output channels, `chunk`
     channels a chunk and `groups` warp groups splitting the chunks."""
     (kh, kw), (oh, ow) = kernel_size, out_size

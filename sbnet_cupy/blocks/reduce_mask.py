@@ -10,7 +10,7 @@ import numpy
 from ..core import backend as _backend, checks as _checks, kernels as _kernels
 from ..core import plan as _plans, records as _records
 
-_THREADS = 1024  # 32 warps, one block each; kernels/reduce_mask.cu assumes this
+_THREADS = 1024  # 32 warps, one block each; kernels/blocks/reduce_mask.cu assumes this
 
 
 class ReduceMask(namedtuple("ReduceMask", ["active_block_indices", "bin_counts"])):

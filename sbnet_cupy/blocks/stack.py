@@ -39,7 +39,7 @@ def block_pixels(indices, n_valid, image_shape, geometry):
 
 
 def row_plan(device, op, kernel, template_args, bh, bw, words_per_pixel):
-    """KernelPlan of the row-copy kernel `kernel<template_args>` of kernels/<op>.cu:
+    """KernelPlan of the row-copy kernel `kernel<template_args>` of kernels/<family>/<op>.cu:
     threadIdx.x over a row's words (about _UNROLL each), threadIdx.y over block rows."""
     row_words = bw * words_per_pixel
     threads_x = min(THREADS, max(32, 32 * math.ceil(row_words / _UNROLL / 32)))
@@ -56,11 +56,11 @@ def _round_up(value, multiple):
 
 
 def transpose_plan(device, op, kernel, element_types, bh, bw, channels, itemsize, alignment):
-    """KernelPlan of the transposing kernel `kernel` of kernels/<op>.cu, whose template
+    """KernelPlan of the transposing kernel `kernel` of kernels/<family>/<op>.cu, whose template
     arguments are (element type, vector width V, *element_types[1:]). V elements (at most 16
     bytes) move as one access; V divides the channels, bh * bw and every tile's pixels, and the
     pointers' alignment. The tile is [tile channels][pitch], pitch a multiple of 8 * V
-    (kernels/common.cuh, tile_index)."""
+    (kernels/core/common.cuh, tile_index)."""
     vector = next(v for v in (8, 4, 2, 1)
                   if v * itemsize <= 16 and channels % v == 0 and (bh * bw) % v == 0
                   and alignment % (v * itemsize) == 0)

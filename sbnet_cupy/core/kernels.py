@@ -1,4 +1,4 @@
-"""Loads the CUDA sources in kernels/*.cu and compiles the instantiation a call needs.
+"""Loads the CUDA sources in kernels/ and compiles the instantiation a call needs.
 
 Every kernel is a C++ template; a call names one instantiation (``op<T, ...>``) and CuPy
 compiles it with NVRTC once per device and process (``cupy.memoize``), keeping the binary in
@@ -52,13 +52,26 @@ def _source_dir():
     return packaged if packaged.is_dir() else package.parent / "kernels"
 
 
+def common_file():
+    """kernels/core/common.cuh, the helpers every kernel file is compiled after."""
+    return _source_dir() / "core" / "common.cuh"
+
+
+def kernel_file(op):
+    """The kernel file of `op`, <op>.cu in its family's folder of kernels/ (blocks, submanifold,
+    pruned, dilated, as the subpackages) or at its top."""
+    found = sorted(_source_dir().glob(f"**/{op}.cu"))
+    if len(found) != 1:
+        raise ValueError(f"op must name one kernel file, got {op!r}: {found}")
+    return found[0]
+
+
 @functools.cache
 def kernel_source(op):
-    """Source of kernels/<op>.cu with kernels/common.cuh in front of it, and in front of both
-    the argument records of the two (_records.header)."""
-    folder = _source_dir()
-    return "\n".join([_records.header(op), (folder / "common.cuh").read_text(),
-                      (folder / f"{op}.cu").read_text()])
+    """Source of the kernel file of `op` with kernels/core/common.cuh in front of it, and in front
+    of both the argument records of the two (_records.header)."""
+    return "\n".join([_records.header(op), common_file().read_text(),
+                      kernel_file(op).read_text()])
 
 
 @functools.cache
@@ -75,16 +88,17 @@ def _compiler():
 
 
 def get_kernel(op, kernel, *template_args):
-    """The compiled ``kernel<template_args>`` of kernels/<op>.cu, for the current device."""
+    """The compiled ``kernel<template_args>`` of op's kernel file, for the current device."""
     return _compiler()(op, _cached_name_expression(kernel, template_args))
 
 
 def generated_function(device, op, source, kernel, *template_args):
-    """(address, owner) of ``kernel<template_args>`` compiled on `device` from kernels/<op>.cu
-    (kernel_source) followed by `source`: code generated per call, such as a pruned
-    weight's mask as code (sbnet_cupy/pruned/program.py). NVRTC compiles it on first use, CuPy's
-    disk cache serves it after; the owner keeps its module loaded, and the caller keeps the owner
-    as long as the code's source object lives (so that masks come and go with their weights)."""
+    """(address, owner) of ``kernel<template_args>`` compiled on `device` from
+    kernels/<family>/<op>.cu (kernel_source) followed by `source`: code generated per call, such
+    as a pruned weight's mask as code (sbnet_cupy/pruned/program.py). NVRTC compiles it on first
+    use, CuPy's disk cache serves it after; the owner keeps its module loaded, and the caller
+    keeps the owner as long as the code's source object lives (so that masks come and go with
+    their weights)."""
     import cupy
 
     name = name_expression(kernel, *template_args)
@@ -113,7 +127,7 @@ _REGISTERED = {}  # op -> its module's instantiations(), for the ops whose table
 
 
 def register_instantiations(op, instantiations):
-    """An op module's `instantiations()` (name expressions of kernels/<op>.cu), registered at
+    """An op module's `instantiations()` (name expressions of its kernel file), registered at
     its import so that this module need not import the ops that import it."""
     _REGISTERED[op] = instantiations
 

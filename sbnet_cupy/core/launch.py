@@ -15,7 +15,7 @@ A plan made with ``dependent=True`` launches as a programmatic dependent launch
 dependent_launch and launch_config) on GPUs of compute capability 9.0 and later, on streams
 other than the legacy default stream: the kernel may be scheduled while the previous kernel on
 its stream still runs, and waits for it in the kernel (wait_for_previous_kernel,
-kernels/common.cuh), so that a chain of short kernels (a bottleneck unit's block convolutions,
+kernels/core/common.cuh), so that a chain of short kernels (a bottleneck unit's block convolutions,
 the fused submanifold convolution and its split sum) does not pay a full launch gap between
 each two. SBNET_DEPENDENT_LAUNCH=0 (or DEPENDENT_LAUNCH = False)
 launches them as the others.
@@ -92,7 +92,7 @@ _dependent = {}  # device -> cuLaunchKernelEx where it takes dependent launches,
 
 
 def function(device, op, kernel, *template_args):
-    """Address of the compiled ``kernel<template_args>`` of kernels/<op>.cu on `device`
+    """Address of the compiled ``kernel<template_args>`` of kernels/<family>/<op>.cu on `device`
     (compiled on first use, from CuPy's disk cache when it has it)."""
     key = (device, op, kernel, template_args)
     entry = _functions.get(key)

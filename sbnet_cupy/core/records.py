@@ -8,8 +8,9 @@ unsigned, i64, float, double, pointers, and records declared before it). From th
 
 - `header(op)` writes the C++ definitions (the text as written, then a static_assert of the
   struct's size and of every field's offset) that _kernels.kernel_source puts in front of
-  kernels/common.cuh for kernels/<op>.cu, and that the CPU emulator (tests/cuda_emulation.py)
-  builds with g++: both compilers check the layout that Python computed, field by field;
+  kernels/core/common.cuh for kernels/<family>/<op>.cu, and that the CPU emulator
+  (tests/cuda_emulation.py) builds with g++: both compilers check the layout that Python
+  computed, field by field;
 - the record packs the values (`pack_into(buffer, offset, *values)`, one struct.Struct call, as
   KernelPlan.launch does), in the order of its leaves: its fields in declaration order, a nested
   record's fields in place, an array's elements in order (`names` lists them);
@@ -24,7 +25,7 @@ the record's order, and build their nested records and plan constants by name.
 
 Adding a kernel's record: declare it here as ``NAME = Record("CName", "<op>", \"\"\"<fields>
 \"\"\")`` (array sizes as numbers, or a constant of this module in an f-string), use `CName` in
-kernels/<op>.cu (the header defines it in front of common.cuh) and make the kernel's
+kernels/<family>/<op>.cu (the header defines it in front of common.cuh) and make the kernel's
 KernelPlan (core/plan.py) with the record. The NVRTC compile check and the emulated tests
 then check it.
 """
@@ -45,8 +46,8 @@ _RECORDS = []  # every Record, in declaration order (nested records come before 
 
 
 class Record:
-    """A kernel's argument struct: `name` in C++, declared for kernels/<op>.cu (op None: for
-    every kernel, as kernels/common.cuh's records), `declaration` its fields in C.
+    """A kernel's argument struct: `name` in C++, declared for kernels/<family>/<op>.cu (op None:
+    for every kernel, as kernels/core/common.cuh's records), `declaration` its fields in C.
 
     Attributes: size (sizeof), align, fields ((name, ctype or Record, count or None) in order),
     names (the leaves' names: "in.height", "grid[2]"), offsets (their byte offsets), format (the
@@ -128,8 +129,8 @@ class Record:
 
 
 def header(op):
-    """C++ definitions of the records of kernels/<op>.cu and of kernels/common.cuh's, in
-    declaration order: what goes in front of common.cuh."""
+    """C++ definitions of the records of kernels/<family>/<op>.cu and of kernels/core/common.cuh's,
+    in declaration order: what goes in front of common.cuh."""
     parts = ["// The kernels' argument records, generated from sbnet_cupy/core/records.py.",
              "typedef long long i64;"]
     parts += [record.cpp() for record in _RECORDS if record.op in (None, op)]
@@ -137,7 +138,7 @@ def header(op):
 
 
 def records(op=None):
-    """The records declared for kernels/<op>.cu (None: every record)."""
+    """The records declared for kernels/<family>/<op>.cu (None: every record)."""
     return [r for r in _RECORDS if op is None or r.op == op]
 
 
@@ -227,7 +228,7 @@ def _make_builder(record, first):
     return build
 
 
-# --- kernels/common.cuh ---------------------------------------------------------------------
+# --- kernels/core/common.cuh ----------------------------------------------------------------
 
 # A list of blocks in an NHWC tensor [n_batch, height, width, ...]: rows (n, hi, wi) of
 # `indices`, the first *count of `rows` valid (capacity mode reports the true count, which may
@@ -250,7 +251,7 @@ STACK_ARGS = Record("StackArgs", None, """
     int tile_rows, log2_tile_c, pitch;  // transposing kernels only (see tile_index)
 """)
 
-# split_sum (kernels/common.cuh): out [rows, cols] = bias [cols] (or none) + each split's float
+# split_sum (kernels/core/common.cuh): out [rows, cols] = bias [cols] (or none) + each split's float
 # sums, partial [splits, rows, pitch], added in split order.
 SPLIT_SUM_ARGS = Record("SplitSumArgs", None, """
     const float* partial;
@@ -260,7 +261,7 @@ SPLIT_SUM_ARGS = Record("SplitSumArgs", None, """
     int cols, pitch, splits;
 """)
 
-# --- kernels/block_conv.cu ------------------------------------------------------------------
+# --- kernels/blocks/block_conv.cu -----------------------------------------------------------
 
 BLOCK_SIDE = Record("BlockSide", "block_conv", """
     int height, width;      // the image's, or the stack's block size
@@ -326,7 +327,7 @@ P2V_ARGS = Record("P2VArgs", "point_to_voxel", f"""
     double lower[{P2V_MAX_DIMS}], vsize[{P2V_MAX_DIMS}];  // float32 values, z first
 """)
 
-# --- kernels/reduce_mask.cu -----------------------------------------------------------------
+# --- kernels/blocks/reduce_mask.cu ----------------------------------------------------------
 
 # tickets: one counter, zero before the launch; the last CTA sets it back to zero. capacity:
 # rows of `indices`; rows past the count up to fill_rows are set to -1.
@@ -341,7 +342,7 @@ REDUCE_MASK_ARGS = Record("ReduceMaskArgs", "reduce_mask", """
     int capacity, fill_rows;
 """)
 
-# --- kernels/space_to_batch.cu --------------------------------------------------------------
+# --- kernels/dilated/space_to_batch.cu ------------------------------------------------------
 
 # Division by a positive int known at launch, for dividends in [0, 2^31) (divide() in the
 # kernel): the host picks mul = ceil(2^shift / d) with shift = 31 + ceil(log2(d))
@@ -372,7 +373,7 @@ NCHW_ARGS = Record("nchw_args", "space_to_batch", """
                            // tile_bands)
 """)
 
-# --- kernels/sparse_kernel_conv.cu ----------------------------------------------------------
+# --- kernels/pruned/sparse_kernel_conv.cu ---------------------------------------------------
 
 # The forward kernels' arguments.
 CONV_ARGS = Record("ConvArgs", "sparse_kernel_conv", """
@@ -404,9 +405,10 @@ GRAD_VALUES_ARGS = Record("GradValuesArgs", "sparse_kernel_conv", """
 """)
 
 
-# --- kernels/submanifold.cu -----------------------------------------------------------------
+# --- kernels/submanifold/submanifold.cu -----------------------------------------------------
 
-SUBM_MAX_DIMS = 4  # spatial axes a rulebook kernel's record holds (kernels/submanifold.cu)
+# Spatial axes a rulebook kernel's record holds (kernels/submanifold/submanifold.cu).
+SUBM_MAX_DIMS = 4
 
 # Arguments of every rulebook kernel; each reads the fields it needs. A table of sites is either
 # the hash table (table_keys, table_vals, mask) or, for a strided convolution's output sites, a

@@ -9,8 +9,8 @@ import numpy
 
 from ..core import checks as _checks, kernels as _kernels, plan as _plan, records as _records
 
-# Launch shapes (kernels/space_to_batch.cu). NCHW kernels stage a tile of about _TILE_BYTES in
-# shared memory, a row of it at most _ROW_BYTES of padded columns; both kernels cut their work
+# Launch shapes (kernels/dilated/space_to_batch.cu). NCHW kernels stage a tile of about _TILE_BYTES
+# in shared memory, a row of it at most _ROW_BYTES of padded columns; both kernels cut their work
 # small enough to give the GPU at least _MIN_CTAS CTAs when the tensor allows.
 _THREADS = 256  # THREADS in the kernel source
 _UNROLL = 4  # UNROLL in the kernel source
@@ -25,7 +25,7 @@ _INT32_LIMIT = 2**31
 # divisors; the plans build all but x and y by name (Record.tail).
 _NHWC_ARGS = _records.NHWC_ARGS
 _NCHW_ARGS = _records.NCHW_ARGS
-_OP = "space_to_batch"  # kernels/space_to_batch.cu
+_OP = "space_to_batch"  # kernels/dilated/space_to_batch.cu
 
 
 # --- CUDA -----------------------------------------------------------------------------------

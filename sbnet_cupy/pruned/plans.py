@@ -25,7 +25,7 @@ _DIRECT_P, _DIRECT_Q = 8, 4
 _GRAD_P, _GRAD_CO_CHUNK, _GRAD_WARPS = 16, 8, 8
 _DIRECT_WARPS = 8  # warps a CTA (64 registers a thread)
 _SPLIT_CTAS_PER_SM = 2  # "direct" splits its input channels until the grid has this many an SM
-_OP = "sparse_kernel_conv"  # kernels/sparse_kernel_conv.cu
+_OP = "sparse_kernel_conv"  # kernels/pruned/sparse_kernel_conv.cu
 _SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
 # "compiled" opts in to more (the kernel attribute): at most this, and no more than keeps
 # _COMPILED_CTAS_PER_SM CTAs on an SM of the device: larger chunks of input channels, fewer

@@ -1,5 +1,5 @@
 """The "compiled" strategy's code: a pruned weight's mask written out as a C++ Program struct
-(kernels/sparse_kernel_conv.cu's sparse_kernel_conv_compiled<T, Program> runs it), one per
+(kernels/pruned/sparse_kernel_conv.cu's sparse_kernel_conv_compiled<T, Program> runs it), one per
 weight and plan layout, compiled by NVRTC on first use (core.kernels.generated_function; CuPy keeps
 the binary in its disk cache). The tap's accumulator and window offset must be compile-time
 indices for both to stay in registers; the values stay in memory, so training them needs no
@@ -44,7 +44,7 @@ class _Program:
 
     @property
     def source(self):
-        """C++ source of the Program struct (placed after kernels/sparse_kernel_conv.cu)."""
+        """C++ source of the Program struct (placed after kernels/pruned/sparse_kernel_conv.cu)."""
         return self._build()[1]
 
     def _build(self):

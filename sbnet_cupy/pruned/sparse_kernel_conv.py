@@ -2,7 +2,7 @@
 
 A weight is converted once, on its device, by SparseKernel.from_dense; the convolution then
 reads the tap lists (the pruning mask stays fixed, so the values alone can be trained). Two
-CUDA strategies (kernels/sparse_kernel_conv.cu), picked per shape by choose_strategy:
+CUDA strategies (kernels/pruned/sparse_kernel_conv.cu), picked per shape by choose_strategy:
 
 - "compiled": the mask compiled into the kernel. A warp computes 32 columns x P rows of output
   for a group of Q output channels from an input tile (with halo) staged in shared memory.

@@ -33,11 +33,11 @@ Its gradients are the same gather and one matrix product each (no atomics, so de
 dx = rulebook_conv(dy, rulebook.inverse(), transposed_weight(weight)) and
 dw = (dy.T @ g).reshape(weight.shape).
 
-The CUDA rulebook (kernels/submanifold.cu) keeps the coordinates in an open-addressing hash
-table (linearised int64 keys, linear probing, at most `capacity` probes, so a full table reports
-failure instead of hanging), and looks up both maps of a submanifold convolution in one pass. A
-strided convolution marks every candidate output site in a bitmap of the output grid, counts the
-set bits per word (one host sync for the total), writes the sites in bitmap order, which is
+The CUDA rulebook (kernels/submanifold/submanifold.cu) keeps the coordinates in an open-addressing
+hash table (linearised int64 keys, linear probing, at most `capacity` probes, so a full table
+reports failure instead of hanging), and looks up both maps of a submanifold convolution in one
+pass. A strided convolution marks every candidate output site in a bitmap of the output grid, counts
+the set bits per word (one host sync for the total), writes the sites in bitmap order, which is
 sorted order, and writes both maps from its inputs' side: no hash table and no sort. The bitmap
 with its word ranks is the table of the output sites, which the next rulebook on them reuses
 (torch_bridge's modules pass it on; grids of more than 2**27 sites hash and sort instead). The

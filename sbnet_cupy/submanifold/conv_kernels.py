@@ -1,5 +1,5 @@
-"""The convolution's kernels (kernels/submanifold.cu): the gemm algorithm's gather, the fused
-convolution (with the split sum after it where its taps are split over CTAs) and the neighbour
+"""The convolution's kernels (kernels/submanifold/submanifold.cu): the gemm algorithm's gather, the
+fused convolution (with the split sum after it where its taps are split over CTAs) and the neighbour
 masks that Rulebook.fused_order sorts rows by.
 
 Each launch is one function of a backend (sbnet_cupy/core/backend.py: CUPY, torch_bridge's

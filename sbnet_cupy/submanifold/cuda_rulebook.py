@@ -1,6 +1,6 @@
-"""The rulebooks' CUDA kernels (kernels/submanifold.cu): the hash table of the sites and the
-strided bitmap, on any backend's arrays (build_raw: CuPy arrays and torch tensors alike), and the
-hash-and-sort path of strided output grids too large for a bitmap (CuPy arrays).
+"""The rulebooks' CUDA kernels (kernels/submanifold/submanifold.cu): the hash table of the sites and
+the strided bitmap, on any backend's arrays (build_raw: CuPy arrays and torch tensors alike), and
+the hash-and-sort path of strided output grids too large for a bitmap (CuPy arrays).
 
 Every rulebook kernel takes the one record RuleArgs and reads the fields it needs; its launches
 are KernelPlans cached per (device, kernel, DIMS), with the grid of each call's work."""
@@ -15,7 +15,7 @@ from ..core import plan as _plan, records as _records
 from .numpy_rulebook import checked_keys
 from .validation import MAX_DIMS
 
-# Flags the insert kernels raise (kernels/submanifold.cu).
+# Flags the insert kernels raise (kernels/submanifold/submanifold.cu).
 _FLAG_DUPLICATE, _FLAG_FULL, _FLAG_OUTSIDE = 1, 2, 4
 THREADS = 256
 _MAX_BLOCKS = 65535 * 16  # grid-stride loops beyond this
@@ -53,10 +53,10 @@ class HashTable:
         return int(self.keys.shape[0])
 
 
-# A table of sites on the device, for build_raw: `owner` holds its memory; a hash table (keys,
-# vals, mask: capacity - 1) or a bitmap of the grid (bits, ranks, words; see kernels/
-# submanifold.cu's RuleArgs); the grid (shape, batch) its keys linearise; whether the sites it
-# was built from were checked (distinct and inside the grid).
+# A table of sites on the device, for build_raw: `owner` holds its memory; a hash table (keys, vals,
+# mask: capacity - 1) or a bitmap of the grid (bits, ranks, words; see
+# kernels/submanifold/submanifold.cu's RuleArgs); the grid (shape, batch) its keys linearise;
+# whether the sites it was built from were checked (distinct and inside the grid).
 _Table = namedtuple("_Table", ["owner", "keys", "vals", "bits", "ranks", "mask", "words",
                                "shape", "batch", "checked"])
 _NO_TABLE = _Table(None, 0, 0, 0, 0, 0, 0, (), 1, False)
@@ -87,9 +87,9 @@ def _rule(kernel, device, stream, items, dims, table=None, *, coords=0, keys=0, 
           counter=0, out_map=0, out_map_t=0, out_keys=0, group=0, n=None, n_out=0, batch=1,
           taps=1, transposed=False, symmetric=False, coords_shape=(), query_shape=(),
           geometry=_NO_GEOMETRY, groups=None):
-    """One launch of rulebook kernel<dims> of kernels/submanifold.cu on raw addresses, over
-    `items` threads' work (n defaults to items); `table`: a _Table, or None. groups: rank_words'
-    CTAs (of _RANK_THREADS), else a grid-stride loop of THREADS a CTA."""
+    """One launch of rulebook kernel<dims> of kernels/submanifold/submanifold.cu on raw addresses,
+    over `items` threads' work (n defaults to items); `table`: a _Table, or None. groups:
+    rank_words' CTAs (of _RANK_THREADS), else a grid-stride loop of THREADS a CTA."""
     if items == 0:
         return
     table = table or _NO_TABLE

@@ -278,8 +278,8 @@ def test_method_is_checked(rng):
 
 
 def test_halo_layout_and_chunks():
-    """block_conv_halo's shared memory, as kernels/block_conv.cu's halo_layout lays it out, and
-    the chunks the launch picks: T1 conv-2's 3x3 (24 channels, blocks of 16) is one chunk on 6
+    """block_conv_halo's shared memory, as kernels/blocks/block_conv.cu's halo_layout lays it out,
+    and the chunks the launch picks: T1 conv-2's 3x3 (24 channels, blocks of 16) is one chunk on 6
     halo rows of 18 pixels; 48 channels on blocks of 8 are two chunks of 24 unless the slots must
     fit 96 KB (then three of 16); no chunk fits where even 8 words a row do not."""
     layout, chunk = block_conv.halo_layout, block_conv.halo_chunk

@@ -1,4 +1,4 @@
-"""The block convolution kernels (kernels/block_conv.cu) run on the CPU through
+"""The block convolution kernels (kernels/blocks/block_conv.cu) run on the CPU through
 tests/cuda_emulation: the kernels' own code, with the CUDA features they use emulated, behind
 the real launch planning, against dense references written from the definition. So CI, which
 has no GPU, checks what the kernels compute; test_block_conv.py runs the same cases (and more)

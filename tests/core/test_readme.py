@@ -85,9 +85,9 @@ def test_installed_wheel_ships_the_kernels():
     names = {line.split(",")[0] for line in records[0].splitlines()}
     if not any(n.startswith("sbnet_cupy/") for n in names):
         pytest.skip("installed in editable mode: the sources are the checkout's")
-    for source in ("common.cuh", "reduce_mask.cu", "space_to_batch.cu", "sparse_gather.cu",
-                   "sparse_scatter.cu"):
-        assert f"sbnet_cupy/kernels/{source}" in names
+    # Every kernel source of the checkout, in its family's folder.
+    for source in (ROOT / "kernels").rglob("*.cu*"):
+        assert "sbnet_cupy/" + source.relative_to(ROOT).as_posix() in names, source
     # Every module of the checkout's packages (subpackages included) is in the wheel.
     for package in ("sbnet_cupy", "torch_bridge", "tf_bridge"):
         for module in (ROOT / package).rglob("*.py"):

@@ -250,10 +250,11 @@ def test_launch_plans_fit_the_kernels(layouts):
 
 
 def _transliterated_nchw(op, g, src, itemsize, align):
-    """kernels/space_to_batch.cu's NCHW kernels as NumPy runs them: the plan of reshape_plan,
-    every CTA's x vectors (locate_x) into a tile of element slots at tile_at's addresses and y's
-    vectors (locate_y, y_element) out of it, or the other way round. Checks the tile's bounds,
-    that nothing reads a slot no one wrote, and that every output element is written once.
+    """kernels/dilated/space_to_batch.cu's NCHW kernels as NumPy runs them: the plan of
+    reshape_plan, every CTA's x vectors (locate_x) into a tile of element slots at tile_at's
+    addresses and y's vectors (locate_y, y_element) out of it, or the other way round. Checks the
+    tile's bounds, that nothing reads a slot no one wrote, and that every output element is written
+    once.
     Returns y as [block_h * block_w, bands * out_w] or x as [planes, h, w]."""
     plan = reshape_plan(None, op, g, itemsize, align)
     (_, vx, vy, cl), grid, smem = plan.template_args, plan.grid, plan.shared_mem

@@ -543,10 +543,10 @@ def test_rule_falls_back_where_compiled_finds_no_room():
 
 # --- The CUDA kernels, transliterated -------------------------------------------------------
 # No GPU runs here, so the launch plans and index arrays that CuPy calls hand to
-# kernels/sparse_kernel_conv.cu are checked on the CPU by a line-by-line NumPy transliteration of
-# the kernels (vectorised over lanes, rows and taps). Shared memory starts as NaN and every read
-# is bounds-checked, so a word the kernels would read before staging it, or a tile too small for
-# its plan, fails the comparison; so does an output the kernels would not write.
+# kernels/pruned/sparse_kernel_conv.cu are checked on the CPU by a line-by-line NumPy
+# transliteration of the kernels (vectorised over lanes, rows and taps). Shared memory starts as NaN
+# and every read is bounds-checked, so a word the kernels would read before staging it, or a tile
+# too small for its plan, fails the comparison; so does an output the kernels would not write.
 
 # The int fields of the records, whose values a plan's constants hold (the pointers come
 # first).
@@ -625,7 +625,7 @@ def launch_arrays(kernel, transposed, layout):
 
 def emulate_conv(conv, x, out_shape, arrays, bias=None, program=None):
     """sparse_kernel_conv_direct, or _compiled running `program`, as
-    kernels/sparse_kernel_conv.cu runs the ConvPlan `conv`."""
+    kernels/pruned/sparse_kernel_conv.cu runs the ConvPlan `conv`."""
     plan = conv.kernel
     if conv.strategy == "compiled":
         return emulate_compiled(plan, program, x, out_shape, arrays[2], bias)
@@ -678,7 +678,7 @@ def emulate_conv(conv, x, out_shape, arrays, bias=None, program=None):
         else:
             _store(out, acc, a, n, oy0, ox0, g0 * q_per_warp, q_per_warp,
                    None if bias is None else bias.astype(numpy.float64))
-    if splits > 1:  # split_sum (kernels/common.cuh) with the plan's rows, cols and pitch
+    if splits > 1:  # split_sum (kernels/core/common.cuh) with the plan's rows, cols and pitch
         rows, cols, pitch, summed = conv.split_sum.constants
         assert conv.scratch == partial.size
         assert (rows, cols, pitch, summed) == (out.size // a["cout"], a["cout"],
@@ -702,7 +702,7 @@ def _store_partial(partial, acc, a, n, oy0, ox0, g0):
 
 def emulate_compiled(plan, program, x, out_shape, values, bias=None):
     """sparse_kernel_conv_compiled<T, Program> running `program` (its groups and columns, which
-    the generated code spells out) as kernels/sparse_kernel_conv.cu runs `plan`."""
+    the generated code spells out) as kernels/pruned/sparse_kernel_conv.cu runs `plan`."""
     a = dict(zip(CONV_FIELDS, plan.constants))
     p_rows, q_per_warp = program.p, program.q
     assert (a["warps_q"], plan.block[0]) == (1, 32 * a["warps_y"])
@@ -754,7 +754,7 @@ def emulate_compiled(plan, program, x, out_shape, values, bias=None):
 
 
 def emulate_grad_values(plan, x, dy, ranges, taps, nnz):
-    """sparse_kernel_conv_grad_values, as kernels/sparse_kernel_conv.cu runs `plan`."""
+    """sparse_kernel_conv_grad_values, as kernels/pruned/sparse_kernel_conv.cu runs `plan`."""
     a = dict(zip(GRAD_FIELDS, plan.constants))
     ranges, taps = to_numpy(ranges), to_numpy(taps)
     p_rows = plan.template_args[1]

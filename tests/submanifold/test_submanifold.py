@@ -473,7 +473,8 @@ def test_bad_arguments_rejected(xp, rng):
 # --- the GPU hash table -------------------------------------------------------------------
 
 def slot_numpy(keys, capacity):
-    """The first slot a key probes (splitmix64's finaliser, as kernels/submanifold.cu)."""
+    """The first slot a key probes (splitmix64's finaliser, as in
+    kernels/submanifold/submanifold.cu)."""
     with numpy.errstate(over="ignore"):
         x = keys.astype(numpy.uint64)
         x ^= x >> numpy.uint64(30)

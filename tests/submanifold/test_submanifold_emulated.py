@@ -1,7 +1,7 @@
-"""kernels/submanifold.cu run on the CPU through tests/cuda_emulation: the rulebook kernels (the
-hash table, the submanifold query, the strided bitmap, its ranks and scatter) against the NumPy
-backend, and the fused convolution (with the split sum after it) against the definition. So CI,
-which has no GPU, checks what the kernels compute; test_submanifold.py runs them on a GPU."""
+"""kernels/submanifold/submanifold.cu run on the CPU through tests/cuda_emulation: the rulebook
+kernels (the hash table, the submanifold query, the strided bitmap, its ranks and scatter) against
+the NumPy backend, and the fused convolution (with the split sum after it) against the definition.
+So CI, which has no GPU, checks what the kernels compute; test_submanifold.py runs them on a GPU."""
 
 import ctypes
 

@@ -14,7 +14,7 @@
 // Division by a positive int known at launch, for dividends in [0, 2^31): the host picks
 // mul = ceil(2^shift / d) with shift = 31 + ceil(log2(d)) (sbnet_cupy/dilated/reshape_plan.py, _divisor).
 // The struct `divisor` (d, mul, shift) and the kernels' arguments nhwc_args and nchw_args are
-// declared in sbnet_cupy/core/records.py, which defines them in front of kernels/common.cuh.
+// declared in sbnet_cupy/core/records.py, which defines them in front of kernels/core/common.cuh.
 static __device__ __forceinline__ int divide(const divisor& by, int n) {
     return (int)(((unsigned long long)(unsigned)n * by.mul) >> by.shift);
 }

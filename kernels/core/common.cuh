@@ -387,9 +387,11 @@ template <int PENDING> static __device__ __forceinline__ void copy_async_wait() 
 // --- The tensor-core main loop ----------------------------------------------------------------
 // A tensor-core kernel is three parts that change independently, as in CUTLASS: a loader that
 // brings one stage of a tile's reduction from global into shared memory (block_conv: through the
-// block list, the taps and channels flattened; submanifold_fused: through the rulebook, skipping
-// the taps no row of the tile has), the main loop below (slots, cp.async groups, barriers, the
-// warp MMA step), and an epilogue, the kernel's own. A new tile shape is a new mma_tile.
+// block list, the taps and channels flattened; block_conv_halo: a chunk of channels of the halo
+// and of every tap's weights; submanifold_fused: through the rulebook, skipping the taps no row of
+// the tile has; block_conv_pair's 1x1: its weights, against the 3x3's tile already in shared
+// memory), the main loop below (slots, cp.async groups, barriers, the warp MMA step), and an
+// epilogue, the kernel's own. A new tile shape is a new mma_tile.
 
 // Words a staged row of WORDS words takes: 4 of padding, so that ldmatrix's 8 rows fall in
 // distinct banks.
@@ -409,15 +411,81 @@ template <int BM_, int BN_, int WORDS_, int WARPS_M_, int SLOTS_> struct mma_til
     static constexpr int SLOT_WORDS = (BM + BN) * PITCH;
     static_assert(WARPS_M * WARPS_N == 4 && WM % 16 == 0 && WN % 8 == 0 && WORDS % 8 == 0,
                   "four warps of whole m16n8 tiles, whole k-steps a stage");
+
+    // Where a thread's accumulator [mt][nt][2 * half + e] lies in the tile (for an epilogue):
+    // row acc_row(th, mt, half), column acc_col(th, nt) + e.
+    static __device__ __forceinline__ int acc_row(const mma_place<WARPS_M>& th, int mt, int half) {
+        return th.wm * WM + mt * 16 + th.g + 8 * half;
+    }
+    static __device__ __forceinline__ int acc_col(const mma_place<WARPS_M>& th, int nt) {
+        return th.wn * WN + nt * 8 + 2 * th.t;
+    }
 };
 
-// How mma_mainloop::multistage counts its slots. The two are the same schedule; nvcc (13, sm_90)
-// makes different code of them, each the better for its kernel in registers, spills and the
-// loop's instructions (checked instantiation by instantiation): wrapped, the first stages' copies
-// unrolled and the slot a counter that wraps (block_conv: three slots, straight-line copies);
-// modulo, the first copies in a loop and the slot the stage modulo SLOTS (submanifold_fused: up
-// to six slots, copies that may be loops of their own).
-enum class mma_schedule { wrapped, modulo };
+// How stream_stages runs a pipeline of cp.async copies through SLOTS shared-memory slots.
+// wrapped and modulo are the same schedule, SLOTS - 1 stages in flight: at each stage, wait for
+// its copies, one barrier (which also frees the slot the stage before it left), the copies of the
+// stage SLOTS - 1 ahead into that slot, the MMAs. nvcc (13, sm_90) makes different code of the
+// two, each the better for its kernel in registers, spills and the loop's instructions (checked
+// instantiation by instantiation): wrapped, the first stages' copies unrolled and the slot a
+// counter that wraps (block_conv: three slots, straight-line copies); modulo, the first copies in
+// a loop and the slot the stage modulo SLOTS (submanifold_fused: up to six slots, copies that may
+// be loops of their own). copy_first, two slots: the next stage's copies go out before the wait
+// for this stage's, and a second barrier frees the slot once its MMAs are done, so two stages'
+// copies are in flight at each wait (block_conv_halo, whose stage is a whole chunk of every tap:
+// few stages, each a long round of copies).
+enum class mma_schedule { wrapped, modulo, copy_first };
+
+// `stages` stages through SLOTS slots (mma_schedule): copy(i, slot) issues stage i's cp.async
+// copies (or plain stores) into slot `slot`, for i = 0, 1, ... in turn; sync() is the barrier of
+// the threads that share the slots; consume(i, slot) does the MMAs of stage i, in slot `slot`
+// (i % SLOTS). Whatever a stage's layout: mma_mainloop::multistage for mma_tile's slots,
+// block_conv_halo for its chunks.
+template <mma_schedule SCHEDULE, int SLOTS, typename Copy, typename Sync, typename Consume>
+static __device__ __forceinline__ void stream_stages(int stages, const Copy& copy, const Sync& sync,
+                                                     const Consume& consume) {
+    constexpr int AHEAD = SLOTS - 1;
+    static_assert(AHEAD >= 1, "a stage in flight");
+    if constexpr (SCHEDULE == mma_schedule::wrapped) {
+#pragma unroll
+        for (int i = 0; i < AHEAD; ++i) {
+            if (i < stages) copy(i, i);
+            copy_async_commit();  // empty groups too: the wait below counts groups
+        }
+        for (int i = 0, slot = 0; i < stages; ++i, slot = slot == AHEAD ? 0 : slot + 1) {
+            copy_async_wait<AHEAD - 1>();  // this thread's copies of stage i have landed
+            sync();                        // everyone's, and slot (i - 1) is free again
+            if (i + AHEAD < stages) copy(i + AHEAD, slot == 0 ? AHEAD : slot - 1);
+            copy_async_commit();
+            consume(i, slot);
+        }
+    } else if constexpr (SCHEDULE == mma_schedule::modulo) {
+        for (int i = 0; i < AHEAD; ++i) {
+            if (i < stages) copy(i, i);
+            copy_async_commit();
+        }
+        for (int i = 0; i < stages; ++i) {
+            copy_async_wait<AHEAD - 1>();
+            sync();
+            if (i + AHEAD < stages) copy(i + AHEAD, (i + AHEAD) % SLOTS);
+            copy_async_commit();
+            consume(i, i % SLOTS);
+        }
+    } else {
+        static_assert(SLOTS == 2, "copy_first: two slots");
+        if (stages > 0) copy(0, 0);
+        copy_async_commit();
+        for (int i = 0; i < stages; ++i) {
+            if (i + 1 < stages) copy(i + 1, (i + 1) & 1);
+            copy_async_commit();
+            copy_async_wait<1>();  // this thread's copies of stage i have landed
+            sync();                // everyone's
+            consume(i, i & 1);
+            sync();                // slot i & 1 may take stage i + 2
+        }
+    }
+    copy_async_wait<0>();
+}
 
 // The main loop of a thread's warp in a Tile whose slots start at `slots`: the MMAs of a staged
 // stage, and the pipelines that stream a tile's stages through the slots. ROUND: the MMA rounds
@@ -434,54 +502,31 @@ template <typename T, typename Tile, bool ROUND> struct mma_mainloop {
         : slots(slots_), a_lane(th.a_offset(th.wm * Tile::WM, Tile::PITCH)),
           b_lane(th.b_offset(th.wn * Tile::WN, Tile::PITCH)) {}
 
-    // acc += the MMAs of the stage in slot `slot`.
-    __device__ __forceinline__ void multiply(accumulators& acc, int slot) const {
-        const unsigned* const a = slots + slot * Tile::SLOT_WORDS + a_lane;
-        const unsigned* const b = slots + slot * Tile::SLOT_WORDS + Tile::BM * Tile::PITCH + b_lane;
+    // acc += the MMAs of a stage whose A rows [BM][PITCH] start at `a_rows` and B rows [BN][PITCH]
+    // at `b_rows`.
+    __device__ __forceinline__ void multiply(accumulators& acc, const unsigned* a_rows,
+                                             const unsigned* b_rows) const {
+        const unsigned* const a = a_rows + a_lane;
+        const unsigned* const b = b_rows + b_lane;
 #pragma unroll
         for (int ks = 0; ks < Tile::KSTEPS; ++ks)
             warp_mma_step<T, Tile::MT, Tile::NT, ROUND>(acc, a + ks * 8, 16 * Tile::PITCH,
                                                          b + ks * 8, Tile::PITCH);
     }
+    // acc += the MMAs of the stage in slot `slot`.
+    __device__ __forceinline__ void multiply(accumulators& acc, int slot) const {
+        const unsigned* const a = slots + slot * Tile::SLOT_WORDS;
+        multiply(acc, a, a + Tile::BM * Tile::PITCH);
+    }
 
-    // acc += the MMAs of `stages` stages, SLOTS - 1 in flight: copy(slot) issues the next stage's
-    // cp.async copies (or plain stores) into slot `slot`; sync() is the barrier of the threads
-    // that share the slots, passed once a stage, once its copies have landed and before the
-    // copies that take the slot the stage before it left. Stage i sits in slot i % SLOTS; its
-    // copies go out at stage i - SLOTS + 1, into the slot that stage i - SLOTS left. Schedule:
-    // how the loop counts its slots (mma_schedule).
+    // acc += the MMAs of `stages` stages streamed through the tile's slots (stream_stages: copy
+    // (slot) and sync(), in the order SCHEDULE gives).
     template <mma_schedule SCHEDULE, typename Copy, typename Sync>
     __device__ __forceinline__ void multistage(accumulators& acc, int stages, const Copy& copy,
                                                const Sync& sync) const {
-        constexpr int SLOTS = Tile::SLOTS, AHEAD = SLOTS - 1;
-        static_assert(AHEAD >= 1, "a stage in flight");
-        if constexpr (SCHEDULE == mma_schedule::wrapped) {
-#pragma unroll
-            for (int i = 0; i < AHEAD; ++i) {
-                if (i < stages) copy(i);
-                copy_async_commit();  // empty groups too: the wait below counts groups
-            }
-            for (int i = 0, slot = 0; i < stages; ++i, slot = slot == AHEAD ? 0 : slot + 1) {
-                copy_async_wait<AHEAD - 1>();  // this thread's copies of stage i have landed
-                sync();                        // everyone's, and slot (i - 1) is free again
-                if (i + AHEAD < stages) copy(slot == 0 ? AHEAD : slot - 1);
-                copy_async_commit();
-                multiply(acc, slot);
-            }
-        } else {
-            for (int i = 0; i < AHEAD; ++i) {
-                if (i < stages) copy(i);
-                copy_async_commit();
-            }
-            for (int i = 0; i < stages; ++i) {
-                copy_async_wait<AHEAD - 1>();
-                sync();
-                if (i + AHEAD < stages) copy((i + AHEAD) % SLOTS);
-                copy_async_commit();
-                multiply(acc, i % SLOTS);
-            }
-        }
-        copy_async_wait<0>();
+        stream_stages<SCHEDULE, Tile::SLOTS>(
+            stages, [&](int, int slot) { copy(slot); }, sync,
+            [&](int, int slot) { multiply(acc, slot); });
     }
 
     // acc += the MMAs of `stages` stages through registers and two slots, one stage in flight:

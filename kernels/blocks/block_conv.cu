@@ -14,7 +14,7 @@
 // launches: image -> stack (1x1), stack -> stack (3x3), stack -> image (1x1, residual add).
 
 // Arguments: BlockConvArgs, its two sides BlockSide (in: the source, out: the destination),
-// declared in sbnet_cupy/core/records.py, which defines them in front of kernels/common.cuh.
+// declared in sbnet_cupy/core/records.py, which defines them in front of kernels/core/common.cuh.
 
 namespace block_conv_tile {
 constexpr int THREADS = 128;  // a warp group: 4 warps as 2 x 2, each 32 pixels x BN / 2 channels
@@ -168,8 +168,8 @@ struct tile_place {
 };
 
 // Epilogue of a tile: bias, ReLU, the out-of-image zeros, and the write or add of its output
-// pixels. Accumulator (mt, nt, 2 * half + e) of the warp (wm, wn) and lane (g, t) is pixel p0 + wm
-// * 32 + mt * 16 + g + 8 * half, channel n0 + wn * BN / 2 + nt * 8 + 2 * t + e. The global reads
+// pixels. Accumulator (mt, nt, 2 * half + e) of thread th is pixel p0 + acc_row(th, mt, half),
+// channel n0 + acc_col(th, nt) + e (mma_tile, common.cuh). The global reads
 // (the bias; the old outputs where Op adds, 2 * NT pixel pairs at a time) are issued before the
 // writes, which the compiler may not move reads past: one round trip each, not one for each
 // write.
@@ -177,15 +177,15 @@ template <typename T, int BN, typename Op>
 static __device__ __forceinline__ void write_tile(const BlockConvArgs& a,
                                                   const float (&acc)[2][BN / 16][4], int p0,
                                                   int n0, const side_origin& in,
-                                                  const side_origin& out, int wm, int wn, int g,
-                                                  int t) {
-    constexpr int NT = BN / 16;
+                                                  const side_origin& out, const mma_place<2>& th) {
+    using Tile = block_conv_tile::shape<BN>;
+    constexpr int NT = Tile::NT;
     T* __restrict__ dst = static_cast<T*>(a.dst);
     const int pixels = a.out_h * a.out_w;
     float bias[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+        const int co = n0 + Tile::acc_col(th, nt);
 #pragma unroll
         for (int e = 0; e < 2; ++e)
             bias[nt][e] = a.bias != nullptr && co + e < a.cout ? a.bias[co + e] : 0.f;
@@ -196,7 +196,7 @@ static __device__ __forceinline__ void write_tile(const BlockConvArgs& a,
         bool zero[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int p = p0 + wm * 32 + mt * 16 + g + 8 * half;
+            const int p = p0 + Tile::acc_row(th, mt, half);
             const int ph = p / a.out_w, pw = p - ph * a.out_w;
             const int dh = out.h + ph, dw = out.w + pw;
             const int sh = in.h + ph, sw = in.w + pw;
@@ -213,7 +213,7 @@ static __device__ __forceinline__ void write_tile(const BlockConvArgs& a,
             for (int half = 0; half < 2; ++half)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+                    const int co = n0 + Tile::acc_col(th, nt);
                     const T* at = pixel[half] + co;
                     if (pixel[half] == nullptr || co >= a.cout) continue;
                     if (a.paired) {
@@ -229,7 +229,7 @@ static __device__ __forceinline__ void write_tile(const BlockConvArgs& a,
             if (pixel[half] == nullptr) continue;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                const int co = n0 + wn * (BN / 2) + nt * 8 + 2 * t;
+                const int co = n0 + Tile::acc_col(th, nt);
                 if (co >= a.cout) continue;
                 float v[2];
 #pragma unroll
@@ -445,8 +445,7 @@ template <typename T, int BN, int V, typename Op>
 __global__ void __launch_bounds__(4 * block_conv_tile::THREADS) block_conv(const BlockConvArgs a) {
     stream_tiles<T, BN, V>(a, [&](const tile_place& at, const float (&acc)[2][BN / 16][4],
                                   const fragment_place& th) {
-        if (th.group == 0) write_tile<T, BN, Op>(a, acc, at.p0, at.n0, at.in, at.out, th.wm, th.wn,
-                                                 th.g, th.t);
+        if (th.group == 0) write_tile<T, BN, Op>(a, acc, at.p0, at.n0, at.in, at.out, th);
     });
 }
 
@@ -501,8 +500,11 @@ block_conv_halo(const BlockConvArgs a) {
     constexpr int COPIES = WORDS / 4;      // copies a full chunk row; a thread takes one column
     constexpr int ROWS_PER_PASS = THREADS / COPIES;
     constexpr int KSTEP = 8 * PER_WORD<T>;  // elements of one MMA's k
-    constexpr int NT = BN / 16;
-    constexpr int ACC = 2 * NT * 4;        // accumulators a thread
+    // The tile's warps and MMAs as block_conv's (its stages are the halo's own: halo_layout).
+    using Tile = shape<BN>;
+    constexpr int MT = Tile::MT, NT = Tile::NT;
+    constexpr int ACC = MT * NT * 4;  // accumulators a thread
+    static_assert(MT == 2, "a_lane[1] - a_lane[0]: the step to the second m-tile's A rows");
     extern __shared__ __align__(16) unsigned block_conv_smem[];
 
     const T* __restrict__ src = static_cast<const T*>(a.src);
@@ -513,13 +515,15 @@ block_conv_halo(const BlockConvArgs a) {
     const tile_grid grid = tile_grid::of<BN>(a);
     const int pixels = grid.pixels;
     const fragment_place th;
-    const int group = th.group, tid = th.tid, wm = th.wm, wn = th.wn;
+    const int group = th.group, tid = th.tid;
+    // This group's chunks of each tile: group, group + k_groups, ...
+    const int mine = chunks > group ? (chunks - group + a.k_groups - 1) / a.k_groups : 0;
     // This thread's copies: column `column` (V elements) of rows row0, row0 + ROWS_PER_PASS, ...
     const int column = tid % COPIES, row0 = tid / COPIES;
     unsigned* const slots = block_conv_smem + group * l.group_words;
     const unsigned smem = shared_address(slots);
     // Each lane's B row of the ldmatrix loads within a tap's weights.
-    const int b_lane = th.b_offset(wn * (BN / 2), l.pitch);
+    const int b_lane = th.b_offset(th.wn * Tile::WN, l.pitch);
 
     for (int tile = blockIdx.x; tile < grid.tiles; tile += gridDim.x) {
         tile_place at_tile;
@@ -530,11 +534,11 @@ block_conv_halo(const BlockConvArgs a) {
         const int r0 = p0 / a.out_w;
         const int halo = (min(a.out_h - 1, (p0 + BM - 1) / a.out_w) - r0 + a.kh) * l.in_w;
         // Each lane's A row of the ldmatrix loads at tap (0, 0): the halo pixel of output pixel
-        // p0 + wm * 32 + mt * 16 + lane % 16 (past the block: the tile's first, read and unused).
-        int a_lane[2];
+        // p0 + wm * WM + mt * 16 + lane % 16 (past the block: the tile's first, read and unused).
+        int a_lane[MT];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-            int p = p0 + wm * 32 + mt * 16 + th.a_row();
+        for (int mt = 0; mt < MT; ++mt) {
+            int p = p0 + th.wm * Tile::WM + mt * 16 + th.a_row();
             if (p >= pixels) p = p0;
             const int ph = p / a.out_w;
             a_lane[mt] = ((ph - r0) * l.in_w + p - ph * a.out_w) * l.pitch + th.a_word();
@@ -566,7 +570,7 @@ block_conv_halo(const BlockConvArgs a) {
                              valid);
             }
         };
-        float acc[2][NT][4] = {};
+        float acc[MT][NT][4] = {};
         // Chunk c's MMAs from slot `slot`: every tap, the chunk's k steps (the last chunk's may
         // be fewer).
         auto multiply = [&](int c, int slot) {
@@ -580,29 +584,23 @@ block_conv_halo(const BlockConvArgs a) {
 #pragma unroll
                     for (int ks = 0; ks < WORDS / 8; ++ks) {
                         if (ks >= ksteps) break;
-                        warp_mma_step<T, 2, NT>(acc, ta + a_lane[0] + ks * 8, a_lane[1] - a_lane[0],
-                                                tb + ks * 8, l.pitch);
+                        warp_mma_step<T, MT, NT>(acc, ta + a_lane[0] + ks * 8,
+                                                 a_lane[1] - a_lane[0], tb + ks * 8, l.pitch);
                     }
                 }
             }
         };
 
-        // This group's chunks: group, group + k_groups, ... (the i-th in slot i & 1).
-        const int step = a.k_groups;
-        if (group < chunks) copy(group, 0);
-        copy_async_commit();
-        for (int c = group, i = 0; c < chunks; c += step, ++i) {
-            if (c + step < chunks) copy(c + step, (i + 1) & 1);
-            copy_async_commit();
-            copy_async_wait<1>();  // this thread's copies of chunk c have landed
-            group_sync(group);     // the group's
-            multiply(c, i & 1);
-            group_sync(group);     // slot i & 1 takes the chunk after next
-        }
+        // The group's chunks through its two slots (stream_stages: the next chunk's copies fly
+        // during this chunk's MMAs).
+        stream_stages<mma_schedule::copy_first, 2>(
+            mine, [&](int i, int slot) { copy(group + i * a.k_groups, slot); },
+            [&] { group_sync(group); },
+            [&](int i, int slot) { multiply(group + i * a.k_groups, slot); });
         __syncthreads();  // every group is done with its slots: they hold the partial sums now
         sum_groups<ACC>(&acc[0][0][0], reinterpret_cast<float*>(block_conv_smem), ACC * THREADS,
                         group, a.k_groups, tid);
-        if (group == 0) write_tile<T, BN, Op>(a, acc, p0, n0, in, out, wm, wn, th.g, th.t);
+        if (group == 0) write_tile<T, BN, Op>(a, acc, p0, n0, in, out, th);
         __syncthreads();  // the next tile's copies reuse the shared memory
     }
 }
@@ -626,10 +624,11 @@ block_conv_pair(const BlockConvPairArgs p) {
     using namespace block_conv_tile;
     constexpr int V = PER_COPY<T>;
     constexpr int K_WORDS = BN / PER_WORD<T>;  // words of a row of the 1x1's operands
-    constexpr int PITCH2 = K_WORDS + 4;  // padded: conflict-free ldmatrix
+    // The 1x1's tile: its whole reduction one stage, A (z) and B (a group's weights) apart.
+    using Second = mma_tile<BM, BN2, K_WORDS, 2, 1>;
+    constexpr int PITCH2 = Second::PITCH;
     constexpr int COPIES = K_WORDS / 4;  // copies a weight row
-    constexpr int NT = BN / 16, NT2 = BN2 / 16;
-    static_assert(K_WORDS % 8 == 0, "the 1x1's reduction is whole MMA steps");
+    constexpr int NT = BN / 16;
     extern __shared__ __align__(16) unsigned block_conv_smem[];
     const BlockConvArgs& a = p.conv;
     // The 1x1 as block_conv's arguments, for its epilogue: added into dst2, nothing else.
@@ -650,7 +649,7 @@ block_conv_pair(const BlockConvPairArgs p) {
         if (th.group == 0) {  // bias and ReLU, then the tile into z as the 1x1's A operand
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                const int co = th.wn * (BN / 2) + nt * 8 + 2 * th.t;
+                const int co = shape<BN>::acc_col(th, nt);
                 float bias[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
@@ -666,7 +665,7 @@ block_conv_pair(const BlockConvPairArgs p) {
                             if (a.relu_out) x = fmaxf(x, 0.f);
                             v.v[e] = from_acc<T>(x);
                         }
-                        const int row = th.wm * 32 + mt * 16 + th.g + 8 * half;
+                        const int row = shape<BN>::acc_row(th, mt, half);
                         store_tile<T, 2>(z + row * PITCH2, co, v);
                     }
             }
@@ -675,10 +674,10 @@ block_conv_pair(const BlockConvPairArgs p) {
         const side_origin out2 = side_of(second.out, at.m, a.indices + 3 * (i64)at.m);
         unsigned* const w = z + BM * PITCH2 + th.group * BN2 * PITCH2;  // this group's weights
         const unsigned copy_base = shared_address(w);
-        const int a_lane = th.a_offset(th.wm * 32, PITCH2);
-        const int b_lane = th.b_offset(th.wn * (BN2 / 2), PITCH2);
+        const mma_mainloop<T, Second, false> second_mma(th, z);
         for (int n2 = th.group; n2 < n2_tiles; n2 += a.k_groups) {
-            // Weight rows n2 * BN2 ... of the 1x1, K columns: zeros past cout2 and conv.cout.
+            // The 1x1's one stage, copied and waited for (a group has a tile or two: nothing to
+            // overlap): weight rows n2 * BN2 ..., K columns, zeros past cout2 and conv.cout.
             for (int c = th.tid; c < BN2 * COPIES; c += THREADS) {
                 const int r = c / COPIES, column = c % COPIES;
                 const int co = n2 * BN2 + r, k = column * V;
@@ -689,13 +688,9 @@ block_conv_pair(const BlockConvPairArgs p) {
             copy_async_commit();
             copy_async_wait<0>();
             group_sync(th.group);
-            float acc2[2][NT2][4] = {};
-#pragma unroll
-            for (int ks = 0; ks < K_WORDS / 8; ++ks)
-                warp_mma_step<T, 2, NT2>(acc2, z + a_lane + ks * 8, 16 * PITCH2,
-                                         w + b_lane + ks * 8, PITCH2);
-            write_tile<T, BN2, Add>(second, acc2, at.p0, n2 * BN2, at.in, out2, th.wm, th.wn,
-                                    th.g, th.t);
+            float acc2[Second::MT][Second::NT][4] = {};
+            second_mma.multiply(acc2, z, w);
+            write_tile<T, BN2, Add>(second, acc2, at.p0, n2 * BN2, at.in, out2, th);
             group_sync(th.group);  // the group's slot takes its next tile's weights
         }
     });
