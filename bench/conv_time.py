@@ -11,27 +11,11 @@ import argparse
 import collections
 import statistics
 
-import torch
-
 import torch_bridge.submanifold as ours
 from bench import detectors
 from bench._common import allow_tf32, require_gpu
 
 MODES = ("eval-fp16", "eval-tf32", "train-amp")
-
-
-def profiled_call(call):
-    """{kernel name: us} of the GPU kernels of one call of `call` (torch profiler)."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        call()
-        torch.cuda.synchronize()
-    times = collections.defaultdict(float)
-    for event in profile.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name.split("(")[0].replace("void ", "").replace(" ", "")] += \
-                event.device_time
-    return times
 
 
 def main(argv=None):
@@ -46,31 +30,14 @@ def main(argv=None):
     allow_tf32(True)
     indices, features, shape = detectors.inputs(args.scale, args.batch, "cuda", {})
     net = detectors.build("ours", ours, args.model, features.shape[1], "cuda")
-    if args.mode == "eval-fp16":
-        net, features = net.half().eval(), features.half()
-    net.train(args.mode == "train-amp")
-    scaler = torch.amp.GradScaler()
-    optimizer = torch.optim.SGD(net.parameters(), lr=1e-4)
-
-    def call():
-        x = ours.SparseConvTensor(features, indices, shape, args.batch)
-        if args.mode != "train-amp":
-            with torch.no_grad():
-                net(x)
-            return
-        with torch.autocast("cuda", torch.float16):
-            outs = net(x)
-            loss = detectors.loss_of(outs if isinstance(outs, (list, tuple)) else [outs])
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
+    call, _ = detectors.prepare(net, "ours", ours, args.mode,
+                                (indices, features, shape, args.batch), "cuda")
     for _ in range(3):
         call()
     by_kernel, fused, total = collections.defaultdict(list), [], []
     for _ in range(args.calls):
-        times = profiled_call(call)
+        times = {name.split("(")[0].replace("void ", "").replace(" ", ""): 1e3 * ms
+                 for name, ms in detectors.kernel_ms(call).items()}
         mine = {k: v for k, v in times.items() if k.startswith(("submanifold_fused", "split_sum"))}
         for name, us in mine.items():
             by_kernel[name].append(us)

@@ -452,9 +452,8 @@ CLASSES = {  # library: [(class, pattern)], first match wins; the rest is "other
 }
 
 
-def kernel_times(run, library):
-    """GPU time (ms) by class of one call of run() under torch.profiler, and its ten largest
-    kernels [(ms, class, name)]."""
+def kernel_ms(run):
+    """{kernel name: GPU ms} of one call of run() under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -471,6 +470,13 @@ def kernel_times(run, library):
     for e in events:
         if e.get("cat") == "kernel" and e.get("ph") == "X":
             by_name[e["name"]] = by_name.get(e["name"], 0.0) + e.get("dur", 0) / 1e3
+    return by_name
+
+
+def kernel_times(run, library):
+    """GPU time (ms) by class of one call of run() under torch.profiler, and its ten largest
+    kernels [(ms, class, name)]."""
+    by_name = kernel_ms(run)
     totals = {"conv": 0.0, "rulebook": 0.0, "other": 0.0}
     named = []
     for name, ms in by_name.items():
