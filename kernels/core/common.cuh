@@ -212,7 +212,7 @@ static __device__ __forceinline__ block_row locate_row(const BlockList& list, in
 // The second kernel of a reduction split over CTAs (the fused submanifold convolution's taps,
 // the pruned-kernel convolution's input channels): out [rows, cols] = bias [cols] (or none) +
 // each split's float sums, partial [splits, rows, pitch], added in split order (deterministic,
-// no atomics). sbnet_cupy/core/plan.py's split_sum_plan launches it.
+// no atomics), then max(0, .) where a.relu. sbnet_cupy/core/plan.py's split_sum_plan launches it.
 // Its arguments: SplitSumArgs (sbnet_cupy/core/records.py).
 
 template <typename T> __global__ void split_sum(const SplitSumArgs a) {
@@ -227,7 +227,7 @@ template <typename T> __global__ void split_sum(const SplitSumArgs a) {
         const int col = (int)(t - row * a.cols);
         float sum = bias != nullptr ? to_acc(bias[col]) : 0.0f;
         for (int s = 0; s < a.splits; ++s) sum += a.partial[(s * a.rows + row) * a.pitch + col];
-        out[t] = from_acc<T>(sum);
+        out[t] = from_acc<T>(a.relu ? fmaxf(sum, 0.0f) : sum);
     }
 }
 

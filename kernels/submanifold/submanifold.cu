@@ -329,7 +329,8 @@ template <typename Mask> __global__ void tap_masks(const MaskArgs a) {
 // --- the fused convolution: gather and tensor-core matrix product in one kernel -------------
 //
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
-// weight[:, k, ci], for a tile of FUSED_BM output sites x BN output channels a CTA (4 warps;
+// weight[:, k, ci] (then max(0, .) where a.relu: an eval model's ReLU, BatchNorm folded into
+// weight and bias, torch_bridge.submanifold.fuse_bn_relu), for a tile of FUSED_BM output sites x BN output channels a CTA (4 warps;
 // BN 16, 32, 64 or 128, the launch's choice by cout: narrow layers do no MMA work on padding,
 // wide ones gather each neighbour row once).
 // The reduction runs in stages of STAGE bytes a row: the tile's rows (zeros for absent
@@ -546,7 +547,8 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
                         partial[o * a.cout + co] = acc[mt][nt][i];
                     } else {
                         const float b = bias ? to_acc(bias[co]) : 0.0f;
-                        out[o * a.cout + co] = from_acc<T>(acc[mt][nt][i] + b);
+                        const float v = acc[mt][nt][i] + b;
+                        out[o * a.cout + co] = from_acc<T>(a.relu ? fmaxf(v, 0.0f) : v);
                     }
                 }
             }

@@ -92,13 +92,15 @@ def reduction_splits(tiles, parts, sms, ctas_per_sm=2, round_up=True):
 _SPLIT_SUM_THREADS, _SPLIT_SUM_BLOCKS = 256, 2048  # blocks enough to fill a GPU
 
 
-def split_sum_plan(device, op, ctype, rows, cols, pitch, splits, dependent=False):
+def split_sum_plan(device, op, ctype, rows, cols, pitch, splits, dependent=False, relu=False):
     """The KernelPlan of split_sum<ctype> (kernels/core/common.cuh, compiled with
     kernels/<family>/<op>.cu) after a kernel whose reduction was cut in `splits`: out [rows, cols] =
-    bias [cols] + the float sums partial [splits, rows, pitch], in split order. A call passes
+    bias [cols] + the float sums partial [splits, rows, pitch], in split order (then max(0, .)
+    where relu). A call passes
     (partial, bias, out) addresses; the sizes are the plan's constants. A grid-stride loop."""
     blocks = max(1, min(-(-rows * cols // _SPLIT_SUM_THREADS), _SPLIT_SUM_BLOCKS))
     record = _records.SPLIT_SUM_ARGS
     return KernelPlan(device, op, "split_sum", (ctype,), (blocks, 1, 1),
                       (_SPLIT_SUM_THREADS, 1, 1), 0, record,
-                      record.tail(rows=rows, cols=cols, pitch=pitch, splits=splits), dependent)
+                      record.tail(rows=rows, cols=cols, pitch=pitch, splits=splits, relu=int(relu)),
+                      dependent)

@@ -259,6 +259,7 @@ SPLIT_SUM_ARGS = Record("SplitSumArgs", None, """
     void* out;
     i64 rows;
     int cols, pitch, splits;
+    int relu;              // 1: max(0, sum)
 """)
 
 # --- kernels/blocks/block_conv.cu -----------------------------------------------------------
@@ -466,4 +467,5 @@ FUSED_ARGS = Record("FusedArgs", "submanifold", """
     int split_taps;        // taps a split (blockIdx.z) sums
     const int* order;      // [n_out]: the output rows in the order tiles take them (rows of
                            // like neighbour masks together, tap_masks), or null: 0, 1, ...
+    int relu;              // 1: out = max(0, sum + bias) (unused with partial)
 """)

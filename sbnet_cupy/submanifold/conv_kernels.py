@@ -82,13 +82,14 @@ def fused_sorts(n_out, cin, cout):
     return SORT_ROWS and n_out * cin * cout >= _SORT_WORK
 
 
-def fused_conv(backend, features, weight, bias, neighbors, order=None):
+def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=False):
     """The fused convolution of a backend's arrays: features [N_in, cin], weight [cout, *kernel,
     cin] and bias [cout] (or None) of one dtype ("float16", "bfloat16", or "float32" as TF32),
     through the int32 map neighbors [taps, n_out]; returns out [n_out, cout]. order: int32
     [n_out], a permutation of the output rows in which tiles take them (Rulebook.fused_order),
-    or None: 0, 1, ... Split taps write float32 partial sums to the backend's scratch, which a
-    second kernel adds up with the bias."""
+    or None: 0, 1, ... relu: out = max(0, out), in the kernel's epilogue. Split taps write
+    float32 partial sums to the backend's scratch, which a second kernel adds up with the bias
+    (and takes the ReLU)."""
     taps, n_out = neighbors.shape
     cin, cout = features.shape[1], weight.shape[0]
     features, weight = backend.contiguous(features), backend.contiguous(weight)
@@ -102,20 +103,21 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None):
         cin = width
     device = backend.device(features)
     x, w = backend.pointer(features), backend.pointer(weight)
-    plan = _fused_plan(device, dtype, _checks.alignment(x, w) == 16, n_out, cin, cout, taps)
+    plan = _fused_plan(device, dtype, _checks.alignment(x, w) == 16, n_out, cin, cout, taps,
+                       bool(relu))
     stream = backend.stream(device)
     bias = None if bias is None else backend.contiguous(bias)  # kept until the launches
     b = backend.pointer(bias)
     order = backend.pointer(order)
     if plan.split_sum is None:
         plan.conv.launch(stream, x, w, b, backend.pointer(neighbors), backend.pointer(out), 0,
-                         n_out, cin, cout, taps, plan.split_taps, order)
+                         n_out, cin, cout, taps, plan.split_taps, order, int(relu))
         return out
     # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest;
     # _owner keeps the scratch until both launches are queued.
     partial, _owner = backend.float_scratch(device, plan.scratch)
     plan.conv.launch(stream, x, w, 0, backend.pointer(neighbors), 0, partial, n_out, cin, cout,
-                     taps, plan.split_taps, order)
+                     taps, plan.split_taps, order, 0)
     plan.split_sum.launch(stream, partial, b, backend.pointer(out))
     return out
 
@@ -155,8 +157,9 @@ FusedPlan = namedtuple("FusedPlan", ["conv", "split_taps", "split_sum", "scratch
 
 
 @functools.lru_cache(maxsize=1024)
-def _fused_plan(device, dtype, aligned, n_out, cin, cout, taps):
-    """The FusedPlan of a layer; aligned: whether features and weight start at 16 bytes."""
+def _fused_plan(device, dtype, aligned, n_out, cin, cout, taps, relu=False):
+    """The FusedPlan of a layer; aligned: whether features and weight start at 16 bytes; relu:
+    whether the split sum takes the ReLU (the conv kernel's is each call's)."""
     itemsize = _kernels.ITEMSIZES[dtype]
     vector = aligned and cin * itemsize % 16 == 0
     stage, tile = fused_config(vector, itemsize, cout)
@@ -171,7 +174,7 @@ def _fused_plan(device, dtype, aligned, n_out, cin, cout, taps):
     if splits == 1:
         return FusedPlan(conv, split_taps, None, 0)
     split_sum = _plan.split_sum_plan(device, "submanifold", ctype, n_out, cout, cout, splits,
-                                     dependent=True)
+                                     dependent=True, relu=relu)
     return FusedPlan(conv, split_taps, split_sum, splits * n_out * cout)
 
 

@@ -96,7 +96,7 @@ def submanifold_maps(coords, keys, shape, geometry):
     neighbors.reshape(-1)[(taps - 1 - tap) * n + read] = row
     pairs = _split_pairs(tap, row, read, half)
     pairs = pairs + [None] + [(i, o) for o, i in reversed(pairs)]
-    return neighbors, numpy.ascontiguousarray(neighbors[::-1]), pairs
+    return neighbors, neighbors[::-1].copy(), pairs  # a copy: [1, n] keeps a negative stride
 
 
 def _find_runs(table, keys, delta, valid, run, out):

@@ -109,7 +109,7 @@ def test_direct_conv_with_split_channels(rng, launches):
     assert (split, split_stream) == ("split_sum<float>", STREAM)
     assert summed == _fields(_records.SPLIT_SUM_ARGS, partial=got["partial"],
                              bias=bias.ctypes.data, out=out.ctypes.data, rows=64, cols=8,
-                             pitch=8, splits=splits)
+                             pitch=8, splits=splits, relu=0)
 
 
 def test_compiled_conv_runs_the_masks_kernel(rng, launches):

@@ -55,7 +55,9 @@ def test_split_sum_plan_without_a_device():
                             splits=3, dependent=True)
     assert p.name == "split_sum<half_t>" and p.dependent
     assert p.grid == (-(-1000 * 24 // p.block[0]), 1, 1)
-    assert p.constants == (1000, 24, 32, 3)
+    assert p.constants == (1000, 24, 32, 3, 0)
+    relu = plan.split_sum_plan(None, "submanifold", "half_t", 1000, 24, 32, 3, relu=True)
+    assert relu.constants == (1000, 24, 32, 3, 1)
     assert plan.split_sum_plan(None, "common", "float", 1, 1, 1, 2).grid == (1, 1, 1)
 
 
@@ -110,7 +112,7 @@ def driver(monkeypatch):
 
 def _split_sum(device, dependent):
     return plan.KernelPlan(device, "common", "split_sum", ("float",), (5, 6, 7), (128, 1, 2),
-                           4096, records.SPLIT_SUM_ARGS, (7, 5, 8, 3), dependent)
+                           4096, records.SPLIT_SUM_ARGS, (7, 5, 8, 3, 0), dependent)
 
 
 def test_a_dependent_launch_fills_the_config_of_cuLaunchKernelEx(driver):
@@ -126,7 +128,7 @@ def test_a_dependent_launch_fills_the_config_of_cuLaunchKernelEx(driver):
     assert (tuple(c.grid), tuple(c.block), c.shared_mem, c.stream) == ((5, 6, 7), (128, 1, 2),
                                                                          4096, 0xabc)
     assert c.num_attrs == 1 and (c.attrs[0].id, c.attrs[0].value) == (6, 1)
-    packed = records.SPLIT_SUM_ARGS.pack(100, 200, 300, 7, 5, 8, 3)
+    packed = records.SPLIT_SUM_ARGS.pack(100, 200, 300, 7, 5, 8, 3, 0)
     assert state.arguments.tobytes()[:len(packed)] == packed
 
 

@@ -235,7 +235,8 @@ def test_reduce_mask_passes_its_values_in_order(launches):
 
 
 def test_split_sum_passes_its_values_in_order(launches):
-    plan.split_sum_plan(0, "submanifold", "float", 7, 5, 8, 3).launch(0, 100, 200, 300)
+    plan.split_sum_plan(0, "submanifold", "float", 7, 5, 8, 3, relu=True).launch(0, 100, 200,
+                                                                                 300)
     (_, got), = launches
     assert got == _named(_records.SPLIT_SUM_ARGS, _records.SPLIT_SUM_ARGS.values(
-        partial=100, bias=200, out=300, rows=7, cols=5, pitch=8, splits=3))
+        partial=100, bias=200, out=300, rows=7, cols=5, pitch=8, splits=3, relu=1))

@@ -679,10 +679,10 @@ def emulate_conv(conv, x, out_shape, arrays, bias=None, program=None):
             _store(out, acc, a, n, oy0, ox0, g0 * q_per_warp, q_per_warp,
                    None if bias is None else bias.astype(numpy.float64))
     if splits > 1:  # split_sum (kernels/core/common.cuh) with the plan's rows, cols and pitch
-        rows, cols, pitch, summed = conv.split_sum.constants
+        rows, cols, pitch, summed, relu = conv.split_sum.constants
         assert conv.scratch == partial.size
-        assert (rows, cols, pitch, summed) == (out.size // a["cout"], a["cout"],
-                                               a["groups"] * q_per_warp, splits)
+        assert (rows, cols, pitch, summed, relu) == (out.size // a["cout"], a["cout"],
+                                                     a["groups"] * q_per_warp, splits, 0)
         sums = partial.reshape(splits, rows, pitch)[:, :, :cols].sum(axis=0)
         out[...] = (sums if bias is None else sums + bias).reshape(out_shape)
     assert not numpy.isnan(out).any(), "outputs left unwritten"

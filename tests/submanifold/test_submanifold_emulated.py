@@ -166,6 +166,29 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
         ["submanifold_fused", "split_sum"] if memory.scratch else ["submanifold_fused"])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("n_out, split", [(70, True), (300, False)])
+def test_fused_relu_equals_definition(rng, launched, dtype, n_out, split):
+    """relu=True: max(0, sum + bias) written by the kernel's epilogue, or by the split sum where
+    the taps are split over CTAs (few sites); about half the outputs are negative before it."""
+    n_in, cin, cout, taps = 60, 16, 24, 9
+    features = random_array(rng, (n_in, cin), numpy.float32)
+    weight = random_array(rng, (cout, taps, cin), numpy.float32)
+    bias = random_array(rng, (cout,), numpy.float32)
+    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
+    neighbors[rng.random((taps, n_out)) < 0.4] = -1
+    f, w, b = (a.astype(dtype) for a in (features, weight, bias))
+    memory = cuda_emulation.HostMemory()
+    out = submanifold.fused_conv(memory, f, w, b, neighbors, relu=True)
+    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
+    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
+    assert 0.3 < (want < 0).mean() < 0.7
+    tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
+    numpy.testing.assert_allclose(out.astype(numpy.float64), numpy.maximum(want, 0), rtol=0,
+                                  atol=tolerance * max(1.0, numpy.abs(want).max()))
+    assert bool(memory.scratch) == split
+
+
 @pytest.mark.parametrize("taps", [27, 40])
 def test_tap_masks_equal_numpy(rng, launched, taps):
     """Bit k of row r's mask: the row has tap k, for the first 32 taps (bit 31 included)."""

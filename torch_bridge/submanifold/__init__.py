@@ -7,7 +7,8 @@ Layouts are spconv's: indices int32 [N, 1 + D] (batch index first), features [N,
 ``.dense()`` channels first [B, C, *spatial]. The submodules follow spconv.pytorch's paths:
 core (SparseConvTensor, ConvAlgo), conv, pool, modules, tables, identity, functional, ops,
 utils, and constants (spconv.constants); rulebook holds the rulebooks (build_rulebook,
-transposed_rulebook), conv_op the convolution op (rulebook_conv) and cpu_conv its CPU path.
+transposed_rulebook), conv_op the convolution op (rulebook_conv) and cpu_conv its CPU path;
+fuse_bn_relu (fuse) fuses an eval model's BatchNorm and ReLU into its convolutions.
 """
 
 from . import constants, conv, core, functional, identity, modules, ops, pool, tables, utils
@@ -25,6 +26,7 @@ from .pool import (SparseAvgPool1d, SparseAvgPool2d, SparseAvgPool3d, SparseGlob
                    SparseGlobalMaxPool, SparseMaxPool1d, SparseMaxPool2d, SparseMaxPool3d,
                    SparseMaxPool4d)
 from .conv_op import rulebook_conv
+from .fuse import fuse_bn_relu
 from .rulebook import Rulebook, build_rulebook, transposed_rulebook
 from .tables import AddTable, ConcatTable, JoinTable
 
@@ -81,6 +83,7 @@ __all__ = [
     "conv",
     "core",
     "functional",
+    "fuse_bn_relu",
     "identity",
     "modules",
     "ops",

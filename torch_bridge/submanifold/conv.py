@@ -42,7 +42,8 @@ class SparseConvolution(SparseModule):
     geometry on the same sites) or run it backwards (inverse layers). algo (a ConvAlgo),
     fp32_accum, name and large_kernel_fast_algo are kept for spconv's signature and unused (set
     sbnet_algo to choose rulebook_conv's algorithm; products accumulate in float32). groups
-    must be 1 and act_type None, as spconv's CPU build requires."""
+    must be 1 and act_type None, as spconv's CPU build requires. sbnet_relu (set by
+    fuse_bn_relu): max(0, .) of the convolution's output in its call, before add_input."""
 
     def __init__(self, ndim, in_channels, out_channels, kernel_size=3, stride=1, padding=0,
                  dilation=1, groups=1, bias=True, subm=False, output_padding=0,
@@ -76,6 +77,7 @@ class SparseConvolution(SparseModule):
             subm or (self.stride == [1] * ndim and self.padding == [0] * ndim))
         self.act_type, self.act_alpha, self.act_beta = None, act_alpha, act_beta
         self.sbnet_algo = None  # rulebook_conv's algo (None: its rule)
+        self.sbnet_relu = False
         factory = dict(device=device, dtype=dtype)
         self.weight = torch.nn.Parameter(
             torch.empty(out_channels, *self.kernel_size, in_channels, **factory))
@@ -164,6 +166,7 @@ class SparseConvolution(SparseModule):
             taps = self.weight.reshape(self.in_channels, self.out_channels)
             y = input.features @ taps if self.bias is None else torch.addmm(
                 self.bias, input.features, taps)
+            y = torch.relu(y) if self.sbnet_relu else y
             out = input._with(y, input.indices, input.spatial_shape, indice_dict,
                               input.indices_checked)
         else:
@@ -171,7 +174,7 @@ class SparseConvolution(SparseModule):
             if store:
                 indice_dict[self.indice_key] = rulebook
             y = rulebook_conv(input.features, rulebook, self.weight, self.bias,
-                              algo=self.sbnet_algo)
+                              algo=self.sbnet_algo, relu=self.sbnet_relu)
             out = input._with(y, rulebook.out_indices, rulebook.out_shape, indice_dict, True)
         if self.record_voxel_count:
             getattr(self, _MAX_VOXELS).clamp_(min=out.indices.shape[0])
@@ -184,7 +187,8 @@ class SparseConvolution(SparseModule):
                 "transposed" if self.transposed else "strided")
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
                 f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
-                f"{kind}, indice_key={self.indice_key!r}, bias={self.bias is not None}")
+                f"{kind}, indice_key={self.indice_key!r}, bias={self.bias is not None}"
+                + (", relu" if self.sbnet_relu else ""))
 
 
 # spconv's classes, one a dimension and kind, each over its kind's base (which has spconv's

@@ -35,14 +35,17 @@ def _as_features(t, features):
     return t if t is None or t.dtype == features.dtype else t.to(features.dtype)
 
 
-def _conv_impl(features, weight, bias, neighbors, neighbors_t, order, order_t, algo):
+def _conv_impl(features, weight, bias, neighbors, neighbors_t, order, order_t, algo,
+               relu=False):
     weight, bias = _as_features(weight, features), _as_features(bias, features)
     if not features.is_cuda:
-        return conv_cpu(_contiguous(features), _contiguous(weight), bias, neighbors)
-    # rulebook_conv runs these two lines itself where it calls no op (see there).
+        y = conv_cpu(_contiguous(features), _contiguous(weight), bias, neighbors)
+        return y.relu_() if relu else y
+    # rulebook_conv runs these lines itself where it calls no op (see there).
     if algo == "fused":
-        return fused_conv(TORCH, features, weight, bias, neighbors, order)
-    return _product(gather_rows(TORCH, features, neighbors), weight, bias)
+        return fused_conv(TORCH, features, weight, bias, neighbors, order, relu)
+    y = _product(gather_rows(TORCH, features, neighbors), weight, bias)
+    return y.relu_() if relu else y
 
 
 def _product(rows, weight, bias):
@@ -52,27 +55,34 @@ def _product(rows, weight, bias):
     return rows @ taps.t() if bias is None else torch.addmm(bias, rows, taps.t())
 
 
-def _conv_fake(features, weight, bias, neighbors, neighbors_t, order, order_t, algo):
+def _conv_fake(features, weight, bias, neighbors, neighbors_t, order, order_t, algo,
+               relu=False):
     return features.new_empty((neighbors.shape[1], weight.shape[0]))
 
 
 def _conv_setup(ctx, inputs, output):
-    features, weight, bias, neighbors, neighbors_t, order, order_t, ctx.algo = inputs
+    features, weight, bias, neighbors, neighbors_t, order, order_t, ctx.algo, *relu = inputs
+    ctx.relu = bool(relu) and relu[0]  # the schema's default where a caller leaves it out
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.orders = order is not None, order_t is not None
+    # With the ReLU, the output too: the gradient passes where it is positive.
     ctx.save_for_backward(features, weight, neighbors, neighbors_t,
-                          *(o for o in (order, order_t) if o is not None))
+                          *(o for o in (order, order_t) if o is not None),
+                          *((output,) if ctx.relu else ()))
 
 
 def _conv_backward(ctx, grad):
-    features, weight, neighbors, neighbors_t, *orders = ctx.saved_tensors
-    order, order_t = (orders.pop(0) if given else None for given in ctx.orders)
+    features, weight, neighbors, neighbors_t, *rest = ctx.saved_tensors
+    order, order_t = (rest.pop(0) if given else None for given in ctx.orders)
+    if ctx.relu:
+        grad = grad.masked_fill(rest.pop(0) <= 0, 0)
     grad = _contiguous(grad)
     dx = dw = db = None
     if ctx.needs_input_grad[0]:  # the dual op: the transposed map, the transposed weight
         weight_t = weight.transpose(0, -1).contiguous()  # float32 under autocast: op casts it
         dx = _call(_conv_op, _conv_autograd, _conv_impl,
-                   (grad, weight_t, None, neighbors_t, neighbors, order_t, order, ctx.algo),
+                   (grad, weight_t, None, neighbors_t, neighbors, order_t, order, ctx.algo,
+                    False),
                    (grad, weight_t, neighbors_t, neighbors), (grad, weight_t))
     if ctx.needs_input_grad[1]:
         # In the weight's dtype: float32 under autocast (see _grad_weight_impl).
@@ -81,12 +91,12 @@ def _conv_backward(ctx, grad):
                    (features, grad, neighbors))
     if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
         db = grad.sum(0, dtype=ctx.bias_dtype)
-    return dx, dw, db, None, None, None, None, None
+    return dx, dw, db, None, None, None, None, None, None
 
 
 _conv_op, _conv_autograd = _register(
     "submanifold_conv(Tensor features, Tensor weight, Tensor? bias, Tensor neighbors, "
-    "Tensor neighbors_t, Tensor? order, Tensor? order_t, str algo) -> Tensor",
+    "Tensor neighbors_t, Tensor? order, Tensor? order_t, str algo, bool relu=False) -> Tensor",
     _conv_impl, _conv_fake, _conv_setup, _conv_backward)
 
 
@@ -146,7 +156,7 @@ def _autocast_param(t, dtype):
     return t if t is None or t.dtype == torch.float32 else t.to(dtype)
 
 
-def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
+def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None, relu=False):
     """sbnet_cupy.submanifold.rulebook_conv on tensors: features [N_in, Cin] through a Rulebook
     (build_rulebook, or .inverse() of one), weight [Cout, *kernel_size, Cin], bias [Cout] or
     None; returns [N_out, Cout]. Differentiable in features, weight and bias. algo: "gemm"
@@ -154,7 +164,9 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
     None: sbnet_cupy.submanifold.choose_algo's (TF32 allowed by
     torch.backends.cuda.matmul.allow_tf32). CPU tensors multiply a tap at a time with torch's
     ops (float16 and bfloat16 in float32 arithmetic); algo is then unused.
-    Under torch.autocast("cuda") the convolution runs in the autocast dtype; a float32 weight
+    relu: max(0, out) in the same call (the fused kernel's epilogue; an eval model's ReLU after
+    a convolution, fuse_bn_relu). Under torch.autocast("cuda") the convolution runs in the
+    autocast dtype; a float32 weight
     and bias (AMP's parameters) get float32 gradients that never pass through float16. Outside
     it, weight and bias must have the features' dtype."""
     if not isinstance(rulebook, Rulebook):
@@ -186,7 +198,7 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
         order = rulebook.fused_order()  # and the backward's dual op's, on neighbors_t
         if torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad):
             order_t = rulebook.fused_order(transposed=True)
-    args = (features, weight, bias, neighbors, neighbors_t, order, order_t, algo)
+    args = (features, weight, bias, neighbors, neighbors_t, order, order_t, algo, bool(relu))
     tensors = (features, weight, neighbors, neighbors_t) + (() if bias is None else (bias,))
     differentiable = (features, weight) + (() if bias is None else (bias,))
     route = _route(_conv_op, _conv_autograd, _conv_impl, tensors, differentiable)
@@ -197,5 +209,6 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
     # KernelPlan.launch: issue 35); traced and recording calls keep the op boundary.
     weight, bias = _as_features(weight, features), _as_features(bias, features)
     if algo == "fused":
-        return fused_conv(TORCH, features, weight, bias, neighbors, order)
-    return _product(gather_rows(TORCH, features, neighbors), weight, bias)
+        return fused_conv(TORCH, features, weight, bias, neighbors, order, relu)
+    y = _product(gather_rows(TORCH, features, neighbors), weight, bias)
+    return y.relu_() if relu else y
