@@ -89,8 +89,9 @@ def keep(what, sources, key, value):
         ref = weakref.ref(first, functools.partial(_forget, _SLOTS, id(first)))
         slot = _SLOTS[id(first)] = (ref, {})
     stamp, entries = _stamp(first), slot[1]
-    for stale in [k for k, entry in entries.items() if not _unchanged(first, entry[0])]:
-        del entries[stale]  # of an older version of the first source: never found again
+    for k, entry in list(entries.items()):  # a copy: another thread may keep one meanwhile
+        if not _unchanged(first, entry[0]):  # an older version's: never found again
+            entries.pop(k, None)
     others = tuple((None if t is None else weakref.ref(t), _stamp(t)) for t in sources[1:])
     entries[what, key] = (stamp, others, value)
     return value

@@ -44,7 +44,8 @@ def test_hit_returns_the_same_value():
 
 
 @pytest.mark.parametrize("change", [lambda t: t.add_(0), lambda t: t.copy_(t.clone()),
-                                    lambda t: t.__setitem__(0, 0)])
+                                    lambda t: t.__setitem__(0, 0)],
+                         ids=["add_", "copy_", "setitem"])
 def test_in_place_change_makes_it_again(change):
     make, t = Maker(), torch.arange(5)
     first = _derived.derived(make, (t,))
