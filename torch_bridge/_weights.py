@@ -6,13 +6,11 @@ frozen_weights() (as CapacityGraphs' does), which has the graph read the copies 
 """
 
 import contextlib
-import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-# first source -> {prepare: (key, weak refs to the sources, copies)}
-_PREPARED = WeakIdKeyDictionary()
+from . import _derived
+
 _FROZEN = []  # one list per active frozen_weights(): the copies its captures read
 
 
@@ -29,10 +27,6 @@ def frozen_weights():
         yield kept
     finally:
         _FROZEN.remove(kept)
-
-
-def _same_tensors(refs, sources):
-    return all((t is None) if r is None else (r() is t) for r, t in zip(refs, sources))
 
 
 def _outside_torch_pools(t):
@@ -53,25 +47,22 @@ def _outside_torch_pools(t):
 
 
 def prepared(prepare, x, sources):
-    """prepare(x, *sources), kept while the sources stay the same tensors with the same data and
-    version and x's device and dtype stay (one entry per first source and prepare; see the
-    module's docstring for CUDA graphs). Weak references: the cache keeps neither the
-    parameters nor, through them, the modules alive."""
+    """prepare(x, *sources), kept in the bridge's cache of derived values (_derived) while the
+    sources stay the same tensors with the same memory and version, one entry per x device and
+    dtype (see the module's docstring for CUDA graphs). The cache holds the sources by weak
+    reference: it keeps neither the parameters nor, through them, the modules alive."""
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing and not _FROZEN:
         return prepare(x, *sources)
-    key = (prepare, x.device, x.dtype, *((0, 0) if t is None else (t.data_ptr(), t._version)
-                                         for t in sources))
-    entries = _PREPARED.setdefault(sources[0], {})
-    cached = entries.get(prepare)
-    if cached is None or cached[0] != key or not _same_tensors(cached[1], sources):
+    key = (x.device, x.dtype)
+    copies = _derived.lookup(prepare, sources, key)
+    if copies is None:
         if capturing:  # nothing made before the capture: make them in the graph
             return prepare(x, *sources)
-        refs = tuple(None if t is None else weakref.ref(t) for t in sources)
         copies = prepare(x, *sources)
         if x.is_cuda:
             copies = tuple(_outside_torch_pools(t) for t in copies)
-        cached = entries[prepare] = (key, refs, copies)
+        _derived.keep(prepare, sources, key, copies)
     if capturing:
-        _FROZEN[-1].append(cached[2])
-    return cached[2]
+        _FROZEN[-1].append(copies)
+    return copies

@@ -120,9 +120,9 @@ def test_weight_copies_kept_per_version():
     _weights.prepared(prepare, x.double(), (weight, None))
     bias = torch.randn(4)
     _weights.prepared(prepare, x.double(), (weight, bias))
-    _weights.prepared(prepare, x.double(), (weight, torch.randn(4)))
+    latest = _weights.prepared(prepare, x.double(), (weight, torch.randn(4)))
     assert len(made) == 5
-    latest = weakref.ref(_weights._PREPARED[weight][prepare][2][0])
+    latest = weakref.ref(latest[0])
     del weight
     assert latest() is None
 

@@ -179,8 +179,8 @@ def test_torch_launches_as_cupy_does(rng, launches, monkeypatch, strategy):
     taps = bridge._taps(positions, kernel.shape)
     x_t = torch.from_numpy(x).permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)  # strided
     _skc.launch_conv(TORCH, "float32", x_t, torch.from_numpy(out), None, taps,
-                     functools.partial(bridge._in_order, values, taps), False, (1, 1), (1, 1),
-                     (1, 1), (1, 1), strategy)
+                     functools.partial(bridge._in_order, values, positions, kernel.shape), False,
+                     (1, 1), (1, 1), (1, 1), (1, 1), strategy)
     (mine, grid, _, want), (theirs, torch_grid, _, got) = launches
     pointers = ("x", "out", "ranges", "taps", "values", "partial")
     assert (theirs, torch_grid) == (mine, grid)

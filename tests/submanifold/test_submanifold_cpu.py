@@ -50,7 +50,7 @@ def test_products_summed_in_spconvs_order(rng, monkeypatch, kind, group_bytes):
     bias = torch.from_numpy(rng.standard_normal(6, dtype=numpy.float32))
     assert module._cpu_plan(rulebook.neighbors)[0] == "taps"
     y = ours.rulebook_conv(x, rulebook, weight, bias)
-    (groups,) = rulebook.neighbors._sbnet_sum_groups.values()
+    groups = module._sum_groups(rulebook.neighbors, module._group_pairs(6, 4))
     blocks = module._cpu_plan(rulebook.neighbors)[1].taps
     assert len(groups) == (1 if group_bytes > 1 else len(blocks)) and len(blocks) >= 20
     assert torch.equal(y, spconv_order(x, weight, bias, rulebook.neighbors))
@@ -72,7 +72,7 @@ def test_groups_and_gradients(rng, monkeypatch):
         y.square().sum().backward()
         results.append((y.detach(), xs.grad, ws.grad))
         if not dense:  # the centre leads the first group, the sum so far the others
-            (groups,) = built.neighbors._sbnet_sum_groups.values()
+            groups = module._sum_groups(built.neighbors, module._group_pairs(3, 8))
             assert all(g.lead for g in groups) and len(groups) == (1 if group_bytes > 1 else 26)
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
     for a, b in zip(results[1], results[2]):
@@ -96,3 +96,26 @@ def test_outputs_without_pairs(rng):
     assert empty.out_indices.shape[0] == 0
     back = ours.rulebook_conv(torch.zeros((0, 3)), empty.inverse(), weight)
     assert back.shape == (odd.shape[0], 2) and not back.any()
+
+
+def test_plans_follow_their_map(rng):
+    """A map's plan and groups are kept while it stays the same tensor and version: a new
+    rulebook (maybe at a freed map's address) and a map changed in place get their own, and
+    the sums in spconv's order."""
+    weight = torch.from_numpy(rng.standard_normal((4, 3, 3, 3, 5), dtype=numpy.float32))
+    for _ in range(2):  # the second rulebook's maps may land where the first one's were
+        indices, shape, batch = sites(rng)
+        rulebook = ours.build_rulebook(indices, shape, batch, 3, 1, 1, 1, True)
+        x = torch.from_numpy(rng.standard_normal((indices.shape[0], 5), dtype=numpy.float32))
+        y = ours.rulebook_conv(x, rulebook, weight)
+        assert torch.equal(y, spconv_order(x, weight, None, rulebook.neighbors))
+    neighbors = rulebook.neighbors
+    plan = module._cpu_plan(neighbors)
+    groups = module._sum_groups(neighbors, module._group_pairs(4, 4))
+    assert module._cpu_plan(neighbors) is plan
+    assert module._sum_groups(neighbors, module._group_pairs(4, 4)) is groups
+    other = ours.build_rulebook(sites(rng)[0], shape, batch, 3, 1, 1, 1, True).neighbors
+    neighbors.copy_(other)  # the same shape: other sites, in place
+    assert module._cpu_plan(neighbors) is not plan
+    y = module.conv_cpu(x, weight, None, neighbors)
+    assert torch.equal(y, spconv_order(x, weight, None, neighbors))

@@ -6,7 +6,7 @@ The weight travels as two tensors: `values` [nnz], the non-zero weights (what tr
 `positions` [nnz], their flat indices in the dense HWIO weight [KH, KW, Cin, Cout] in
 sbnet_cupy.SparseKernel's canonical order (output channel, input channel, kh, kw: the C order of
 nn.Conv2d's weight [Cout, Cin, KH, KW]). The index arrays the kernels read are built from
-`positions` once per device and kept with that tensor.
+`positions` once per version of that tensor and kept while it lives (torch_bridge._derived).
 """
 
 import functools
@@ -18,39 +18,43 @@ import sbnet_cupy
 from sbnet_cupy import pruned as _core
 from sbnet_cupy.core import checks as _checks
 
+from .._derived import derived
 from .._ops import _call, _checked, _contiguous, _numpy, _register, _same_device
 from ..backend import TORCH
 
 
 def _taps(positions, kernel_shape):
-    """The sbnet_cupy taps (index arrays) of `positions`, on its device, built on first use and
-    kept on the tensor itself (so they live as long as it does, and an in-place change of it,
-    which bumps its version, rebuilds them)."""
-    cached = getattr(positions, "_sbnet_taps", None)
-    if cached is not None and cached[0] == positions._version:
-        return cached[1]
-    if positions.is_cuda:
-        import cupy
+    """The sbnet_cupy taps (index arrays) of `positions` for kernel_shape, on its device: built
+    on first use and kept while positions stays the same tensor with the same version (_derived:
+    an in-place change of it rebuilds them)."""
+    return derived(_build_taps, (positions,), (tuple(kernel_shape),))
 
-        torch.cuda.current_stream(positions.device).synchronize()  # positions is written
-        with cupy.cuda.Device(positions.get_device()):
-            taps = _core.Taps.from_positions(cupy, tuple(kernel_shape), cupy.asarray(positions))
-            cupy.cuda.get_current_stream().synchronize()  # built before torch's stream reads it
-    else:
-        taps = _core.Taps.from_positions(numpy, tuple(kernel_shape), positions.detach().numpy())
-    positions._sbnet_taps = (positions._version, taps)
+
+def _build_taps(positions, kernel_shape):
+    if not positions.is_cuda:
+        return _core.Taps.from_positions(numpy, kernel_shape, positions.detach().numpy())
+    import cupy
+
+    torch.cuda.current_stream(positions.device).synchronize()  # positions is written
+    with cupy.cuda.Device(positions.get_device()):
+        taps = _core.Taps.from_positions(cupy, kernel_shape, cupy.asarray(positions))
+        cupy.cuda.get_current_stream().synchronize()  # built before torch's stream reads it
     return taps
 
 
-def _in_order(values, taps, transposed, layout, order):
-    """values[order] (launch_conv's values_in): order is a CuPy array of `taps` (or None, the
-    canonical order)."""
+def _order_index(positions, kernel_shape, transposed, layout):
+    """torch's view of the order (a CuPy array) of _taps(positions, kernel_shape)'s launches with
+    this layout, of this weight or the transposed convolution's."""
+    order = _taps(positions, kernel_shape).arrays(transposed, layout)[2]
+    return torch.as_tensor(order, device=positions.device)
+
+
+def _in_order(values, positions, kernel_shape, transposed, layout, order):
+    """values[order] (launch_conv's values_in): order is a CuPy array of the taps of positions
+    (or None, the canonical order), read through its torch view, kept as the taps are."""
     if order is None:
         return _contiguous(values)
-    views = taps.__dict__.setdefault("torch_views", {})  # torch's views of its CuPy arrays
-    index = views.get(id(order))  # taps holds order: the id stays its own
-    if index is None:
-        index = views[id(order)] = torch.as_tensor(order, device=values.device)
+    index = derived(_order_index, (positions,), (tuple(kernel_shape), transposed, layout))
     return values.index_select(0, index)
 
 
@@ -83,10 +87,10 @@ def _conv_impl(x, values, positions, bias, kernel_shape, strides, pads, dilation
             padding=_padding(pads), dilations=tuple(dilations),
             bias=None if bias is None else _numpy(_contiguous(bias)), out=_numpy(out))
         return out
-    taps = _taps(positions, kernel_shape)
-    _core.launch_conv(TORCH, _checks.dtype_name(x), x, out, bias, taps,
-                      functools.partial(_in_order, values, taps), False, tuple(strides),
-                      tuple(dilations), (pads[0], pads[2]), (1, 1), strategy or None)
+    _core.launch_conv(TORCH, _checks.dtype_name(x), x, out, bias, _taps(positions, kernel_shape),
+                      functools.partial(_in_order, values, positions, kernel_shape), False,
+                      tuple(strides), tuple(dilations), (pads[0], pads[2]), (1, 1),
+                      strategy or None)
     return out
 
 
@@ -138,10 +142,9 @@ def _grad_input_impl(dy, values, positions, kernel_shape, input_shape, strides, 
     dx = dy.new_empty(tuple(input_shape))
     strides_t, pads_t, input_dilation = _core.transposed_geometry(
         kernel_shape, tuple(strides), tuple(dilations), (pads[0], pads[2]))
-    taps = _taps(positions, kernel_shape)
-    _core.launch_conv(TORCH, _checks.dtype_name(dy), dy, dx, None, taps,
-                      functools.partial(_in_order, values, taps), True, strides_t,
-                      tuple(dilations), pads_t, input_dilation)
+    _core.launch_conv(TORCH, _checks.dtype_name(dy), dy, dx, None, _taps(positions, kernel_shape),
+                      functools.partial(_in_order, values, positions, kernel_shape), True,
+                      strides_t, tuple(dilations), pads_t, input_dilation)
     return dx
 
 

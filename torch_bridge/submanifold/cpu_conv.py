@@ -13,6 +13,8 @@ import torch
 
 from sbnet_cupy.submanifold.numpy_rulebook import nonzero_2d
 
+from .._derived import derived, keep
+
 _DENSE_MAX_ENTRIES = 4096  # maps of at most this many entries gather densely (call overhead)
 _GROUP_BYTES = 1 << 25  # products of a group of taps the CPU sums at once (_workspace holds them)
 _WORKSPACE = threading.local()
@@ -37,19 +39,17 @@ def _cpu_plan(neighbors):
     """How the CPU multiplies through a map int32 [K, N_out]: ("dense", rows int64 [N_out * K],
     the input row each entry reads, -1 for none) for a small map, else ("taps", _TapPairs). A
     tap at a time skips the absent entries that a dense gather would multiply, at the cost of a
-    few calls a tap: a small map's cost is the calls. Built from the pairs build_rulebook seeds
-    (seed_cpu_plans) or from the map, and cached on the map tensor, which a Rulebook keeps
-    while it is used."""
-    plan = getattr(neighbors, "_sbnet_cpu_plan", None)
-    if plan is None:
-        taps, n_out = neighbors.shape
-        if taps * n_out <= _DENSE_MAX_ENTRIES:
-            plan = ("dense", neighbors.t().reshape(-1).long())
-        else:
-            pairs = getattr(neighbors, "_sbnet_tap_pairs", None)
-            plan = ("taps", _tap_plan(_tap_pairs(neighbors) if pairs is None else pairs))
-        neighbors._sbnet_cpu_plan = plan
-    return plan
+    few calls a tap: a small map's cost is the calls. Built from the map's tap pairs (which
+    build_rulebook seeds: seed_cpu_plans) on first use and kept while the map tensor, which a
+    Rulebook keeps while it is used, stays the same (torch_bridge._derived)."""
+    return derived(_build_cpu_plan, (neighbors,))
+
+
+def _build_cpu_plan(neighbors):
+    taps, n_out = neighbors.shape
+    if taps * n_out <= _DENSE_MAX_ENTRIES:
+        return "dense", neighbors.t().reshape(-1).long()
+    return "taps", _tap_plan(derived(_tap_pairs, (neighbors,)))
 
 
 def _tap_pairs(neighbors):
@@ -72,25 +72,33 @@ def _tap_plan(pairs):
                      *([torch.from_numpy(pair[side]) for _, pair in taps] for side in (0, 1)))
 
 
-def _sum_groups(neighbors, plan, pairs):
-    """The _SumGroups of a "taps" plan of the map `neighbors`, at most `pairs` pairs a group
-    (a larger tap alone), cached on the map."""
-    cache = neighbors.__dict__.setdefault("_sbnet_sum_groups", {})
-    if pairs not in cache:
-        groups, group, size = [], [], 0
-        for i, rows in enumerate(plan.out_rows):
-            if group and size + rows.shape[0] > pairs:
-                groups.append(group)
-                group, size = [], 0
-            group.append(i)
-            size += rows.shape[0]
-        if group or plan.centre is not None:
+def _sum_groups(neighbors, pairs):
+    """The _SumGroups of the "taps" plan of the map `neighbors`, at most `pairs` pairs a group
+    (a larger tap alone), kept as the plan is."""
+    return derived(_build_sum_groups, (neighbors,), (pairs,))
+
+
+def _build_sum_groups(neighbors, pairs):
+    _, plan = _cpu_plan(neighbors)
+    groups, group, size = [], [], 0
+    for i, rows in enumerate(plan.out_rows):
+        if group and size + rows.shape[0] > pairs:
             groups.append(group)
-        out_rows = [rows.numpy() for rows in plan.out_rows]
-        cache[pairs] = [_sum_group(out_rows, neighbors.shape[1], group,
-                                   g > 0 or plan.centre is not None)
-                        for g, group in enumerate(groups)]
-    return cache[pairs]
+            group, size = [], 0
+        group.append(i)
+        size += rows.shape[0]
+    if group or plan.centre is not None:
+        groups.append(group)
+    out_rows = [rows.numpy() for rows in plan.out_rows]
+    return [_sum_group(out_rows, neighbors.shape[1], group, g > 0 or plan.centre is not None)
+            for g, group in enumerate(groups)]
+
+
+def _group_pairs(cout, itemsize):
+    """The most pairs a group of taps sums at once (_GROUP_BYTES of products of cout channels),
+    a power of two: few distinct sizes, few kept groupings of a map."""
+    pairs = max(1, _GROUP_BYTES // (cout * itemsize))
+    return 1 << (pairs.bit_length() - 1)
 
 
 def _sum_group(out_rows, n_out, blocks, lead):
@@ -128,10 +136,11 @@ def seed_cpu_plans(rulebook, tap_pairs):
     n_in = neighbors_t.shape[1]
     if tap_pairs is None or taps * min(n_out, n_in) <= _DENSE_MAX_ENTRIES:
         return  # a small map gathers densely (_cpu_plan)
-    neighbors._sbnet_tap_pairs = tap_pairs
+    keep(_tap_pairs, (neighbors,), (), tap_pairs)
     # None (each site reads its own row) comes of submanifold rulebooks only: the same sites
     # both ways, so the turned-around tap is None too.
-    neighbors_t._sbnet_tap_pairs = [None if pair is None else pair[::-1] for pair in tap_pairs]
+    keep(_tap_pairs, (neighbors_t,), (), [None if pair is None else pair[::-1]
+                                          for pair in tap_pairs])
 
 
 def _workspace(shapes, dtype):
@@ -166,8 +175,7 @@ def conv_cpu(features, weight, bias, neighbors):
         return (g @ w if bias is None else torch.addmm(_acc(bias), g, w)).to(features.dtype)
     cout = w.shape[0]
     weights = w.reshape(cout, -1, w.shape[-1]).permute(1, 2, 0).unbind()  # K x [Cin, Cout]
-    pairs = max(1, _GROUP_BYTES // (cout * x.element_size()))
-    groups = _sum_groups(neighbors, plan, 1 << (pairs.bit_length() - 1))  # few distinct sizes
+    groups = _sum_groups(neighbors, _group_pairs(cout, x.element_size()))
     # A tap's rows are gathered into `scratch`, still in cache for its product.
     products, scratch = _workspace(
         [(max((sum(g.sizes) for g in groups), default=0), cout),
