@@ -105,7 +105,10 @@ def test_models_match_dense_reference(rng, name):
 def test_models_match_spconv(rng, spconv, name):
     """spconv's state_dict loads into ours with strict=True and gives spconv's outputs (float32,
     training mode; eval mode too where no layer has a bias, which spconv's CPU build refuses)
-    and, for two of them, its gradients."""
+    and, for two of them, its gradients. The weights come from a seed of the test's own: in
+    float32, training-mode BatchNorm over the deep layers' few sites amplifies rounding, so
+    that some weights give either library's gradients a few percent from its float64 ones."""
+    torch.manual_seed(int(rng.integers(2**31)))
     x = scene(rng, dtype=torch.float32)
     theirs = build(name, spconv)
     model = build(name, ours, theirs.state_dict())
