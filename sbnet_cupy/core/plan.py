@@ -96,8 +96,8 @@ def split_sum_plan(device, op, ctype, rows, cols, pitch, splits, dependent=False
     """The KernelPlan of split_sum<ctype> (kernels/core/common.cuh, compiled with
     kernels/<family>/<op>.cu) after a kernel whose reduction was cut in `splits`: out [rows, cols] =
     bias [cols] + the float sums partial [splits, rows, pitch], in split order (then max(0, .)
-    where relu). A call passes
-    (partial, bias, out) addresses; the sizes are the plan's constants. A grid-stride loop."""
+    where relu). A call passes (partial, bias, out) addresses; the sizes are the plan's
+    constants. A grid-stride loop."""
     blocks = max(1, min(-(-rows * cols // _SPLIT_SUM_THREADS), _SPLIT_SUM_BLOCKS))
     record = _records.SPLIT_SUM_ARGS
     return KernelPlan(device, op, "split_sum", (ctype,), (blocks, 1, 1),

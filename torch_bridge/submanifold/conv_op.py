@@ -62,7 +62,7 @@ def _conv_fake(features, weight, bias, neighbors, neighbors_t, order, order_t, a
 
 def _conv_setup(ctx, inputs, output):
     features, weight, bias, neighbors, neighbors_t, order, order_t, ctx.algo, *relu = inputs
-    ctx.relu = bool(relu) and relu[0]  # the schema's default where a caller leaves it out
+    ctx.relu = relu[0] if relu else False  # the schema's default where a caller leaves it out
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.orders = order is not None, order_t is not None
     # With the ReLU, the output too: the gradient passes where it is positive.
