@@ -95,7 +95,7 @@ def test_what_is_fused_and_what_is_left():
                      ["SubMConv3d", "BatchNorm1d", "ReLU"]]
     relu = [seq[0].sbnet_relu for seq in fused if isinstance(seq, spconv.SparseSequential)]
     assert relu == [True, True, True, False, True, True, True, False]
-    assert isinstance(fused[3].bn1, torch.nn.BatchNorm1d)  # a forward of its own calls it
+    assert isinstance(fused[3].bn1, spconv.fuse.ChannelAffine)  # its forward calls it
     assert all(seq[0].bias is not None for seq in list(fused)[:3])  # folded shift: a bias
     assert "relu" in repr(fused[0][0])
     # Fusing again changes nothing.
@@ -166,3 +166,34 @@ def test_cuda_fused_model_gives_the_unfused_outputs(rng, dtype, algo, sites):
         err = (y.features.double().cpu() - exact.features).abs().max().item()
         assert err <= tolerance * scale, err
     assert (got.features == 0).any() and (got.features > 0).any()
+
+
+@pytest.mark.parametrize("shape", [(50, 6), (50, 6, 7)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_channel_affine_is_the_eval_batchnorm(shape, dtype):
+    """The BatchNorm fuse_bn_relu cannot fold becomes a ChannelAffine with its outputs: [N, C]
+    and [N, C, L] inputs, a SparseConvTensor's features (SparseBatchNorm), its input's dtype
+    where the statistics have another."""
+    bn = _randomised(torch.nn.Sequential(_bn(6)), 3)[0].to(dtype)
+    holder = torch.nn.ModuleDict({"bn": copy.deepcopy(bn)})
+    spconv.fuse_bn_relu(holder)
+    affine = holder["bn"]
+    assert type(affine) is spconv.fuse.ChannelAffine
+    x = torch.randn(*shape, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(affine(x), bn(x))
+        if dtype == torch.float32:
+            torch.testing.assert_close(affine(x.half()), bn(x.half()), atol=2e-3, rtol=2e-3)
+            assert affine(x.half()).dtype == torch.float16
+
+
+def test_sparse_batchnorm_becomes_a_channel_affine(rng):
+    x = sparse_input(rng, 1, (6, 7, 5), 40, 6)
+    bn = _randomised(spconv.SparseSequential(spconv.SparseBatchNorm(6)), 4)[0].double()
+    holder = torch.nn.ModuleDict({"bn": copy.deepcopy(bn)})
+    spconv.fuse_bn_relu(holder)
+    with torch.no_grad():
+        got, want = holder["bn"](x), bn(x)
+    assert type(holder["bn"]) is spconv.fuse.ChannelAffine
+    torch.testing.assert_close(got.features, want.features)
+    assert torch.equal(got.indices, want.indices)

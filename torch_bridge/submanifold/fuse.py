@@ -1,12 +1,15 @@
 """fuse_bn_relu: an eval model's BatchNorm1d folded into the sparse convolution before it, and
 the ReLU after them taken in the convolution's own call (the fused kernel's epilogue), where a
 SparseSequential holds them in that order: two module calls and two passes over the features
-fewer a layer, the same outputs up to rounding."""
+fewer a layer, the same outputs up to rounding. The BatchNorms it cannot fold (those a residual
+block's forward calls) become a per-channel multiply-add (ChannelAffine): one kernel and a
+short call, where torch's eval batch_norm launches two and checks much more a call."""
 
 import torch
 
 from .conv import SparseConvolution
-from .modules import SparseReLU, SparseSequential
+from .core import SparseConvTensor
+from .modules import SparseBatchNorm, SparseReLU, SparseSequential
 
 _RELUS = (torch.nn.ReLU, SparseReLU)
 
@@ -20,7 +23,10 @@ def fuse_bn_relu(model):
       float32 (float64 for float64 weights) and stored in the weight's dtype;
     - a ReLU (or SparseReLU) right after the convolution, or after that BatchNorm, becomes the
       convolution's `sbnet_relu`;
-    - the fused modules leave the sequential (the others keep their names).
+    - the fused modules leave the sequential (the others keep their names);
+    - every other BatchNorm1d (or SparseBatchNorm) with running statistics, wherever it is,
+      becomes a ChannelAffine of the same scale and shift (in the BatchNorm's dtype), which its
+      callers call as before.
 
     For inference: the BatchNorms fused must be in eval mode (ValueError otherwise), since
     training would update statistics that are no longer there. Modules a forward of its own
@@ -31,7 +37,36 @@ def fuse_bn_relu(model):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for sequential in [m for m in model.modules() if isinstance(m, SparseSequential)]:
         _fuse_in(sequential)
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if type(child) in (torch.nn.BatchNorm1d, SparseBatchNorm) and _has_statistics(child):
+                parent._modules[name] = ChannelAffine(*_affine(child))
     return model
+
+
+class ChannelAffine(torch.nn.Module):
+    """x * scale + shift per channel (dimension 1), of a tensor [N, C] or [N, C, L] or of a
+    SparseConvTensor's features: an eval BatchNorm1d whose statistics are folded in
+    (fuse_bn_relu)."""
+
+    def __init__(self, scale, shift):
+        super().__init__()
+        self.register_buffer("scale", scale)
+        self.register_buffer("shift", shift)
+
+    def forward(self, x):
+        if isinstance(x, SparseConvTensor):
+            return x.replace_feature(self(x.features))
+        scale, shift = self.scale, self.shift
+        if scale.dtype != x.dtype:  # BatchNorm's output has its input's dtype
+            scale, shift = scale.to(x.dtype), shift.to(x.dtype)
+        if x.ndim != 2:
+            shape = (-1,) + (1,) * (x.ndim - 2)
+            scale, shift = scale.reshape(shape), shift.reshape(shape)
+        return torch.addcmul(shift, x, scale)
+
+    def extra_repr(self):
+        return f"{self.scale.shape[0]}"
 
 
 def _fuse_in(sequential):
@@ -52,11 +87,8 @@ def _fuse_in(sequential):
         del sequential._modules[name]
 
 
-def _foldable(bn, conv):
-    """Whether bn is a BatchNorm1d of conv's output channels with running statistics (raises
-    for one in training mode)."""
-    if not isinstance(bn, torch.nn.BatchNorm1d) or bn.num_features != conv.out_channels:
-        return False
+def _has_statistics(bn):
+    """Whether bn normalises with running statistics (raises for one in training mode)."""
     if bn.running_mean is None or bn.running_var is None:
         return False
     if bn.training:
@@ -65,18 +97,35 @@ def _foldable(bn, conv):
     return True
 
 
+def _foldable(bn, conv):
+    """Whether bn is a BatchNorm1d of conv's output channels with running statistics."""
+    return (isinstance(bn, torch.nn.BatchNorm1d) and bn.num_features == conv.out_channels
+            and _has_statistics(bn))
+
+
+@torch.no_grad()
+def _affine(bn, acc=None):
+    """(scale, shift) of an eval BatchNorm: gamma / sqrt(var + eps) and beta - mean * scale,
+    computed in `acc` (None: float64 for float64 statistics, else float32) and returned in the
+    statistics' dtype where acc is None."""
+    dtype = bn.running_mean.dtype
+    work = acc or (torch.float64 if dtype == torch.float64 else torch.float32)
+    scale = torch.rsqrt(bn.running_var.to(work) + bn.eps)
+    if bn.weight is not None:
+        scale = scale * bn.weight.to(work)
+    shift = -bn.running_mean.to(work) * scale
+    if bn.bias is not None:
+        shift = shift + bn.bias.to(work)
+    return (scale, shift) if acc else (scale.to(dtype), shift.to(dtype))
+
+
 @torch.no_grad()
 def _fold(conv, bn):
     """conv's weight and bias with bn applied to its output: w * s and (b - mean) * s + beta,
     s = gamma / sqrt(var + eps), per output channel."""
     weight = conv.weight
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    scale = torch.rsqrt(bn.running_var.to(acc) + bn.eps)
-    if bn.weight is not None:
-        scale = scale * bn.weight.to(acc)
-    shift = -bn.running_mean.to(acc) * scale
-    if bn.bias is not None:
-        shift = shift + bn.bias.to(acc)
+    scale, shift = _affine(bn, acc)
     if conv.bias is not None:
         shift = shift + conv.bias.to(acc) * scale
     scale = scale.to(weight.device)
