@@ -72,6 +72,13 @@ def _pad(values):
     return tuple(values) + (1,) * (MAX_DIMS - len(values))
 
 
+@functools.lru_cache(maxsize=1024)
+def _shape_fields(coords_shape, query_shape, geometry):
+    """RuleArgs' last fields (shape, query_shape, kernel, stride, padding, dilation), each
+    padded to MAX_DIMS: the same for every launch of a layer's rulebook, so worked out once."""
+    return (*_pad(coords_shape), *_pad(query_shape), *(v for g in geometry for v in _pad(g)))
+
+
 _NO_GEOMETRY = ((), (), (), ())
 
 
@@ -97,8 +104,7 @@ def _rule(kernel, device, stream, items, dims, table=None, *, coords=0, keys=0, 
     plan.launch(stream, coords, keys, table.keys, table.vals, table.bits, table.ranks, flags,
                 counter, out_map, out_map_t, out_keys, group, table.mask,
                 items if n is None else n, table.words, n_out, batch, taps, int(transposed),
-                int(symmetric), *_pad(coords_shape), *_pad(query_shape),
-                *(v for g in geometry for v in _pad(g)),
+                int(symmetric), *_shape_fields(coords_shape, query_shape, geometry),
                 grid=grid(items) if groups is None else (groups, 1, 1))
 
 
