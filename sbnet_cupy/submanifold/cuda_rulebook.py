@@ -11,7 +11,7 @@ from collections import namedtuple
 
 import numpy
 
-from ..core import plan as _plan, records as _records
+from ..core import launch as _launch, plan as _plan, records as _records
 from .numpy_rulebook import checked_keys
 from .validation import MAX_DIMS
 
@@ -201,10 +201,11 @@ def _raise_flags(raised, backend, coords, shape, batch):
         raise AssertionError(f"hash table insert failed (flags {raised})")  # a library bug
 
 
-def _memset(address, value, size, stream):
-    from cupy.cuda import runtime
+# The runtime calls below go through core.launch's CuPy runtime module (None without CuPy): an
+# import in the function would cost each call as much as the call.
 
-    runtime.memsetAsync(address, value, size, stream)
+def _memset(address, value, size, stream):
+    _launch.runtime.memsetAsync(address, value, size, stream)
 
 
 def _read_ints(device, stream, addresses):
@@ -214,19 +215,16 @@ def _read_ints(device, stream, addresses):
 
 
 def _read_into(host, addresses, stream):
-    from cupy.cuda import runtime
-
+    runtime, base = _launch.runtime, host.ctypes.data  # ctypes.data costs a microsecond
     for i, address in enumerate(addresses):
-        runtime.memcpyAsync(host.ctypes.data + 4 * i, address, 4, runtime.memcpyDeviceToHost,
-                            stream)
+        runtime.memcpyAsync(base + 4 * i, address, 4, runtime.memcpyDeviceToHost, stream)
     runtime.streamSynchronize(stream)
     return host
 
 
 def _device_call(device, fn, *args):
     """fn(*args) with `device` current (runtime calls on its memory and streams)."""
-    from cupy.cuda import runtime
-
+    runtime = _launch.runtime
     current = runtime.getDevice()
     if current == device:
         return fn(*args)

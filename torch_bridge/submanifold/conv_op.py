@@ -200,9 +200,12 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None, relu=Fals
         features = features.to(dtype)
         weight, bias = _autocast_param(weight, dtype), _autocast_param(bias, dtype)
         autocast = dtype in (torch.float16, torch.bfloat16)
-    if algo is None:
-        algo = "gemm" if not features.is_cuda else choose_algo(
-            _checks.dtype_name(features), torch.backends.cuda.matmul.allow_tf32)
+    if algo is None and not features.is_cuda:
+        algo = "gemm"
+    elif algo is None:
+        # torch's TF32 switch matters to float32 alone, and costs microseconds to read.
+        name = _checks.dtype_name(features)
+        algo = choose_algo(name, name == "float32" and torch.backends.cuda.matmul.allow_tf32)
     _checked_conv(features, weight, bias, neighbors, tuple(rulebook.kernel_size),
                   neighbors_t.shape[1], algo, autocast)
     _same_device(features, weight, bias, neighbors, features=features, weight=weight, bias=bias,
