@@ -57,7 +57,7 @@ def _autograd(name, impl, setup, backward):
     return super(torch.autograd.Function, function).apply
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def _traced(tensors):
@@ -66,7 +66,7 @@ def _traced(tensors):
     subclasses; functorch and dispatch modes keep their own state)."""
     return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or torch._C._len_torch_dispatch_stack() > 0
-            or any(type(t) not in _PLAIN for t in tensors))
+            or not _PLAIN.issuperset(map(type, tensors)))
 
 
 def _route(op, autograd, impl, tensors, differentiable=()):
@@ -96,7 +96,10 @@ def _same_device(first, *others, **tensors):
     """Checks that the tensors (first, *others, named again in `tensors` for the message) are
     on one device."""
     device = first.get_device()
-    if all(t.get_device() == device for t in others if t is not None):
+    for t in others:  # a loop: cheaper than all() of a generator, and every op calls this
+        if t is not None and t.get_device() != device:
+            break
+    else:
         return
     devices = {name: t.get_device() for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:

@@ -11,7 +11,7 @@ from collections import namedtuple
 
 import numpy
 
-from ..core import plan as _plan, records as _records
+from ..core import launch as _launch, plan as _plan, records as _records
 from .numpy_rulebook import checked_keys
 from .validation import MAX_DIMS
 
@@ -72,6 +72,13 @@ def _pad(values):
     return tuple(values) + (1,) * (MAX_DIMS - len(values))
 
 
+@functools.lru_cache(maxsize=1024)
+def _shape_fields(coords_shape, query_shape, geometry):
+    """RuleArgs' last fields (shape, query_shape, kernel, stride, padding, dilation), each
+    padded to MAX_DIMS: the same for every launch of a layer's rulebook, so worked out once."""
+    return (*_pad(coords_shape), *_pad(query_shape), *(v for g in geometry for v in _pad(g)))
+
+
 _NO_GEOMETRY = ((), (), (), ())
 
 
@@ -97,8 +104,7 @@ def _rule(kernel, device, stream, items, dims, table=None, *, coords=0, keys=0, 
     plan.launch(stream, coords, keys, table.keys, table.vals, table.bits, table.ranks, flags,
                 counter, out_map, out_map_t, out_keys, group, table.mask,
                 items if n is None else n, table.words, n_out, batch, taps, int(transposed),
-                int(symmetric), *_pad(coords_shape), *_pad(query_shape),
-                *(v for g in geometry for v in _pad(g)),
+                int(symmetric), *_shape_fields(coords_shape, query_shape, geometry),
                 grid=grid(items) if groups is None else (groups, 1, 1))
 
 
@@ -195,10 +201,11 @@ def _raise_flags(raised, backend, coords, shape, batch):
         raise AssertionError(f"hash table insert failed (flags {raised})")  # a library bug
 
 
-def _memset(address, value, size, stream):
-    from cupy.cuda import runtime
+# The runtime calls below go through core.launch's CuPy runtime module (None without CuPy): an
+# import in the function would cost each call as much as the call.
 
-    runtime.memsetAsync(address, value, size, stream)
+def _memset(address, value, size, stream):
+    _launch.runtime.memsetAsync(address, value, size, stream)
 
 
 def _read_ints(device, stream, addresses):
@@ -208,19 +215,16 @@ def _read_ints(device, stream, addresses):
 
 
 def _read_into(host, addresses, stream):
-    from cupy.cuda import runtime
-
+    runtime, base = _launch.runtime, host.ctypes.data  # ctypes.data costs a microsecond
     for i, address in enumerate(addresses):
-        runtime.memcpyAsync(host.ctypes.data + 4 * i, address, 4, runtime.memcpyDeviceToHost,
-                            stream)
+        runtime.memcpyAsync(base + 4 * i, address, 4, runtime.memcpyDeviceToHost, stream)
     runtime.streamSynchronize(stream)
     return host
 
 
 def _device_call(device, fn, *args):
     """fn(*args) with `device` current (runtime calls on its memory and streams)."""
-    from cupy.cuda import runtime
-
+    runtime = _launch.runtime
     current = runtime.getDevice()
     if current == device:
         return fn(*args)

@@ -45,12 +45,16 @@ def check_grid(coords, spatial_shape, batch_size):
     if batch * math.prod(shape) >= 2**62:
         raise ValueError(f"batch_size x spatial_shape must have fewer than 2**62 sites, got "
                          f"{batch} x {shape}")
+    _check_coords(coords, shape)
+    return shape, batch
+
+
+def _check_coords(coords, shape):
     if coords.ndim != 2 or coords.shape[1] != 1 + len(shape):
         raise ValueError(f"coords must be [N, {1 + len(shape)}] (batch index, then "
                          f"{len(shape)} coordinates), got shape {tuple(coords.shape)}")
     if _checks.dtype_name(coords) != "int32":
         raise TypeError(f"coords must be int32, got {_checks.dtype_name(coords)}")
-    return shape, batch
 
 
 def _geometry(shape, kernel_size, stride, padding, dilation):
@@ -107,10 +111,49 @@ def check_weight(weight, kernel_size, channels, dtype):
                         f"{_checks.dtype_name(weight)}")
 
 
+_GEOMETRIES = {}  # rulebook_geometry's results by _exact arguments (every check passed)
+
+
+def _exact(value):
+    """An int, or a list or tuple of ints, as a key that equals only the same ints (a bool, a
+    float or a NumPy bool equals an int, and must fail ints' check); None for anything else."""
+    if type(value) is int:
+        return value
+    if type(value) is list or type(value) is tuple:
+        key = tuple(value)
+        for v in key:
+            if type(v) is not int:
+                return None
+        return key
+    return None
+
+
 def rulebook_geometry(coords, spatial_shape, batch_size, kernel_size, stride, padding,
                       dilation, subm):
     """Checked (shape, batch, (kernel, stride, padding, dilation), out_shape) of a rulebook:
-    a submanifold one's stride is 1, padding kernel // 2 * dilation, out_shape None."""
+    a submanifold one's stride is 1, padding kernel // 2 * dilation, out_shape None.
+
+    Every layer's rulebook asks again with the same ints, so a result is remembered by them;
+    coords are checked every call (arguments remembered passed every other check, so the
+    errors are the same)."""
+    subm = bool(subm)
+    key = (_exact(spatial_shape), _exact(batch_size), _exact(kernel_size), _exact(dilation),
+           subm) + (() if subm else (_exact(stride), _exact(padding)))  # submanifold: unused
+    result = _GEOMETRIES.get(key)
+    if result is not None:
+        _check_coords(coords, result[0])
+        return result
+    result = _rulebook_geometry(coords, spatial_shape, batch_size, kernel_size, stride, padding,
+                                dilation, subm)
+    if None not in key:
+        if len(_GEOMETRIES) >= 4096:  # a bound, for callers whose grids never repeat
+            _GEOMETRIES.clear()
+        _GEOMETRIES[key] = result
+    return result
+
+
+def _rulebook_geometry(coords, spatial_shape, batch_size, kernel_size, stride, padding,
+                       dilation, subm):
     shape, batch = check_grid(coords, spatial_shape, batch_size)
     if subm:
         kernel, _, _, dilation = _geometry(shape, kernel_size, 1, 0, dilation)

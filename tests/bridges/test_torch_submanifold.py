@@ -1,6 +1,7 @@
 """torch_bridge.submanifold (spconv's modules) against torch's dense convolutions of the
 zero-filled input, gradcheck in float64, rulebook caching by indice_key; CUDA in every dtype."""
 
+import copy
 import inspect
 import pathlib
 
@@ -167,6 +168,36 @@ def test_errors(rng):
     with pytest.raises(TypeError, match="rulebook must be a torch_bridge.submanifold.Rulebook"):
         spconv.rulebook_conv(x.features, core.submanifold_rulebook(
             x.indices.numpy(), [6, 6], 1, 3), weight)
+
+
+def test_a_remembered_check_rejects_each_field_it_reads(rng):
+    """rulebook_conv remembers a passed check by the fields it reads: a call after a good one
+    that differs in any of them still raises."""
+    x = sparse_input(rng, 1, (6, 6), 10, 3)
+    rulebook = spconv.build_rulebook(x.indices, [6, 6], 1, 3, subm=True)
+    weight, bias = torch.zeros(2, 3, 3, 3, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    spconv.rulebook_conv(x.features, rulebook, weight, bias)  # checked and remembered
+    long_maps = copy.copy(rulebook)
+    long_maps.neighbors = rulebook.neighbors.long()
+    for call, error, message in [
+            (lambda: spconv.rulebook_conv(x.features[:9], rulebook, weight, bias), ValueError,
+             "features must be \\[N, C\\] with N = 10"),
+            (lambda: spconv.rulebook_conv(x.features.float(), rulebook, weight, bias), TypeError,
+             "weight must have features' dtype"),
+            (lambda: spconv.rulebook_conv(x.features, rulebook, weight.float(), bias), TypeError,
+             "weight must have features' dtype"),
+            (lambda: spconv.rulebook_conv(x.features, rulebook, weight[..., :2], bias), ValueError,
+             "weight must be \\[Cout, 3, 3, 3\\]"),
+            (lambda: spconv.rulebook_conv(x.features, rulebook, weight, bias.float()), ValueError,
+             "bias must be a float64 array"),
+            (lambda: spconv.rulebook_conv(x.features, rulebook, weight, bias[:1]), ValueError,
+             "bias must be a float64 array"),
+            (lambda: spconv.rulebook_conv(x.features, long_maps, weight, bias), TypeError,
+             "the rulebook's maps must be int32"),
+            (lambda: spconv.rulebook_conv(x.features, rulebook, weight, bias, algo="implicit"),
+             ValueError, "algo must be None or one of")]:
+        with pytest.raises(error, match=message):
+            call()
 
 
 @requires_cuda

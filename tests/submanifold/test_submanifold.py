@@ -11,7 +11,7 @@ from axes import random_array
 
 from sbnet_cupy import submanifold as sm
 from sbnet_cupy.core import launch as _launch
-from sbnet_cupy.submanifold import conv_kernels, cuda_rulebook
+from sbnet_cupy.submanifold import conv_kernels, cuda_rulebook, validation
 
 TOLERANCE = {numpy.float16: 2e-2, numpy.float32: 1e-5, numpy.float64: 1e-12}
 
@@ -468,6 +468,41 @@ def test_bad_arguments_rejected(xp, rng):
         sm.rulebook_conv(x.astype(xp.float64), rulebook, w.astype(xp.float64), algo="fused")
     with pytest.raises(ValueError, match="algo must be None or one of"):
         sm.rulebook_conv(x, rulebook, w, algo="implicit")
+
+
+def _raised(call):
+    try:
+        call()
+    except (TypeError, ValueError) as error:
+        return type(error), str(error)
+    return None
+
+
+@pytest.mark.parametrize("subm", [True, False])
+def test_remembered_geometry_rejects_what_a_fresh_check_does(rng, monkeypatch, subm):
+    """rulebook_geometry remembers the results of good ints: arguments equal to them that are
+    not ints (bools, floats, NumPy bools) and bad coords raise as they would unremembered."""
+    coords = random_sites(rng, 2, (6, 7), 10)
+    good = dict(spatial_shape=[6, 7], batch_size=2, kernel_size=[3, 1], stride=[1, 1],
+                padding=[1, 0], dilation=[1, 1])
+
+    def geometry(sites=coords, **changed):
+        arguments = {**good, **changed}
+        return lambda: validation.rulebook_geometry(sites, *arguments.values(), subm)
+
+    bad = [geometry(kernel_size=[3, True]), geometry(kernel_size=[3.0, 1]),
+           geometry(batch_size=2.0), geometry(dilation=1.0), geometry(dilation=True),
+           geometry(spatial_shape=[6, numpy.bool_(True)]), geometry(sites=coords[:, :2]),
+           geometry(sites=coords.astype(numpy.int64))]
+    if not subm:  # a submanifold rulebook reads neither
+        bad += [geometry(stride=[1, True]), geometry(padding=1.0)]
+    monkeypatch.setattr(validation, "_GEOMETRIES", {})
+    fresh = [_raised(call) for call in bad]
+    assert None not in fresh
+    remembered = geometry()()
+    assert len(validation._GEOMETRIES) == 1
+    assert [_raised(call) for call in bad] == fresh
+    assert geometry()() is remembered
 
 
 # --- the GPU hash table -------------------------------------------------------------------

@@ -23,7 +23,7 @@ from sbnet_cupy.submanifold.conv import choose_algo
 from sbnet_cupy.submanifold.conv_kernels import fused_conv, fused_sorts, gather_rows
 from sbnet_cupy.submanifold.validation import check_algo, check_operands
 
-from .._ops import _call, _checked, _contiguous, _register, _route, _same_device
+from .._ops import _call, _contiguous, _register, _route, _same_device
 from ..backend import TORCH
 from .cpu_conv import conv_cpu, grad_weight_cpu
 from .rulebook import Rulebook
@@ -150,6 +150,22 @@ def _check_conv(features, weight, bias, neighbors, kernel_size, n_in, algo, auto
 _CHECKS = {}
 
 
+def _checked_conv(features, weight, bias, neighbors, kernel_size, n_in, algo, autocast):
+    """_check_conv, remembered (as _ops._checked) by what it reads: a key of these few fields
+    costs less than _checked's of any arguments, and every layer's call checks."""
+    if torch.compiler.is_compiling():
+        return _check_conv(features, weight, bias, neighbors, kernel_size, n_in, algo, autocast)
+    key = (features.shape, features.dtype, weight.shape, weight.dtype,
+           None if bias is None else (bias.shape, bias.dtype), neighbors.dtype, kernel_size,
+           n_in, algo, autocast)
+    if key in _CHECKS:
+        return
+    _check_conv(features, weight, bias, neighbors, kernel_size, n_in, algo, autocast)
+    if len(_CHECKS) >= 4096:  # a bound, for callers whose shapes never repeat
+        _CHECKS.clear()
+    _CHECKS[key] = None
+
+
 def _autocast_param(t, dtype):
     """A weight or bias under CUDA autocast: float32 as it is (the op casts it), other dtypes
     cast to dtype (differentiably)."""
@@ -184,12 +200,14 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None, relu=Fals
         features = features.to(dtype)
         weight, bias = _autocast_param(weight, dtype), _autocast_param(bias, dtype)
         autocast = dtype in (torch.float16, torch.bfloat16)
-    if algo is None:
-        algo = "gemm" if not features.is_cuda else choose_algo(
-            _checks.dtype_name(features), torch.backends.cuda.matmul.allow_tf32)
-    _checked(_CHECKS, _check_conv, (features, weight, bias, neighbors,
-                                    tuple(rulebook.kernel_size), neighbors_t.shape[1], algo,
-                                    autocast))
+    if algo is None and not features.is_cuda:
+        algo = "gemm"
+    elif algo is None:
+        # torch's TF32 switch matters to float32 alone, and costs microseconds to read.
+        name = _checks.dtype_name(features)
+        algo = choose_algo(name, name == "float32" and torch.backends.cuda.matmul.allow_tf32)
+    _checked_conv(features, weight, bias, neighbors, tuple(rulebook.kernel_size),
+                  neighbors_t.shape[1], algo, autocast)
     _same_device(features, weight, bias, neighbors, features=features, weight=weight, bias=bias,
                  rulebook=neighbors)
     order = order_t = None

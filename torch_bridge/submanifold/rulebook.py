@@ -193,9 +193,12 @@ def _reusable_table(reuse, indices, shape, batch, check):
     for rulebook in reuse:
         if not isinstance(rulebook, Rulebook):
             continue
-        for table, sites in zip(rulebook._tables, (rulebook.in_indices, rulebook.out_indices)):
-            if (table is not None and sites is indices and table.shape == shape
-                    and table.batch == batch and (table.checked or not check)):
+        # The sites first, by identity: most rulebooks of a tensor are on other sites.
+        in_table, out_table = rulebook._tables
+        for table in (in_table if rulebook.in_coords is indices else None,
+                      out_table if rulebook.out_coords is indices else None):
+            if (table is not None and table.shape == shape and table.batch == batch
+                    and (table.checked or not check)):
                 return table
     return None
 
