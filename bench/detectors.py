@@ -3,7 +3,8 @@
 
     python -m bench.detectors [--quick] [--all] [--out DIR] [--repeats N] [--models ...]
         [--scales kitti waymo semkitti] [--batches 1 2 4]
-        [--modes eval-tf32 eval-fp16 eval-tf32-fused eval-fp16-fused train-tf32 train-amp]
+        [--modes eval-tf32 eval-fp16 eval-tf32-fused eval-fp16-fused eval-tf32-graph
+                 eval-fp16-graph train-tf32 train-amp]
         [--profile] [--budget S]
         [--device cuda|cpu] [--suffix NAME]
 
@@ -42,6 +43,9 @@ Modes (TF32 allowed in torch and in spconv, bench._common.allow_tf32, in every m
 - eval-tf32-fused, eval-fp16-fused: the same, ours after torch_bridge.submanifold.fuse_bn_relu
   (each BatchNorm and ReLU that follows a conv in a SparseSequential fused into it; those a
   residual block's forward calls stay); spconv has no such call and runs as in eval-*.
+- eval-tf32-graph, eval-fp16-graph: the fused model run through
+  torch_bridge.submanifold.SparseGraphs (the whole forward, rulebooks included, one CUDA graph
+  replay, its outputs copied out; the graph captured in the warm-up); spconv as in eval-*.
 - train-tf32: model.train(); one step: forward, loss = the mean square of each output's
   features (summed over outputs), backward, torch.optim.SGD (lr 1e-4, momentum 0.9) step,
   gradients reset to None.
@@ -95,8 +99,8 @@ from bench import lidar_scenes
 from bench._common import RESULTS, allow_tf32, events_ms, require_gpu, write_csv
 from bench.submanifold import by_site, rel_error
 
-MODES = ("eval-tf32", "eval-fp16", "eval-tf32-fused", "eval-fp16-fused", "train-tf32",
-         "train-amp")
+MODES = ("eval-tf32", "eval-fp16", "eval-tf32-fused", "eval-fp16-fused", "eval-tf32-graph",
+         "eval-fp16-graph", "train-tf32", "train-amp")
 CHECK_TOLERANCE = {  # relative L2, TF32 off: (outputs, gradients) in float32 (CUDA), float64 (CPU)
     "cuda": {"out": 1e-4, "grad": 1e-2}, "cpu": {"out": 1e-9, "grad": 1e-9}}
 
@@ -502,8 +506,10 @@ def prepare(net, name, ns, mode, x, device):
         if mode.startswith("eval-fp16"):
             model, f = model.half(), features.half()
         evaluating(model, name, device)
-        if mode.endswith("-fused") and hasattr(ns, "fuse_bn_relu"):
+        if mode.endswith(("-fused", "-graph")) and hasattr(ns, "fuse_bn_relu"):
             ns.fuse_bn_relu(model)
+        if mode.endswith("-graph") and hasattr(ns, "SparseGraphs"):
+            model = ns.SparseGraphs(model)
 
         def run():
             with torch.no_grad():

@@ -3,10 +3,10 @@ tree's root on PYTHONPATH (from that root), the trees in turns, and compare medi
 rounds. Public API only, so one copy of this script times any tree. Prints one line a row:
 ``ROW name value`` (ms: CUDA events around a call, median; host-us: host time of one call).
 
-Rows: the detectors (GPU-bound fp16 eval, the same after fuse_bn_relu where the tree has it, TF32
-training step), SBNet's T2 unit and T1 conv at conv-2 (fp16, in place), a pruned-kernel conv, a
-dilated conv (reshape route), and the host time of small calls (gather, scatter, reduce_mask, a
-cached SubMConv3d).
+Rows: the detectors (GPU-bound fp16 eval, the same after fuse_bn_relu and through SparseGraphs
+where the tree has them, TF32 training step), SBNet's T2 unit and T1 conv at conv-2 (fp16, in
+place), a pruned-kernel conv, a dilated conv (reshape route), and the host time of small calls
+(gather, scatter, reduce_mask, a cached SubMConv3d).
 
     python -m bench.headline
 """
@@ -54,6 +54,15 @@ def detector(model, scale, batch, cache):
                 fused(ours.SparseConvTensor(features_half, indices, shape, batch))
 
         row(f"{model}-{scale}-b{batch} eval-fp16-fused", events_ms(evaluate_fused, 9))
+        if hasattr(ours, "SparseGraphs"):
+            graphed = ours.SparseGraphs(fused)
+
+            def evaluate_graphed():
+                with torch.no_grad():
+                    graphed(ours.SparseConvTensor(features_half, indices, shape, batch))
+
+            row(f"{model}-{scale}-b{batch} eval-fp16-graph", events_ms(evaluate_graphed, 9))
+            del graphed
         del fused
     net.train()
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)

@@ -50,12 +50,14 @@ static __device__ int subm_lookup(const RuleArgs& a, i64 key) {
     return -1;
 }
 
-// Row of `key` in the table (hash table or bitmap), or -1.
+// Row of `key` in the table (hash table or bitmap), or -1. A bitmap's sites have rows below
+// n_out: those a bounded build had no room for (see emit_sites) are absent.
 static __device__ int subm_find(const RuleArgs& a, i64 key) {
     if (!a.bits) return subm_lookup(a, key);
     const unsigned word = a.bits[key >> 5], below = (1u << (key & 31)) - 1u;
     if (!((word >> (key & 31)) & 1u)) return -1;
-    return a.ranks[key >> 5] + __popc(word & below);
+    const int row = a.ranks[key >> 5] + __popc(word & below);
+    return row < a.n_out ? row : -1;
 }
 
 // Key (in query_shape) of the site that tap k connects site `row` of `coords` to, or -1:
@@ -274,14 +276,16 @@ template <int DIMS> __global__ void __launch_bounds__(RANK_THREADS) rank_words(c
     if (threadIdx.x == 0) a.group[gridDim.x] = carry;
 }
 
-// Coordinates (out_map, [count, 1 + DIMS]) of every set bit, at its rank: key order. Turns
-// ranks into global ones (group's offsets added), for subm_find.
+// Coordinates (out_map, [n_out, 1 + DIMS]) of every set bit, at its rank: key order. Turns
+// ranks into global ones (group's offsets added), for subm_find. Sites ranked n_out or later
+// are left out: a build bounded by a capacity (a CUDA graph's) had no room for them, which its
+// count (group[groups]) above n_out tells.
 template <int DIMS> __global__ void emit_sites(const RuleArgs a) {
     for (i64 w = subm_first(); w < a.words; w += subm_step()) {
         unsigned word = a.bits[w];
         int row = a.ranks[w] + a.group[w / RANK_WORDS];
         a.ranks[w] = row;
-        for (; word; word &= word - 1u, ++row) {
+        for (; word && row < a.n_out; word &= word - 1u, ++row) {
             subm_decode<DIMS>(a, w * 32 + (__ffs(word) - 1), a.out_map + (i64)row * (1 + DIMS));
         }
     }
@@ -289,7 +293,8 @@ template <int DIMS> __global__ void emit_sites(const RuleArgs a) {
 
 // out_map_t[k, r] = row of the output site input r feeds through tap k (or -1), and
 // out_map[k, that row] = r (out_map [taps, n_out] filled with -1 beforehand): the output side
-// of each pair is unique, so the scatter has no conflicts for distinct inputs.
+// of each pair is unique, so the scatter has no conflicts for distinct inputs. subm_find
+// leaves out the sites emit_sites had no room for.
 template <int DIMS> __global__ void scatter_strided(const RuleArgs a) {
     for_each_site_tap(a, [&](i64 t, i64 r, int k) {
         const int row = subm_neighbour<DIMS>(a, r, k, true);

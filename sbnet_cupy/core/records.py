@@ -429,7 +429,7 @@ RULE_ARGS = Record("RuleArgs", "submanifold", f"""
     i64* out_keys;        // compact_table: the occupied slots' keys, in no particular order
     int* group;           // rank_words, emit_sites: [groups + 1] set bits before each group
     i64 mask, n, words, n_out;  // capacity - 1 (a power of two minus one); sites; bitmap words;
-                                // scatter_strided's output sites
+                                // rows of a bitmap's sites (its lookups find no others)
     int batch, taps, transposed, symmetric;
     int shape[{SUBM_MAX_DIMS}];        // grid of `coords`
     int query_shape[{SUBM_MAX_DIMS}];  // grid of the table's keys

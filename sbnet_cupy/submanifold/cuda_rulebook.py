@@ -55,17 +55,19 @@ class HashTable:
 
 # A table of sites on the device, for build_raw: `owner` holds its memory; a hash table (keys, vals,
 # mask: capacity - 1) or a bitmap of the grid (bits, ranks, words; see
-# kernels/submanifold/submanifold.cu's RuleArgs); the grid (shape, batch) its keys linearise;
-# whether the sites it was built from were checked (distinct and inside the grid).
+# kernels/submanifold/submanifold.cu's RuleArgs) with the rows its sites have (a bitmap's
+# lookups find no others); the grid (shape, batch) its keys linearise; whether the sites it was
+# built from were checked (distinct and inside the grid).
 _Table = namedtuple("_Table", ["owner", "keys", "vals", "bits", "ranks", "mask", "words",
-                               "shape", "batch", "checked"])
-_NO_TABLE = _Table(None, 0, 0, 0, 0, 0, 0, (), 1, False)
+                               "rows", "shape", "batch", "checked"])
+_NO_TABLE = _Table(None, 0, 0, 0, 0, 0, 0, 0, (), 1, False)
 
 # build_raw's result: int32 maps [K, N_out] and [K, N_in], out_coords [N_out, 1 + D] (None for
-# a submanifold rulebook: its input sites), and the tables of its input and output sites (None
-# where it has none), for later rulebooks on the same sites to reuse.
+# a submanifold rulebook: its input sites), the tables of its input and output sites (None
+# where it has none), for later rulebooks on the same sites to reuse, and for a strided one its
+# number of output sites on the device (an int32 [1] array; None for a submanifold one).
 Built = namedtuple("Built", ["neighbors", "neighbors_t", "out_coords", "in_table",
-                             "out_table"])
+                             "out_table", "count"])
 
 
 def _pad(values):
@@ -91,31 +93,40 @@ def _rule_plan(device, kernel, dims, threads):
 
 
 def _rule(kernel, device, stream, items, dims, table=None, *, coords=0, keys=0, flags=0,
-          counter=0, out_map=0, out_map_t=0, out_keys=0, group=0, n=None, n_out=0, batch=1,
+          counter=0, out_map=0, out_map_t=0, out_keys=0, group=0, n=None, n_out=None, batch=1,
           taps=1, transposed=False, symmetric=False, coords_shape=(), query_shape=(),
           geometry=_NO_GEOMETRY, groups=None):
     """One launch of rulebook kernel<dims> of kernels/submanifold/submanifold.cu on raw addresses,
     over `items` threads' work (n defaults to items); `table`: a _Table, or None. groups:
-    rank_words' CTAs (of _RANK_THREADS), else a grid-stride loop of THREADS a CTA."""
+    rank_words' CTAs (of _RANK_THREADS), else a grid-stride loop of THREADS a CTA. n_out
+    defaults to the table's rows."""
     if items == 0:
         return
     table = table or _NO_TABLE
     plan = _rule_plan(device, kernel, dims, THREADS if groups is None else _RANK_THREADS)
     plan.launch(stream, coords, keys, table.keys, table.vals, table.bits, table.ranks, flags,
                 counter, out_map, out_map_t, out_keys, group, table.mask,
-                items if n is None else n, table.words, n_out, batch, taps, int(transposed),
+                items if n is None else n, table.words, table.rows if n_out is None else n_out,
+                batch, taps, int(transposed),
                 int(symmetric), *_shape_fields(coords_shape, query_shape, geometry),
                 grid=grid(items) if groups is None else (groups, 1, 1))
 
 
 # --- on any backend's arrays ----------------------------------------------------------------
 
-def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=None):
+def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=None,
+              capacity=None):
     """The CUDA rulebook of C-contiguous int32 coords [n, 1 + D] (an array of `backend`, whose
     device and current stream the kernels run on), with validation.rulebook_geometry's checked
     arguments: submanifold where out_shape is None, else strided. `table`: a _Table of these
     coords to reuse (its grid `shape` for a submanifold rulebook; ignored by a strided one,
     which needs none unless it checks).
+
+    capacity: for a strided rulebook without check, the output rows to make room for instead of
+    counting the output sites on the host: the build then makes no host sync (a CUDA graph can
+    capture it). Rows past the sites have coords -1 (outside every grid: later rulebooks leave
+    them out) and no neighbours; sites past the capacity are left out, which Built.count above
+    capacity tells.
 
     Returns a Built, or None for a strided rulebook whose output grid has more than
     _BITMAP_MAX_BITS sites (the caller takes the hash-and-sort path). Host work: a submanifold
@@ -150,7 +161,7 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
               geometry=geometry)
         if flags:
             _raise_flags(_read_ints(device, stream, (flags,))[0], backend, coords, shape, batch)
-        return Built(neighbors, neighbors_t, None, table, table)
+        return Built(neighbors, neighbors_t, None, table, table, None)
     words = -(-batch * math.prod(out_shape) // 32)
     groups = -(-words // _RANK_WORDS)
     # One workspace: bits [words], the rank CTAs' counter [1], ranks [words], group [groups + 1].
@@ -158,25 +169,34 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
     counter, ranks = bits + 4 * words, bits + 4 * words + 4
     group = ranks + 4 * words
     _device_call(device, _memset, bits, 0, 4 * (words + 1), stream)
-    out_table = _Table(owner, 0, 0, bits, ranks, 0, words, out_shape, batch, True)
+    out_table = _Table(owner, 0, 0, bits, ranks, 0, words, 0, out_shape, batch, True)
     common = dict(coords=coords_ptr, n=n, batch=batch, taps=taps, transposed=True,
                   coords_shape=shape, query_shape=out_shape, geometry=geometry)
     _rule("mark_targets", device, stream, n * taps, dims, out_table, **common)
     _rule("rank_words", device, stream, words, dims, out_table, counter=counter, group=group,
           groups=groups)
-    count, *raised = _read_ints(device, stream, (group + 4 * groups,) + ((flags,) if flags
-                                                                          else ()))
-    if raised:
-        _raise_flags(raised[0], backend, coords, shape, batch)
+    if capacity is None:
+        rows, *raised = _read_ints(device, stream, (group + 4 * groups,) + ((flags,) if flags
+                                                                           else ()))
+        if raised:
+            _raise_flags(raised[0], backend, coords, shape, batch)
+    elif flags:
+        raise AssertionError("a bounded build cannot check")  # a library bug
+    else:
+        rows = capacity
+    out_table = out_table._replace(rows=rows)
     (out_coords, out_coords_ptr), (neighbors, neighbors_ptr), (neighbors_t, neighbors_t_ptr) = (
-        empty((count, 1 + dims)), empty((taps, count)), empty((taps, n)))
+        empty((rows, 1 + dims)), empty((taps, rows)), empty((taps, n)))
+    if rows and capacity is not None:  # the rows emit_sites leaves: outside every grid
+        _device_call(device, _memset, out_coords_ptr, 0xFF, 4 * rows * (1 + dims), stream)
     _rule("emit_sites", device, stream, words, dims, out_table, out_map=out_coords_ptr,
           group=group, query_shape=out_shape)
-    if count:
-        _device_call(device, _memset, neighbors_ptr, 0xFF, 4 * taps * count, stream)
+    if rows:
+        _device_call(device, _memset, neighbors_ptr, 0xFF, 4 * taps * rows, stream)
     _rule("scatter_strided", device, stream, n * taps, dims, out_table, out_map=neighbors_ptr,
-          out_map_t=neighbors_t_ptr, n_out=count, **common)
-    return Built(neighbors, neighbors_t, out_coords, table, out_table)
+          out_map_t=neighbors_t_ptr, **common)
+    total = 2 * words + 1 + groups  # group[groups] in the workspace: the number of sites
+    return Built(neighbors, neighbors_t, out_coords, table, out_table, owner[total:total + 1])
 
 
 def _build_table(empty, device, stream, coords_ptr, n, shape, batch, checked):
@@ -186,7 +206,7 @@ def _build_table(empty, device, stream, coords_ptr, n, shape, batch, checked):
     owner, keys = empty((3 * capacity + 2,))
     vals = keys + 8 * capacity
     flags = vals + 4 * capacity
-    table = _Table(owner, keys, vals, 0, 0, capacity - 1, 0, shape, batch, checked)
+    table = _Table(owner, keys, vals, 0, 0, capacity - 1, 0, 0, shape, batch, checked)
     _rule("clear_table", device, stream, capacity, 1, table, flags=flags, counter=flags + 4)
     _rule("insert_coords", device, stream, n, len(shape), table, coords=coords_ptr,
           flags=flags, batch=batch, coords_shape=shape)
@@ -297,8 +317,8 @@ def _launch_rule(kernel, device, items, *, coords=None, keys=None, table=None, f
         return 0 if a is None else a.data.ptr
 
     raw_table = None if table is None else _Table(
-        table, table.keys.data.ptr, table.vals.data.ptr, 0, 0, table.capacity - 1, 0, (), 1,
-        False)
+        table, table.keys.data.ptr, table.vals.data.ptr, 0, 0, table.capacity - 1, 0, 0, (),
+        1, False)
     _rule(kernel, device, cupy.cuda.get_current_stream().ptr, items,
           len(coords_shape) or len(query_shape) or 1, raw_table, coords=pointer(coords),
           keys=pointer(keys), flags=pointer(flags),

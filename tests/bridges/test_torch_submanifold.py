@@ -364,7 +364,7 @@ def test_reusable_table_needs_the_same_indices_grid_and_check():
     from sbnet_cupy.submanifold import cuda_rulebook
 
     indices, other = torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 4, dtype=torch.int32)
-    table = cuda_rulebook._Table(None, 0, 0, 1, 1, 0, 1, (4, 5, 6), 2, False)
+    table = cuda_rulebook._Table(None, 0, 0, 1, 1, 0, 1, 0, (4, 5, 6), 2, False)
     rulebook = spconv.Rulebook(None, None, other, indices, [7, 8, 9], [4, 5, 6], 2, [3] * 3,
                                [2] * 3, [1] * 3, [1] * 3, False)
     rulebook._tables = (None, table)

@@ -114,6 +114,62 @@ def test_strided_bitmap_ranks_across_words_and_groups(rng, launched, out_shape, 
     _assert_same(*_rulebooks(coords, shape, 1, 3, 2, 1, 1, False), False)
 
 
+def _padded(coords, rows):
+    """coords followed by padding rows (every field -1, as torch_bridge's SparseGraphs pads)
+    up to `rows`."""
+    padding = numpy.full((rows - coords.shape[0], coords.shape[1]), -1, numpy.int32)
+    return numpy.concatenate([coords, padding])
+
+
+@pytest.mark.parametrize("room", [1.4, 1.0, 0.6], ids=["spare", "exact", "overflow"])
+def test_bounded_strided_build_with_padding_rows(rng, launched, room):
+    """build_raw with a capacity (no host read of the count) on coords with padding rows:
+    the sites and maps of the unbounded build on the real rows, padding rows and spare output
+    rows without neighbours, the count on the device; with less room than sites, the sites
+    past the capacity left out of both maps and of later lookups in the output's bitmap."""
+    batch, shape, geometry = 2, (9, 11, 7), (3, 2, 1, 1)
+    coords = random_sites(rng, batch, shape, 120)
+    host = submanifold.strided_rulebook(coords, shape, batch, *geometry)
+    count = host.out_coords.shape[0]
+    capacity = int(room * count)
+    padded = _padded(coords, 150)
+    args = submanifold.rulebook_geometry(padded, shape, batch, geometry[0], *geometry[1:],
+                                         False)
+    built = submanifold.build_raw(cuda_emulation.HostMemory(), padded, *args, False,
+                                  capacity=capacity)
+    assert built.count.tolist() == [count]
+    kept = min(count, capacity)
+    numpy.testing.assert_array_equal(built.out_coords[:kept], host.out_coords[:kept])
+    assert (built.out_coords[kept:] == -1).all()
+    numpy.testing.assert_array_equal(built.neighbors[:, :kept], host.neighbors[:, :kept])
+    assert (built.neighbors[:, kept:] == -1).all()
+    want_t = numpy.where(host.neighbors_t < kept, host.neighbors_t, -1)
+    numpy.testing.assert_array_equal(built.neighbors_t[:, :120], want_t)
+    assert (built.neighbors_t[:, 120:] == -1).all()
+    # A submanifold rulebook on the output sites through their bitmap: rows past the capacity
+    # are never found.
+    subm_args = submanifold.rulebook_geometry(built.out_coords, args[3], batch, 3, 1, 0, 1,
+                                              True)
+    subm = submanifold.build_raw(cuda_emulation.HostMemory(), built.out_coords, *subm_args,
+                                 False, built.out_table)
+    want = submanifold.submanifold_rulebook(host.out_coords[:kept], args[3], batch, 3, 1)
+    numpy.testing.assert_array_equal(subm.neighbors[:, :kept], want.neighbors)
+    assert (subm.neighbors[:, kept:] == -1).all()
+
+
+def test_padding_rows_left_out_of_a_submanifold_build(rng, launched):
+    """Padding rows (batch index -1) of an unchecked submanifold build: no neighbours, and no
+    real row's neighbour."""
+    coords = random_sites(rng, 2, (6, 7, 5), 60)
+    host = submanifold.submanifold_rulebook(coords, (6, 7, 5), 2, 3, 1)
+    args = submanifold.rulebook_geometry(coords, (6, 7, 5), 2, 3, 1, 0, 1, True)
+    built = submanifold.build_raw(cuda_emulation.HostMemory(), _padded(coords, 75), *args,
+                                  False)
+    numpy.testing.assert_array_equal(built.neighbors[:, :60], host.neighbors)
+    numpy.testing.assert_array_equal(built.neighbors_t[:, :60], host.neighbors_t)
+    assert (built.neighbors[:, 60:] == -1).all() and (built.neighbors_t[:, 60:] == -1).all()
+
+
 @pytest.mark.parametrize("bad, message", [
     ([[0, 1, 1], [0, 2, 3], [0, 1, 1]], "duplicate rows, e.g. \\(0, 1, 1\\)"),
     ([[0, 1, 1], [0, 4, 0]], "row 1 = \\(0, 4, 0\\) is outside"),

@@ -8,10 +8,12 @@ Layouts are spconv's: indices int32 [N, 1 + D] (batch index first), features [N,
 core (SparseConvTensor, ConvAlgo), conv, pool, modules, tables, identity, functional, ops,
 utils, and constants (spconv.constants); rulebook holds the rulebooks (build_rulebook,
 transposed_rulebook), conv_op the convolution op (rulebook_conv) and cpu_conv its CPU path;
-fuse_bn_relu (fuse) fuses an eval model's BatchNorm and ReLU into its convolutions.
+fuse_bn_relu (fuse) fuses an eval model's BatchNorm and ReLU into its convolutions;
+SparseGraphs (graphs) runs a whole network's inference as CUDA graphs.
 """
 
-from . import constants, conv, core, functional, identity, modules, ops, pool, tables, utils
+from . import (constants, conv, core, functional, graphs, identity, modules, ops, pool, tables,
+               utils)
 from .conv import (SparseConv1d, SparseConv2d, SparseConv3d, SparseConv4d,
                    SparseConvolution, SparseConvTranspose1d, SparseConvTranspose2d,
                    SparseConvTranspose3d, SparseConvTranspose4d, SparseInverseConv1d,
@@ -27,6 +29,7 @@ from .pool import (SparseAvgPool1d, SparseAvgPool2d, SparseAvgPool3d, SparseGlob
                    SparseMaxPool4d)
 from .conv_op import rulebook_conv
 from .fuse import fuse_bn_relu
+from .graphs import SparseGraphs
 from .rulebook import Rulebook, build_rulebook, transposed_rulebook
 from .tables import AddTable, ConcatTable, JoinTable
 
@@ -59,6 +62,7 @@ __all__ = [
     "SparseConvolution",
     "SparseGlobalAvgPool",
     "SparseGlobalMaxPool",
+    "SparseGraphs",
     "SparseIdentity",
     "SparseInverseConv1d",
     "SparseInverseConv2d",
@@ -84,6 +88,7 @@ __all__ = [
     "core",
     "functional",
     "fuse_bn_relu",
+    "graphs",
     "identity",
     "modules",
     "ops",

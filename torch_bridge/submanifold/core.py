@@ -66,6 +66,9 @@ class SparseConvTensor:
         # Whether the indices are known distinct and inside the grid: a convolution's output
         # sites are, so its rulebooks skip the check (and its host sync).
         self.indices_checked = checked
+        # Whether rows may be padding (batch index -1, as SparseGraphs' fixed-size tensors
+        # have): rulebooks leave them out; dense() and the global pools drop them.
+        self.padded = False
 
     @property
     def indices(self):
@@ -103,6 +106,7 @@ class SparseConvTensor:
         unchecked against the features'."""
         out = object.__new__(SparseConvTensor)
         out._set(features, indices, spatial_shape, self.batch_size, indice_dict, checked)
+        out.padded = self.padded
         out.grid, out.voxel_num, out.benchmark = self.grid, self.voxel_num, self.benchmark
         out.benchmark_record, out.force_algo = self.benchmark_record, self.force_algo
         return out
@@ -141,13 +145,24 @@ class SparseConvTensor:
                              f"shape {tuple(self.features.shape)}: set indices to match after "
                              f"replace_feature with another row count")
 
+    def batch_slots(self):
+        """(int64 [N] batch index of each row, number of slots): with padding rows, these go to
+        one more slot, batch_size, which the caller drops; without, the indices' own."""
+        batch = self._indices[:, 0].long()
+        if not self.padded:
+            return batch, self.batch_size
+        return batch.masked_fill(batch < 0, self.batch_size), self.batch_size + 1
+
     def dense(self, channels_first=True):
         """The dense tensor [B, C, *spatial] (channels last with channels_first=False), zeros
         at inactive sites; differentiable in the features."""
         self.check_rows()
         channels = self.features.shape[1]
-        out = self.features.new_zeros((self.batch_size, *self.spatial_shape, channels))
-        out = out.index_put(tuple(self._indices.long().t()), self.features)
+        batch, slots = self.batch_slots()
+        out = self.features.new_zeros((slots, *self.spatial_shape, channels))
+        # A padding row's coordinates (-1) index its slot's last site.
+        sites = (batch, *self._indices[:, 1:].long().t())
+        out = out.index_put(sites, self.features)[:self.batch_size]
         if not channels_first:
             return out
         return out.permute(0, out.ndim - 1, *range(1, out.ndim - 1)).contiguous()

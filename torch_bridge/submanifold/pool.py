@@ -144,10 +144,11 @@ class _GlobalPool(SparseModule):
             raise TypeError(f"input must be a SparseConvTensor, got {type(input).__name__}")
         input.check_rows()
         features = input.features
-        index = input.indices[:, :1].long().expand_as(features)
-        out = features.new_zeros((input.batch_size, features.shape[1]))
-        return out.scatter_reduce(0, index, features, "mean" if self.mean else "amax",
-                                  include_self=False)
+        batch, slots = input.batch_slots()
+        out = features.new_zeros((slots, features.shape[1]))
+        return out.scatter_reduce(0, batch[:, None].expand_as(features), features,
+                                  "mean" if self.mean else "amax",
+                                  include_self=False)[:input.batch_size]
 
 
 class SparseGlobalMaxPool(_GlobalPool):

@@ -4,6 +4,9 @@ them with sbnet_cupy's rulebook kernels on torch tensors (the TORCH backend, on 
 stream), CPU tensors with its NumPy backend; a transposed convolution's with torch ops
 (transposed_rulebook). The convolution through them is conv_op's rulebook_conv."""
 
+import contextlib
+import threading
+
 import torch
 
 from sbnet_cupy import submanifold as _core
@@ -16,6 +19,43 @@ from .._ops import _contiguous
 from ..backend import TORCH
 from .cpu_conv import seed_cpu_plans
 
+
+
+# --- bounded builds (CUDA graphs) ---------------------------------------------------------
+
+class _Bounds:
+    """The strided rulebook builds of one run of a network, in call order: with capacities,
+    each build i makes room for capacities[i] output rows and makes no host sync, and `counts`
+    gets its number of sites on the device (int32 [1] tensors); without (a recording run), each
+    counts its sites on the host as usual and `counts` gets the ints."""
+
+    def __init__(self, capacities):
+        self.capacities, self.counts = capacities, []
+
+    def capacity(self):
+        if self.capacities is None:
+            return None
+        if len(self.counts) >= len(self.capacities):
+            raise ValueError("the network made more strided rulebooks than when its graph was "
+                             "recorded: its layers must not depend on the data")
+        return self.capacities[len(self.counts)]
+
+
+_BOUNDED = threading.local()
+
+
+@contextlib.contextmanager
+def bounded(capacities):
+    """Inside, this thread's CUDA strided rulebook builds are bounded by `capacities` (a list,
+    one a build in call order) or, with None, recorded: yields the _Bounds whose counts they
+    append. SparseGraphs runs a network so."""
+    bounds = _Bounds(capacities)
+    previous = getattr(_BOUNDED, "bounds", None)
+    _BOUNDED.bounds = bounds
+    try:
+        yield bounds
+    finally:
+        _BOUNDED.bounds = previous
 
 
 # --- rulebooks ----------------------------------------------------------------------------
@@ -70,8 +110,17 @@ def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, pa
     if indices.is_cuda:
         shape_t, batch, geometry, out_shape = rulebook_geometry(
             indices, shape, batch_size, kernel_size, stride, padding, dilation, subm)
+        bounds = None if subm else getattr(_BOUNDED, "bounds", None)
+        capacity = None if bounds is None else bounds.capacity()
         built = build_raw(TORCH, indices, shape_t, batch, geometry, out_shape, check,
-                          _reusable_table(reuse, indices, shape_t, batch, check))
+                          _reusable_table(reuse, indices, shape_t, batch, check), capacity)
+        if bounds is not None:
+            if built is None:
+                raise ValueError(f"a strided rulebook of output grid {batch} x {out_shape} is "
+                                 f"built by hashing and sorting, which a CUDA graph cannot "
+                                 f"capture")
+            bounds.counts.append(built.count if capacity is not None
+                                 else built.out_coords.shape[0])
         if built is not None:
             rulebook = Rulebook(built.neighbors, built.neighbors_t, indices,
                                 indices if subm else built.out_coords, list(shape_t),
@@ -121,6 +170,9 @@ def transposed_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=
     out-of-range rows."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.is_cuda and getattr(_BOUNDED, "bounds", None) is not None:
+        raise ValueError("a transposed convolution's rulebook counts its sites on the host, "
+                         "which a CUDA graph cannot capture (SparseInverseConv's can be)")
     indices = _contiguous(indices)
     shape, batch, geometry, _ = rulebook_geometry(
         indices, spatial_shape, batch_size, kernel_size, stride, padding, dilation, False)
