@@ -23,6 +23,9 @@ _RANK_THREADS, _RANK_WORDS = 256, 1024  # rank_words' CTA and the bitmap words i
 # Largest output grid (batch x sites) a strided rulebook finds its output sites in with a bitmap
 # (16 MiB of bits and 16 MiB of ranks); larger grids hash and sort the candidates instead.
 _BITMAP_MAX_BITS = 1 << 27
+# A bounded build (capacity given: a CUDA graph's, which the hash-and-sort path's host sync
+# cannot join) takes the bitmap up to ranks' int32 range: 256 MiB of bits and of ranks.
+_BOUNDED_BITMAP_MAX_BITS = 1 << 31
 # The rulebook kernels, each built for DIMS = 1..MAX_DIMS.
 RULE_KERNELS = ("clear_table", "insert_coords", "insert_keys", "insert_targets",
                 "compact_table", "decode_keys", "query_map", "query_subm", "mark_targets",
@@ -129,7 +132,8 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
     capacity tells.
 
     Returns a Built, or None for a strided rulebook whose output grid has more than
-    _BITMAP_MAX_BITS sites (the caller takes the hash-and-sort path). Host work: a submanifold
+    _BITMAP_MAX_BITS sites (_BOUNDED_BITMAP_MAX_BITS with a capacity; the caller takes the
+    hash-and-sort path). Host work: a submanifold
     rulebook is 1 launch and 2 allocations with a table to reuse, 3 launches and 3 allocations
     without, plus one sync with check; a strided one is 4 launches, 2 memsets, 4 allocations
     and one sync (for its number of output sites; the check's flags are read in it), plus 2
@@ -139,7 +143,8 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
     dims, taps = len(shape), math.prod(geometry[0])
     if table is not None and (table.shape, table.batch) != (shape, batch):
         raise AssertionError("a table of another grid")  # a library bug
-    if out_shape is not None and batch * math.prod(out_shape) > _BITMAP_MAX_BITS:
+    limit = _BITMAP_MAX_BITS if capacity is None else _BOUNDED_BITMAP_MAX_BITS
+    if out_shape is not None and batch * math.prod(out_shape) > limit:
         return None
     device = backend.device(coords)
     stream, coords_ptr = backend.stream(device), backend.pointer(coords)

@@ -194,3 +194,20 @@ def test_arguments_are_checked():
         spconv.SparseGraphs(lambda x: x, ratio=1)
     with pytest.raises(ValueError, match="minimum"):
         spconv.SparseGraphs(lambda x: x, minimum=4)
+
+
+@requires_cuda
+def test_strided_grids_past_the_eager_bitmap(rng, monkeypatch):
+    """Output grids too large for the eager bitmap (forced: none fits), which eagerly hash and
+    sort: the graph's bounded builds take the bitmap and give the same outputs; past its own
+    bound too, the graph raises ValueError."""
+    from sbnet_cupy.submanifold import cuda_rulebook
+
+    monkeypatch.setattr(cuda_rulebook, "_BITMAP_MAX_BITS", 0)
+    net = _model("UNetV2")
+    x = _frame(rng, 2000)
+    with torch.no_grad():
+        _assert_same(spconv.SparseGraphs(net)(x), net(x), 1e-5)
+        monkeypatch.setattr(cuda_rulebook, "_BOUNDED_BITMAP_MAX_BITS", 0)
+        with pytest.raises(ValueError, match="hashing and sorting"):
+            spconv.SparseGraphs(net)(x)

@@ -13,7 +13,7 @@ from .rulebook import _check_sites, _linear, bounded
 
 # Capacity of a strided layer's output: its recorded count scaled to a full input bucket, times
 # this, so that other frames of the bucket rarely overflow it.
-_MARGIN = 1.0625
+_MARGIN = 1.03
 
 
 class _Graph:
@@ -25,7 +25,7 @@ class _Graph:
     def __init__(self, features, indices, rows, capacities):
         self.features, self.indices, self.rows = features, indices, rows
         self.capacities = capacities
-        self.graph = self.outputs = self.stats = None
+        self.graph = self.outputs = self.stats = self.constants = None
 
     def load(self, x):
         n = x.indices.shape[0]
@@ -98,7 +98,7 @@ class SparseGraphs:
     repeated (a sort in the graph); without, such rows give undefined outputs, as in spconv.
     """
 
-    def __init__(self, fn, *, ratio=1.125, minimum=1024, check=True):
+    def __init__(self, fn, *, ratio=1.0625, minimum=1024, check=True):
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         if not (isinstance(ratio, (int, float)) and ratio > 1):
@@ -168,9 +168,11 @@ class SparseGraphs:
         torch.cuda.current_stream(device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        # The stats' constants, copied from the host before the capture (which cannot).
-        limits = torch.tensor([x.batch_size, *x.spatial_shape], device=device)
-        capacities_t = torch.tensor(capacities, dtype=torch.int32, device=device)
+        # The stats' constants, copied from the host before the capture (which cannot), and
+        # kept with the graph, whose replays read their memory.
+        graph.constants = limits, capacities_t = (
+            torch.tensor([x.batch_size, *x.spatial_shape], device=device),
+            torch.tensor(capacities, dtype=torch.int32, device=device))
         graph.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph.graph, pool=self.pool), bounded(capacities) as bounds:
             graph.outputs = self.fn(padded)
