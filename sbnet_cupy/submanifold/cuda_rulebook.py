@@ -118,7 +118,7 @@ def _rule(kernel, device, stream, items, dims, table=None, *, coords=0, keys=0, 
 # --- on any backend's arrays ----------------------------------------------------------------
 
 def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=None,
-              capacity=None):
+              capacity=None, bounded=False):
     """The CUDA rulebook of C-contiguous int32 coords [n, 1 + D] (an array of `backend`, whose
     device and current stream the kernels run on), with validation.rulebook_geometry's checked
     arguments: submanifold where out_shape is None, else strided. `table`: a _Table of these
@@ -129,21 +129,22 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
     counting the output sites on the host: the build then makes no host sync (a CUDA graph can
     capture it). Rows past the sites have coords -1 (outside every grid: later rulebooks leave
     them out) and no neighbours; sites past the capacity are left out, which Built.count above
-    capacity tells.
+    capacity tells. bounded: a build of a network that is later captured (its recording run),
+    which takes the bitmap as far as a bounded build does.
 
     Returns a Built, or None for a strided rulebook whose output grid has more than
-    _BITMAP_MAX_BITS sites (_BOUNDED_BITMAP_MAX_BITS with a capacity; the caller takes the
-    hash-and-sort path). Host work: a submanifold
-    rulebook is 1 launch and 2 allocations with a table to reuse, 3 launches and 3 allocations
-    without, plus one sync with check; a strided one is 4 launches, 2 memsets, 4 allocations
-    and one sync (for its number of output sites; the check's flags are read in it), plus 2
+    _BITMAP_MAX_BITS sites (_BOUNDED_BITMAP_MAX_BITS with a capacity or bounded; the caller
+    takes the hash-and-sort path). Host work: a submanifold rulebook is 1 launch and 2
+    allocations with a table to reuse, 3 launches and 3 allocations without, plus one sync with
+    check; a strided one is 4 launches, 2 memsets, 4 allocations and one sync (for its number
+    of output sites; the check's flags are read in it), plus 2
     launches and an allocation with check and no checked table to reuse.
     """
     n = int(coords.shape[0])
     dims, taps = len(shape), math.prod(geometry[0])
     if table is not None and (table.shape, table.batch) != (shape, batch):
         raise AssertionError("a table of another grid")  # a library bug
-    limit = _BITMAP_MAX_BITS if capacity is None else _BOUNDED_BITMAP_MAX_BITS
+    limit = _BOUNDED_BITMAP_MAX_BITS if bounded or capacity is not None else _BITMAP_MAX_BITS
     if out_shape is not None and batch * math.prod(out_shape) > limit:
         return None
     device = backend.device(coords)

@@ -113,7 +113,8 @@ def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, pa
         bounds = None if subm else getattr(_BOUNDED, "bounds", None)
         capacity = None if bounds is None else bounds.capacity()
         built = build_raw(TORCH, indices, shape_t, batch, geometry, out_shape, check,
-                          _reusable_table(reuse, indices, shape_t, batch, check), capacity)
+                          _reusable_table(reuse, indices, shape_t, batch, check), capacity,
+                          bounds is not None)
         if bounds is not None:
             if built is None:
                 raise ValueError(f"a strided rulebook of output grid {batch} x {out_shape} is "
