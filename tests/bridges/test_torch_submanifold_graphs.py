@@ -211,3 +211,27 @@ def test_strided_grids_past_the_eager_bitmap(rng, monkeypatch):
         monkeypatch.setattr(cuda_rulebook, "_BOUNDED_BITMAP_MAX_BITS", 0)
         with pytest.raises(ValueError, match="hashing and sorting"):
             spconv.SparseGraphs(net)(x)
+
+
+def test_outputs_cut_to_their_sites_and_copied(rng):
+    """_unpadded on what fn may return (a namedtuple of a list and a dict of SparseConvTensors
+    and tensors): each SparseConvTensor cut to its count, in _sparse_outputs' order, with no
+    rulebooks and unpadded; every tensor a copy."""
+    import collections
+
+    Out = collections.namedtuple("Out", ["stages", "extra"])
+    x, y = _frame(rng, 40, device="cpu"), _frame(rng, 30, device="cpu")
+    for t in (x, y):
+        t.padded, t.indice_dict = True, {"k": None}
+    dense = torch.randn(3, 4)
+    outputs = Out([x, dense], {"y": y, "n": 7})
+    assert _sparse(outputs) == [x, y]
+    got = graphs._unpadded(outputs, [25, 12])
+    assert isinstance(got, Out) and got.extra["n"] == 7
+    (gx, gdense), gy = got.stages, got.extra["y"]
+    for g, t, count in ((gx, x, 25), (gy, y, 12)):
+        assert not g.padded and g.indice_dict == {} and g.indices_checked
+        assert torch.equal(g.features, t.features[:count])
+        assert torch.equal(g.indices, t.indices[:count])
+        assert g.features.data_ptr() != t.features.data_ptr()
+    assert torch.equal(gdense, dense) and gdense.data_ptr() != dense.data_ptr()

@@ -65,7 +65,8 @@ def _unpadded(outputs, counts):
     if isinstance(outputs, torch.Tensor):
         return outputs.clone()
     if isinstance(outputs, (list, tuple)):
-        return type(outputs)(_unpadded(o, counts) for o in outputs)
+        items = [_unpadded(o, counts) for o in outputs]
+        return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
     if isinstance(outputs, dict):
         return {k: _unpadded(o, counts) for k, o in outputs.items()}
     return outputs
