@@ -92,15 +92,26 @@ def reduction_splits(tiles, parts, sms, ctas_per_sm=2, round_up=True):
 _SPLIT_SUM_THREADS, _SPLIT_SUM_BLOCKS = 256, 2048  # blocks enough to fill a GPU
 
 
-def split_sum_plan(device, op, ctype, rows, cols, pitch, splits, dependent=False, relu=False):
+def split_sum_plan(device, op, ctype, rows=None, cols=None, pitch=None, splits=None,
+                   dependent=False, relu=False):
     """The KernelPlan of split_sum<ctype> (kernels/core/common.cuh, compiled with
     kernels/<family>/<op>.cu) after a kernel whose reduction was cut in `splits`: out [rows, cols] =
     bias [cols] + the float sums partial [splits, rows, pitch], in split order (then max(0, .)
     where relu). A call passes (partial, bias, out) addresses; the sizes are the plan's
-    constants. A grid-stride loop."""
-    blocks = max(1, min(-(-rows * cols // _SPLIT_SUM_THREADS), _SPLIT_SUM_BLOCKS))
+    constants, or, left None, each call's (a reduction whose rows change per call): it passes
+    them after the addresses, in the record's order (rows, cols, pitch, splits; those given must
+    be the last ones), and, without rows, its grid: split_sum_grid(rows, cols). A grid-stride
+    loop."""
     record = _records.SPLIT_SUM_ARGS
-    return KernelPlan(device, op, "split_sum", (ctype,), (blocks, 1, 1),
-                      (_SPLIT_SUM_THREADS, 1, 1), 0, record,
-                      record.tail(rows=rows, cols=cols, pitch=pitch, splits=splits, relu=int(relu)),
+    sizes = {name: size for name, size in dict(rows=rows, cols=cols, pitch=pitch,
+                                                splits=splits).items() if size is not None}
+    return KernelPlan(device, op, "split_sum", (ctype,),
+                      (1, 1, 1) if rows is None else split_sum_grid(rows, cols),
+                      (_SPLIT_SUM_THREADS, 1, 1), 0, record, record.tail(**sizes, relu=int(relu)),
                       dependent)
+
+
+def split_sum_grid(rows, cols):
+    """The split sum's grid for out [rows, cols]: a thread an element, up to blocks enough to
+    fill a GPU (then a grid-stride loop), at least one."""
+    return max(1, min(-(-rows * cols // _SPLIT_SUM_THREADS), _SPLIT_SUM_BLOCKS)), 1, 1

@@ -4,7 +4,8 @@ masks that Rulebook.fused_order sorts rows by.
 
 Each launch is one function of a backend (sbnet_cupy/core/backend.py: CUPY, torch_bridge's
 TORCH) and its arrays, which the CuPy entry points and the torch ops both call; the launches are
-KernelPlans (sbnet_cupy/core/plan.py) cached per shapes, dtype, device and options.
+KernelPlans (sbnet_cupy/core/plan.py) cached per shapes, dtype, device and options; the fused
+convolution's per layer, without its number of sites, which sizes its grid and split per call.
 """
 
 import functools
@@ -103,22 +104,24 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=Fals
         cin = width
     device = backend.device(features)
     x, w = backend.pointer(features), backend.pointer(weight)
-    plan = _fused_plan(device, dtype, _checks.alignment(x, w) == 16, n_out, cin, cout, taps,
-                       bool(relu))
+    plan = _fused_plan(device, dtype, _checks.alignment(x, w) == 16, cin, cout, taps, bool(relu))
+    grid, split_taps = fused_grid(device, n_out, plan.channel_tiles, taps)
     stream = backend.stream(device)
     bias = None if bias is None else backend.contiguous(bias)  # kept until the launches
     b = backend.pointer(bias)
     order = backend.pointer(order)
-    if plan.split_sum is None:
+    splits = grid[2]
+    if splits == 1:
         plan.conv.launch(stream, x, w, b, backend.pointer(neighbors), backend.pointer(out), 0,
-                         n_out, cin, cout, taps, plan.split_taps, order, int(relu))
+                         n_out, cin, cout, taps, split_taps, order, int(relu), grid=grid)
         return out
     # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest;
     # _owner keeps the scratch until both launches are queued.
-    partial, _owner = backend.float_scratch(device, plan.scratch)
+    partial, _owner = backend.float_scratch(device, splits * n_out * cout)
     plan.conv.launch(stream, x, w, 0, backend.pointer(neighbors), 0, partial, n_out, cin, cout,
-                     taps, plan.split_taps, order, 0)
-    plan.split_sum.launch(stream, partial, b, backend.pointer(out))
+                     taps, split_taps, order, 0, grid=grid)
+    plan.split_sum.launch(stream, partial, b, backend.pointer(out), n_out, cout, cout, splits,
+                          grid=_plan.split_sum_grid(n_out, cout))
     return out
 
 
@@ -150,32 +153,35 @@ def fused_config(vector, itemsize, cout):
     return (MAX_STAGE if tile < 128 else min(MAX_STAGE, 64)), tile
 
 
-# The fused convolution's plan: its KernelPlan (the grid: sites, channels, tap splits), the taps
-# a split sums, and for split taps the split sum's KernelPlan and the float32 scratch it reads
-# (else None and 0).
-FusedPlan = namedtuple("FusedPlan", ["conv", "split_taps", "split_sum", "scratch"])
+# A layer's fused convolution, planned once for every number of output sites (which real frames
+# change every frame): the kernel's KernelPlan, its CTAs across the output channels, and the
+# split sum's KernelPlan for calls that split the taps (None for one tap). Each call passes the
+# sizes that depend on its sites: the grid (fused_grid) and the split sum's rows and splits.
+FusedPlan = namedtuple("FusedPlan", ["conv", "channel_tiles", "split_sum"])
 
 
 @functools.lru_cache(maxsize=1024)
-def _fused_plan(device, dtype, aligned, n_out, cin, cout, taps, relu=False):
+def _fused_plan(device, dtype, aligned, cin, cout, taps, relu=False):
     """The FusedPlan of a layer; aligned: whether features and weight start at 16 bytes; relu:
     whether the split sum takes the ReLU (the conv kernel's is each call's)."""
     itemsize = _kernels.ITEMSIZES[dtype]
     vector = aligned and cin * itemsize % 16 == 0
     stage, tile = fused_config(vector, itemsize, cout)
-    tiles = (_checks.grid_dim("output sites", -(-n_out // _FUSED_SITES), 2**31 - 1),
-             _checks.grid_dim("output channels", -(-cout // tile)))
-    split_taps = -(-taps // fused_splits(device, tiles[0] * tiles[1], taps))
-    splits = -(-taps // split_taps)
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
     conv = _plan.KernelPlan(device, "submanifold", "submanifold_fused",
-                            (ctype, vector, stage, tile), (*tiles, splits),
-                            (_FUSED_THREADS, 1, 1), 0, _records.FUSED_ARGS, dependent=True)
-    if splits == 1:
-        return FusedPlan(conv, split_taps, None, 0)
-    split_sum = _plan.split_sum_plan(device, "submanifold", ctype, n_out, cout, cout, splits,
-                                     dependent=True, relu=relu)
-    return FusedPlan(conv, split_taps, split_sum, splits * n_out * cout)
+                            (ctype, vector, stage, tile), (1, 1, 1), (_FUSED_THREADS, 1, 1), 0,
+                            _records.FUSED_ARGS, dependent=True)
+    split_sum = (None if taps == 1 else
+                 _plan.split_sum_plan(device, "submanifold", ctype, dependent=True, relu=relu))
+    return FusedPlan(conv, _checks.grid_dim("output channels", -(-cout // tile)), split_sum)
+
+
+def fused_grid(device, n_out, channel_tiles, taps):
+    """(grid, split_taps) of the fused kernel at n_out output sites: CTAs of _FUSED_SITES sites
+    x channel_tiles x splits of the taps, each summing split_taps of them (fused_splits)."""
+    sites = _checks.grid_dim("output sites", -(-n_out // _FUSED_SITES), 2**31 - 1)
+    split_taps = -(-taps // fused_splits(device, sites * channel_tiles, taps))
+    return (sites, channel_tiles, -(-taps // split_taps)), split_taps
 
 
 def fused_splits(device, tiles, taps):

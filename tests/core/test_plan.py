@@ -50,7 +50,7 @@ def test_plan_without_a_device():
 
 def test_split_sum_plan_without_a_device():
     """The split sum after a reduction cut in splits: a grid-stride loop over rows x cols (at
-    least one CTA), the sizes as the plan's constants, in the record's order."""
+    least one CTA), the sizes as the plan's constants, in the record's order, or each call's."""
     p = plan.split_sum_plan(None, "submanifold", "half_t", rows=1000, cols=24, pitch=32,
                             splits=3, dependent=True)
     assert p.name == "split_sum<half_t>" and p.dependent
@@ -59,6 +59,10 @@ def test_split_sum_plan_without_a_device():
     relu = plan.split_sum_plan(None, "submanifold", "half_t", 1000, 24, 32, 3, relu=True)
     assert relu.constants == (1000, 24, 32, 3, 1)
     assert plan.split_sum_plan(None, "common", "float", 1, 1, 1, 2).grid == (1, 1, 1)
+    # Sizes left None are each call's, with its grid (the submanifold layer's changing sites).
+    per_call = plan.split_sum_plan(None, "submanifold", "half_t", relu=True)
+    assert (per_call.grid, per_call.constants) == ((1, 1, 1), (1,))
+    assert plan.split_sum_grid(1000, 24) == p.grid and plan.split_sum_grid(1, 1) == (1, 1, 1)
 
 
 class _Driver:

@@ -9,8 +9,9 @@ import pytest
 from conftest import require, requires_gpu, to_numpy
 from axes import random_array
 
+import cuda_emulation
 from sbnet_cupy import submanifold as sm
-from sbnet_cupy.core import launch as _launch
+from sbnet_cupy.core import launch as _launch, plan as _plan
 from sbnet_cupy.submanifold import conv_kernels, cuda_rulebook, validation
 
 TOLERANCE = {numpy.float16: 2e-2, numpy.float32: 1e-5, numpy.float64: 1e-12}
@@ -342,6 +343,66 @@ def test_fused_splits_fill_the_gpu(monkeypatch):
     assert sm.fused_splits(0, 132 * per_sm, 27) == 1
     assert sm.fused_splits(0, 10_000, 27) == 1
     assert sm.fused_splits(0, 1, 1) == 1
+
+
+# (taps, n_out): the fused kernel's grid (site tiles of 64, one channel tile, tap splits) and
+# taps a split, on an H100 (132 SMs: few tiles split their taps up to 264 CTAs).
+FUSED_GRIDS = {
+    (1, 1): ((1, 1, 1), 1), (1, 63): ((1, 1, 1), 1), (1, 64): ((1, 1, 1), 1),
+    (1, 65): ((2, 1, 1), 1), (1, 3000): ((47, 1, 1), 1), (1, 200_000): ((3125, 1, 1), 1),
+    (9, 1): ((1, 1, 9), 1), (9, 63): ((1, 1, 9), 1), (9, 64): ((1, 1, 9), 1),
+    (9, 65): ((2, 1, 9), 1), (9, 3000): ((47, 1, 5), 2), (9, 4224): ((66, 1, 3), 3),
+    (9, 200_000): ((3125, 1, 1), 9),
+    (27, 1): ((1, 1, 27), 1), (27, 63): ((1, 1, 27), 1), (27, 64): ((1, 1, 27), 1),
+    (27, 65): ((2, 1, 27), 1), (27, 3000): ((47, 1, 5), 6), (27, 4224): ((66, 1, 4), 7),
+    (27, 200_000): ((3125, 1, 1), 27)}
+
+
+def test_fused_plan_serves_every_number_of_sites(monkeypatch):
+    """A layer's KernelPlans are made at its first call, whatever its sites (real frames change
+    theirs every frame): later calls at other counts make none, and launch with their own grid,
+    split taps, scratch and split sum sizes (fused_splits' rule on an H100)."""
+    monkeypatch.setattr(_launch, "device_info", lambda device: _launch.H100)
+    monkeypatch.setattr(_launch, "function", lambda device, op, kernel, *args: kernel)
+    made, launches = [], []
+    make = _plan.KernelPlan.__init__
+
+    def counted(plan, device, op, kernel, *args, **options):
+        made.append(kernel)
+        make(plan, device, op, kernel, *args, **options)
+
+    def record(plan, stream, *values, grid=None, function=None):
+        named = dict(zip(plan.record.names, values + plan.constants))
+        launches.append((plan.name.split("<")[0], grid, named))
+
+    monkeypatch.setattr(_plan.KernelPlan, "__init__", counted)
+    monkeypatch.setattr(_plan.KernelPlan, "launch", record)
+    conv_kernels._fused_plan.cache_clear()
+    cin, cout = 32, 16
+    try:
+        for (taps, n_out), (grid, split_taps) in FUSED_GRIDS.items():
+            memory, launches[:] = cuda_emulation.HostMemory(), []
+            features = numpy.zeros((8, cin), numpy.float16)
+            weight = numpy.zeros((cout, taps, cin), numpy.float16)
+            neighbors = numpy.zeros((taps, n_out), numpy.int32)
+            conv_kernels.fused_conv(memory, features, weight, numpy.zeros(cout, numpy.float16),
+                                    neighbors, relu=True)
+            (kernel, got_grid, fused), *split_sum = launches
+            assert (kernel, got_grid) == ("submanifold_fused", grid), (taps, n_out)
+            assert (fused["n_out"], fused["split_taps"]) == (n_out, split_taps)
+            splits = grid[2]
+            assert bool(fused["partial"]) == (splits > 1) == bool(memory.scratch)
+            if splits > 1:
+                assert memory.scratch[0].size == splits * n_out * cout
+                (kernel, got_grid, summed), = split_sum
+                assert (kernel, got_grid) == ("split_sum", _plan.split_sum_grid(n_out, cout))
+                assert ((summed["rows"], summed["cols"], summed["pitch"], summed["splits"],
+                         summed["relu"]) == (n_out, cout, cout, splits, 1))
+            else:
+                assert not split_sum and fused["relu"] == 1
+    finally:
+        conv_kernels._fused_plan.cache_clear()
+    assert made == ["submanifold_fused"] + ["submanifold_fused", "split_sum"] * 2
 
 
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])

@@ -245,6 +245,32 @@ def test_fused_relu_equals_definition(rng, launched, dtype, n_out, split):
     assert bool(memory.scratch) == split
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fused_layer_at_changing_sites_equals_definition(rng, launched, dtype):
+    """One layer's plan serves every number of output sites (real frames change theirs every
+    frame): 300 sites (unsplit), 70 (taps in 2 splits), 20 (in 3 splits of 3 taps: 4 asked on
+    the 2 SMs), 300 again, one after another with the ReLU, each equal to the definition on its
+    own grid."""
+    n_in, cin, cout, taps = 60, 16, 24, 9
+    weight = random_array(rng, (cout, taps, cin), numpy.float32)
+    bias = random_array(rng, (cout,), numpy.float32)
+    grids = []
+    for n_out in (300, 70, 20, 300):
+        features = random_array(rng, (n_in, cin), numpy.float32)
+        neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
+        neighbors[rng.random((taps, n_out)) < 0.4] = -1
+        f, w, b = (a.astype(dtype) for a in (features, weight, bias))
+        out = submanifold.fused_conv(cuda_emulation.HostMemory(), f, w, b, neighbors, relu=True)
+        gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
+        want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
+        tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
+        numpy.testing.assert_allclose(out.astype(numpy.float64), numpy.maximum(want, 0), rtol=0,
+                                      atol=tolerance * max(1.0, numpy.abs(want).max()))
+        grids.append([grid for name, grid, *_ in launched if name.startswith("submanifold_")])
+        launched.clear()
+    assert grids == [[(5, 1, 1)], [(2, 1, 2)], [(1, 1, 3)], [(5, 1, 1)]]
+
+
 @pytest.mark.parametrize("taps", [27, 40])
 def test_tap_masks_equal_numpy(rng, launched, taps):
     """Bit k of row r's mask: the row has tap k, for the first 32 taps (bit 31 included)."""
