@@ -235,3 +235,29 @@ def test_outputs_cut_to_their_sites_and_copied(rng):
         assert torch.equal(g.indices, t.indices[:count])
         assert g.features.data_ptr() != t.features.data_ptr()
     assert torch.equal(gdense, dense) and gdense.data_ptr() != dense.data_ptr()
+
+
+def test_site_faults_check_the_real_rows_alone(rng):
+    """SparseGraphs' in-graph check (rulebook._site_faults with `real`): padding rows (-1, the
+    same site each) are neither outside nor repeated; a real row outside the grid or repeating
+    another real one is."""
+    from torch_bridge.submanifold.rulebook import _site_faults
+
+    x = _frame(rng, 50, device="cpu")
+    indices = torch.cat([x.indices, torch.full((6, 4), -1, dtype=torch.int32)])
+    real = torch.arange(56) < 50
+    limits = torch.tensor([2, *SHAPE])
+
+    def faults(rows):
+        outside, _, repeated = _site_faults(rows, SHAPE, 2, limits, real)
+        return bool(outside.any()), bool(repeated.any())
+
+    assert faults(indices) == (False, False)
+    repeated = indices.clone()
+    repeated[7] = repeated[3]
+    assert faults(repeated) == (False, True)
+    outside = indices.clone()
+    outside[7, 2] = SHAPE[1]
+    assert faults(outside) == (True, False)
+    # Without `real` (the eager check) the padding rows are rows outside the grid.
+    assert bool(_site_faults(indices, SHAPE, 2, limits)[0].any())

@@ -9,7 +9,7 @@ import torch
 
 from ..capacity_graphs import capacity_bucket
 from .core import SparseConvTensor
-from .rulebook import _check_sites, _linear, bounded
+from .rulebook import _check_sites, _site_faults, bounded
 
 # Capacity of a strided layer's output: its recorded count scaled to a full input bucket, times
 # this, so that other frames of the bucket rarely overflow it.
@@ -186,16 +186,11 @@ class SparseGraphs:
         zero = graph.rows.new_zeros(())
         bad = zero
         if self.check:
-            indices, rows = graph.indices, graph.rows
-            real = torch.arange(indices.shape[0], device=indices.device) < rows
-            outside = ((indices < 0) | (indices >= limits)).any(1) & real
-            # Padding rows get keys past the grid's, distinct: only real rows can repeat.
-            grid = padded.batch_size * math.prod(padded.spatial_shape)
-            keys = _linear(indices[:, 0].long(), indices[:, 1:].long(), padded.spatial_shape)
-            keys = torch.where(real & ~outside, keys,
-                               grid + torch.arange(keys.shape[0], device=keys.device))
-            ordered = torch.sort(keys).values
-            bad = outside.any() | (ordered[1:] == ordered[:-1]).any()
+            indices = graph.indices
+            real = torch.arange(indices.shape[0], device=indices.device) < graph.rows
+            outside, _, repeated = _site_faults(indices, padded.spatial_shape,
+                                                padded.batch_size, limits, real)
+            bad = outside.any() | repeated.any()
         overflowed = (torch.cat(counts) > capacities).any() if counts else zero
         sparse = [(o.indices[:, 0] >= 0).sum() for o in _sparse_outputs(graph.outputs)]
         return torch.stack([bad.long(), overflowed.long(), *(s.long() for s in sparse)])

@@ -5,6 +5,7 @@ stream), CPU tensors with its NumPy backend; a transposed convolution's with tor
 (transposed_rulebook). The convolution through them is conv_op's rulebook_conv."""
 
 import contextlib
+import math
 import threading
 
 import torch
@@ -222,18 +223,32 @@ def _decode(keys, shape):
     return torch.stack(columns[::-1], dim=1).int()
 
 
+def _site_faults(indices, shape, batch, limits, real=None):
+    """What _check_sites raises for, on the device with no host sync (a CUDA graph runs it):
+    (outside, bool [N]: rows outside the grid; ordered: the rows' keys sorted; repeated, bool
+    [N - 1]: where ordered repeats a key). limits: int [1 + D], [batch, *shape] on the device.
+    real: bool [N], the rows to check (SparseGraphs' others are padding), or None: all. A row
+    outside or not real gets a key of its own past the grid's, so that it repeats none."""
+    outside = ((indices < 0) | (indices >= limits)).any(1)
+    if real is not None:
+        outside &= real
+    kept = ~outside if real is None else real & ~outside
+    keys = _linear(indices[:, 0].long(), indices[:, 1:].long(), shape)
+    past = batch * math.prod(shape) + torch.arange(keys.shape[0], device=keys.device)
+    ordered = torch.sort(torch.where(kept, keys, past)).values
+    return outside, ordered, ordered[1:] == ordered[:-1]
+
+
 def _check_sites(indices, shape, batch):
     """ValueError naming indices for rows outside batch x shape or repeated (a host sync on
     CUDA)."""
     limits = torch.tensor([batch, *shape], device=indices.device)
-    outside = ((indices < 0) | (indices >= limits)).any(1)
+    outside, ordered, repeated = _site_faults(indices, shape, batch, limits)
     if outside.any():
         row = int(outside.nonzero()[0, 0])
         raise ValueError(f"indices row {row} = {tuple(indices[row].tolist())} is outside "
                          f"batch_size x spatial_shape = {batch} x {tuple(shape)}")
-    keys = _linear(indices[:, 0].long(), indices[:, 1:].long(), shape)
-    ordered = torch.sort(keys).values
-    repeated = (ordered[1:] == ordered[:-1]).nonzero()
+    repeated = repeated.nonzero()
     if repeated.numel():
         site = _decode(ordered[repeated[0]], shape)[0]
         raise ValueError(f"indices has duplicate rows, e.g. {tuple(site.tolist())}")
