@@ -41,28 +41,19 @@ def detector(model, scale, batch, cache):
     allow_tf32(True)
     half, features_half = copy.deepcopy(net).half().eval(), features.half()
 
-    def evaluate():
-        with torch.no_grad():
-            half(ours.SparseConvTensor(features_half, indices, shape, batch))
+    def evaluate(mode, fn):
+        def call():
+            with torch.no_grad():
+                fn(ours.SparseConvTensor(features_half, indices, shape, batch))
 
-    row(f"{model}-{scale}-b{batch} eval-fp16", events_ms(evaluate, 9))
+        row(f"{model}-{scale}-b{batch} {mode}", events_ms(call, 9))
+
+    evaluate("eval-fp16", half)
     if hasattr(ours, "fuse_bn_relu"):  # trees from 59a2f7f on
         fused = ours.fuse_bn_relu(copy.deepcopy(half))
-
-        def evaluate_fused():
-            with torch.no_grad():
-                fused(ours.SparseConvTensor(features_half, indices, shape, batch))
-
-        row(f"{model}-{scale}-b{batch} eval-fp16-fused", events_ms(evaluate_fused, 9))
+        evaluate("eval-fp16-fused", fused)
         if hasattr(ours, "SparseGraphs"):
-            graphed = ours.SparseGraphs(fused)
-
-            def evaluate_graphed():
-                with torch.no_grad():
-                    graphed(ours.SparseConvTensor(features_half, indices, shape, batch))
-
-            row(f"{model}-{scale}-b{batch} eval-fp16-graph", events_ms(evaluate_graphed, 9))
-            del graphed
+            evaluate("eval-fp16-graph", ours.SparseGraphs(fused))
         del fused
     net.train()
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
