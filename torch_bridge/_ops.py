@@ -2,7 +2,8 @@
 CPU and CUDA kernels, fake kernels, autograd), and called from Python with as little host work
 as possible. The ops themselves live with their families (torch_bridge.blocks.ops, ...).
 
-How a call runs (``_route`` picks the route, which the op's wrapper calls, or ``_call`` does):
+How a call runs (``_route`` picks the route, which the op's wrapper calls, or ``_call`` does;
+rulebook_conv and its backward pick it inline, with ``_traced``):
 - Eager, nothing to record for autograd (``torch.no_grad()``, ``inference_mode()``, or no input
   that requires grad): the wrapper checks the arguments once, with sbnet_cupy's own checks, and
   calls the implementation directly, without the dispatcher (or, where that would add a frame
