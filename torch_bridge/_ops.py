@@ -2,7 +2,8 @@
 CPU and CUDA kernels, fake kernels, autograd), and called from Python with as little host work
 as possible. The ops themselves live with their families (torch_bridge.blocks.ops, ...).
 
-How a call runs (``_route`` picks the route, which the op's wrapper calls, or ``_call`` does):
+How a call runs (``_route`` picks the route, which the op's wrapper calls, or ``_call`` does;
+rulebook_conv and its backward pick it inline, with ``_traced``):
 - Eager, nothing to record for autograd (``torch.no_grad()``, ``inference_mode()``, or no input
   that requires grad): the wrapper checks the arguments once, with sbnet_cupy's own checks, and
   calls the implementation directly, without the dispatcher (or, where that would add a frame
@@ -64,9 +65,13 @@ def _traced(tensors):
     """Whether the call must go through the dispatcher: something is tracing or transforming it
     (torch.compile and torch.export set is_compiling; fake and functional tensors are
     subclasses; functorch and dispatch modes keep their own state)."""
-    return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._len_torch_dispatch_stack() > 0
-            or not _PLAIN.issuperset(map(type, tensors)))
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() > 0):
+        return True
+    for t in tensors:  # a loop (and in _route): cheaper than issuperset(map()) or any()
+        if type(t) not in _PLAIN:
+            return True
+    return False
 
 
 def _route(op, autograd, impl, tensors, differentiable=()):
@@ -74,8 +79,10 @@ def _route(op, autograd, impl, tensors, differentiable=()):
     op, its autograd.Function's apply, or its implementation, for the caller to call."""
     if _traced(tensors):
         return op
-    if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
-        return autograd
+    if torch.is_grad_enabled():
+        for t in differentiable:
+            if t.requires_grad:
+                return autograd
     return impl
 
 

@@ -23,7 +23,7 @@ from sbnet_cupy.submanifold.conv import choose_algo
 from sbnet_cupy.submanifold.conv_kernels import fused_conv, fused_sorts, gather_rows
 from sbnet_cupy.submanifold.validation import check_algo, check_operands
 
-from .._ops import _call, _contiguous, _register, _route, _same_device
+from .._ops import _contiguous, _register, _same_device, _traced
 from ..backend import TORCH
 from .cpu_conv import conv_cpu, grad_weight_cpu
 from .rulebook import Rulebook
@@ -62,34 +62,36 @@ def _conv_fake(features, weight, bias, neighbors, neighbors_t, order, order_t, a
 
 def _conv_setup(ctx, inputs, output):
     features, weight, bias, neighbors, neighbors_t, order, order_t, ctx.algo, *relu = inputs
-    ctx.relu = relu[0] if relu else False  # the schema's default where a caller leaves it out
+    relu = relu[0] if relu else False  # the schema's default where a caller leaves it out
     ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.orders = order is not None, order_t is not None
-    # With the ReLU, the output too: the gradient passes where it is positive.
-    ctx.save_for_backward(features, weight, neighbors, neighbors_t,
-                          *(o for o in (order, order_t) if o is not None),
-                          *((output,) if ctx.relu else ()))
+    # With the ReLU, the output too: the gradient passes where it is positive (None: no ReLU).
+    ctx.save_for_backward(features, weight, neighbors, neighbors_t, order, order_t,
+                          output if relu else None)
 
 
 def _conv_backward(ctx, grad):
-    features, weight, neighbors, neighbors_t, *rest = ctx.saved_tensors
-    order, order_t = (rest.pop(0) if given else None for given in ctx.orders)
-    if ctx.relu:
-        grad = grad.masked_fill(rest.pop(0) <= 0, 0)
+    features, weight, neighbors, neighbors_t, order, order_t, output = ctx.saved_tensors
+    if output is not None:
+        grad = grad.masked_fill(output <= 0, 0)
     grad = _contiguous(grad)
+    needs = ctx.needs_input_grad
+    traced = _traced((grad, features, weight, neighbors, neighbors_t))
     dx = dw = db = None
-    if ctx.needs_input_grad[0]:  # the dual op: the transposed map, the transposed weight
-        weight_t = weight.transpose(0, -1).contiguous()  # float32 under autocast: op casts it
-        dx = _call(_conv_op, _conv_autograd, _conv_impl,
-                   (grad, weight_t, None, neighbors_t, neighbors, order_t, order, ctx.algo,
-                    False),
-                   (grad, weight_t, neighbors_t, neighbors), (grad, weight_t))
-    if ctx.needs_input_grad[1]:
+    if needs[0]:  # the dual op: the transposed map, the transposed weight
+        recording = torch.is_grad_enabled() and (grad.requires_grad or weight.requires_grad)
+        if traced or recording:  # float32 under autocast: the op casts it, and its gradient
+            weight_t = weight.transpose(0, -1).contiguous()  # comes back in float32
+        else:  # in the gradient's dtype (autocast's float32 weight cast) in the same copy
+            weight_t = weight.transpose(0, -1).to(grad.dtype,
+                                                  memory_format=torch.contiguous_format)
+        route = _conv_op if traced else _conv_autograd if recording else _conv_impl
+        dx = route(grad, weight_t, None, neighbors_t, neighbors, order_t, order, ctx.algo,
+                   False)
+    if needs[1]:
         # In the weight's dtype: float32 under autocast (see _grad_weight_impl).
-        dw = _call(_grad_weight_op, None, _grad_weight_impl,
-                   (features, grad, neighbors, list(weight.shape), weight.dtype),
-                   (features, grad, neighbors))
-    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        dw = (_grad_weight_op if traced else _grad_weight_impl)(
+            features, grad, neighbors, list(weight.shape), weight.dtype)
+    if ctx.bias_dtype is not None and needs[2]:
         db = grad.sum(0, dtype=ctx.bias_dtype)
     return dx, dw, db, None, None, None, None, None, None
 
@@ -189,7 +191,8 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None, relu=Fals
         raise TypeError(f"rulebook must be a torch_bridge.submanifold.Rulebook, got "
                         f"{type(rulebook).__name__}")
     neighbors, neighbors_t = rulebook.neighbors, rulebook.neighbors_t
-    autocast = features.is_cuda and torch.is_autocast_enabled("cuda")
+    cuda = features.is_cuda
+    autocast = cuda and torch.is_autocast_enabled("cuda")
     if autocast:
         # As autocast runs a matrix product: in its dtype (the features' cast differentiable,
         # so that their gradient comes back in their dtype). A float32 weight and bias go into
@@ -200,7 +203,7 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None, relu=Fals
         features = features.to(dtype)
         weight, bias = _autocast_param(weight, dtype), _autocast_param(bias, dtype)
         autocast = dtype in (torch.float16, torch.bfloat16)
-    if algo is None and not features.is_cuda:
+    if algo is None and not cuda:
         algo = "gemm"
     elif algo is None:
         # torch's TF32 switch matters to float32 alone, and costs microseconds to read.
@@ -211,17 +214,20 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None, relu=Fals
     _same_device(features, weight, bias, neighbors, features=features, weight=weight, bias=bias,
                  rulebook=neighbors)
     order = order_t = None
-    if features.is_cuda and algo == "fused" and fused_sorts(
+    if cuda and algo == "fused" and fused_sorts(
             neighbors.shape[1], features.shape[1], weight.shape[0]):
         order = rulebook.fused_order()  # and the backward's dual op's, on neighbors_t
         if torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad):
             order_t = rulebook.fused_order(transposed=True)
     args = (features, weight, bias, neighbors, neighbors_t, order, order_t, algo, bool(relu))
-    tensors = (features, weight, neighbors, neighbors_t) + (() if bias is None else (bias,))
-    differentiable = (features, weight) + (() if bias is None else (bias,))
-    route = _route(_conv_op, _conv_autograd, _conv_impl, tensors, differentiable)
-    if route is not _conv_impl or not features.is_cuda:
-        return route(*args)
+    if _traced((features, weight, neighbors, neighbors_t) if bias is None else
+               (features, weight, neighbors, neighbors_t, bias)):
+        return _conv_op(*args)
+    if torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad or (
+            bias is not None and bias.requires_grad)):
+        return _conv_autograd(*args)
+    if not cuda:
+        return _conv_impl(*args)
     # Eager on CUDA with nothing to record: _conv_impl's CUDA lines run here, so that a module's
     # call reaches the driver in four frames (forward, this, the launch function,
     # KernelPlan.launch: issue 35); traced and recording calls keep the op boundary.
