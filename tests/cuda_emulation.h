@@ -165,6 +165,23 @@ template <int N> static inline void load_matrices(unsigned (&r)[N], const unsign
     w.bar.arrive_and_wait();
 }
 
+// ldmatrix .x4 .trans: lane l gives the address of row l % 8 of matrix l / 8 and receives, of
+// each matrix, the 16-bit elements of rows 2 (l % 4) and 2 (l % 4) + 1 in column l / 4.
+static inline void load_matrices_transposed(unsigned (&r)[4], const void* row) {
+    check_aligned(row, "ldmatrix: row address not 16-byte aligned");
+    Warp& w = my_warp();
+    const int lane = my_lane();
+    w.addr[lane] = row;
+    w.bar.arrive_and_wait();
+    for (int j = 0; j < 4; ++j) {
+        std::uint16_t lo, hi;
+        std::memcpy(&lo, (const std::uint16_t*)w.addr[j * 8 + lane % 4 * 2] + lane / 4, 2);
+        std::memcpy(&hi, (const std::uint16_t*)w.addr[j * 8 + lane % 4 * 2 + 1] + lane / 4, 2);
+        r[j] = lo | (unsigned)hi << 16;
+    }
+    w.bar.arrive_and_wait();
+}
+
 // Run `kernel` on a grid of gx x gy x gz CTAs of `block` threads with `smem` bytes of dynamic
 // shared memory (filled with 0xff bytes: NaN where a kernel reads what no one wrote); returns
 // the first fault, or null.

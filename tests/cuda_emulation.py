@@ -203,6 +203,9 @@ class HostMemory(Backend):
         a.reshape(-1).view(numpy.uint8)[:] = 0xff if nan else 0xab
         return a
 
+    def zeros(self, shape, like, dtype=None):
+        return numpy.zeros(shape, dtype or like.dtype)
+
     def float_scratch(self, device, n):
         self.scratch.append(numpy.full(n, numpy.nan, numpy.float32))
         return self.scratch[-1].ctypes.data, self.scratch[-1]

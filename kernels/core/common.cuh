@@ -310,6 +310,16 @@ static __device__ __forceinline__ void load_matrices(unsigned (&r)[2], const uns
                  : "=r"(r[0]), "=r"(r[1])
                  : "r"(shared_address(row)));
 }
+// Four 8 x 8 matrices of 16-bit elements, each transposed on the way (ldmatrix .trans): lane l
+// gives the address of row l % 8 of matrix l / 8 and receives, of each matrix, the elements of rows
+// 2 (l % 4) and 2 (l % 4) + 1 in column l / 4, as one word: the mma.sync fragments of a tile stored
+// [k][row] (k-major), where load_matrices takes one stored [row][k].
+static __device__ __forceinline__ void load_matrices_transposed(unsigned (&r)[4],
+                                                                const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
 // A thread's place in the MMAs of a tile split among warps, WARPS_M of them down its rows (warp w
 // at row w % WARPS_M, column w / WARPS_M of the warps): its lane, its warp's (wm, wn), and the
 // lane's row g and column pair t of each m16n8 accumulator tile (accumulator 2 * half + e is row

@@ -560,3 +560,184 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
         }
     }
 }
+
+// --- the weight's gradient: gather and tensor-core matrix product in one kernel --------------
+//
+// dw[co, k, ci] = sum over output sites o of dy[o, co] * features[map[k, o], ci] (zero where the
+// map is -1): for each tap a product over the sites, which the gemm route makes of the gathered
+// rows [n_out, taps x cin], written whole and read again. Here the gathered rows never leave
+// shared memory. A CTA takes GRAD_BM columns (k, ci) of the taps x cin (the MMA's rows) x BN output
+// channels (its columns) over the sites of its split (blockIdx.z), whose map it reads a chunk
+// at a time (all of a thread's loads in flight at once), and reduces over the sites in stages of
+// 64 bytes of rows, one row a site (2 k-steps of the MMA): the features' rows through the map,
+// dy's as they lie. Both tiles stay site-major in shared memory ([site][column], as cp.async
+// copies them), so the fragments come through transposing ldmatrix (16-bit types) or word loads
+// rounded to TF32 (float). Each split writes float sums, in out itself or in its part of a
+// partial buffer that split_sum adds up in split order (deterministic, no atomics). Rows are whole
+// 16-byte vectors (cin and cout x the item size, 16-byte aligned arrays: grad_weight_fits).
+
+#define GRAD_BM 64
+#define GRAD_THREADS 128
+#define GRAD_SLOT_BYTES 36864  // static shared memory for stages, beside the chunk's map
+
+// Sites a stage holds (64 bytes of a column: two k-steps), and a chunk (whose map a CTA holds).
+template <typename T> constexpr int grad_stage_sites = 64 / sizeof(T);
+template <typename T> constexpr int grad_chunk_sites = sizeof(T) == 4 ? 128 : 256;
+// Taps a tile's GRAD_BM columns may touch: rows of at least 16 bytes, not aligned to the tile.
+template <typename T> constexpr int grad_tile_taps = GRAD_BM / (16 / sizeof(T)) + 1;
+// Elements a staged row of `cols` columns takes: 8 of padding, so that the 8 rows of an ldmatrix
+// (or the 4 x 8 words of a TF32 fragment's loads) fall in distinct banks.
+constexpr int grad_pitch(int cols) { return cols + 8; }
+
+template <typename T, int BN>
+__global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const GradWeightArgs a) {
+    static_assert(BN == 16 || BN == 32 || BN == 64, "a tile is 16, 32 or 64 channels wide");
+    constexpr int BK = grad_stage_sites<T>, CHUNK = grad_chunk_sites<T>;
+    constexpr int TILE_TAPS = grad_tile_taps<T>, E = 16 / sizeof(T);  // elements a 16-byte part
+    constexpr int A_PITCH = grad_pitch(GRAD_BM), B_PITCH = grad_pitch(BN);
+    constexpr int SLOT_BYTES = BK * (A_PITCH + B_PITCH) * sizeof(T);
+    constexpr int SLOTS = GRAD_SLOT_BYTES / SLOT_BYTES < 4 ? GRAD_SLOT_BYTES / SLOT_BYTES : 4;
+    static_assert(SLOTS >= 2 && SLOT_BYTES % 16 == 0, "a stage in flight, slots of whole vectors");
+    // Four warps of WM x WN, as mma_tile: 2 x 2 for BN 64 and 32, 4 x 1 for 16.
+    using tile_t = mma_tile<GRAD_BM, BN, 8, BN == 16 ? 4 : 2, SLOTS>;
+    constexpr int MT = tile_t::MT, NT = tile_t::NT;
+    static_assert(NT % 2 == 0, "B fragments in pairs");
+    __shared__ __align__(16) unsigned char slots[SLOTS * SLOT_BYTES];
+    __shared__ int rows[TILE_TAPS][CHUNK];  // the chunk's input rows of the tile's taps
+
+    const mma_place<tile_t::WARPS_M> th(threadIdx.x);
+    const int lane = th.lane, wm = th.wm * tile_t::WM, wn = th.wn * tile_t::WN;
+    const int cols = a.taps * a.cin;  // dw's columns after its output channel
+    const int m0 = blockIdx.x * GRAD_BM, n0 = blockIdx.y * BN;
+    const int tap_lo = m0 / a.cin;
+    const int tile_taps = min(a.taps - 1, (m0 + GRAD_BM - 1) / a.cin) - tap_lo + 1;
+    const i64 site_begin = (i64)blockIdx.z * a.split_sites;
+    const i64 site_end = min(a.n_out, site_begin + a.split_sites);
+    const T* features = (const T*)a.features;
+    const T* dy = (const T*)a.dy;
+
+    // The 16-byte part of the tile's columns this thread stages (its tap, the tap's channel),
+    // the same in every stage; and its first row, then every A_ROWS.
+    constexpr int A_PARTS = GRAD_BM / E, A_ROWS = GRAD_THREADS / A_PARTS;
+    static_assert(GRAD_THREADS % A_PARTS == 0 && BK % A_ROWS == 0, "whole rows of parts a pass");
+    const int a_col = m0 + threadIdx.x % A_PARTS * E;
+    const int a_tap = a_col < cols ? a_col / a.cin - tap_lo : -1;
+    const char* a_src = (const char*)(features + (a_col < cols ? a_col % a.cin : 0));
+    const unsigned row_bytes = (unsigned)a.cin * (unsigned)sizeof(T);
+    constexpr int B_PARTS = BN / E;
+
+    // dy (and the map) may be the previous kernel's output: launched as its dependent.
+    wait_for_previous_kernel();
+    allow_next_kernel();
+    float acc[MT][NT][4] = {};
+    for (i64 c0 = site_begin; c0 < site_end; c0 += CHUNK) {
+        const int n_sites = (int)min((i64)CHUNK, site_end - c0);
+        int found[CHUNK / GRAD_THREADS][TILE_TAPS];
+#pragma unroll
+        for (int j = 0; j < CHUNK / GRAD_THREADS; ++j) {
+            const int s = threadIdx.x + j * GRAD_THREADS;
+#pragma unroll
+            for (int t = 0; t < TILE_TAPS; ++t)
+                found[j][t] = t < tile_taps && s < n_sites
+                                  ? a.map[(i64)(tap_lo + t) * a.n_out + c0 + s] : -1;
+        }
+        __syncthreads();  // the previous chunk's last stage is read: rows and slots are free
+#pragma unroll
+        for (int j = 0; j < CHUNK / GRAD_THREADS; ++j)
+#pragma unroll
+            for (int t = 0; t < TILE_TAPS; ++t) rows[t][threadIdx.x + j * GRAD_THREADS] = found[j][t];
+        __syncthreads();
+        const int stages = (n_sites + BK - 1) / BK;
+        auto copy = [&](int i, int slot) {
+            unsigned char* base = slots + slot * SLOT_BYTES;
+            const unsigned a_dst = shared_address(base) +
+                                   (threadIdx.x / A_PARTS * A_PITCH + threadIdx.x % A_PARTS * E) *
+                                       (unsigned)sizeof(T);
+#pragma unroll
+            for (int p = 0; p < BK / A_ROWS; ++p) {
+                const int s = i * BK + threadIdx.x / A_PARTS + p * A_ROWS;  // < CHUNK
+                const int row = a_tap < 0 ? -1 : rows[a_tap][s];  // -1 past n_sites too
+                copy_async16_unless_negative(
+                    a_dst + p * A_ROWS * A_PITCH * (unsigned)sizeof(T),
+                    a_src + (unsigned long long)(unsigned)max(row, 0) * row_bytes, row);
+            }
+            const unsigned b_base = shared_address(base) + BK * A_PITCH * (unsigned)sizeof(T);
+            for (int e = threadIdx.x; e < BK * B_PARTS; e += GRAD_THREADS) {
+                const int r = e / B_PARTS, col = e % B_PARTS * E, s = i * BK + r;
+                const bool valid = s < n_sites && n0 + col < a.cout;
+                copy_async16(b_base + (r * B_PITCH + col) * (unsigned)sizeof(T),
+                             dy + (valid ? (c0 + s) * a.cout + n0 + col : 0), valid);
+            }
+        };
+        auto consume = [&](int, int slot) {
+            const T* at = (const T*)(slots + slot * SLOT_BYTES);
+            const T* bt = at + BK * A_PITCH;
+            if constexpr (sizeof(T) == 2) {
+#pragma unroll
+                for (int ks = 0; ks < BK / 16; ++ks) {
+                    unsigned af[MT][4], bf[NT][2];
+                    // A: matrices (sites +0, +8) x (rows +0, +8) of the warp's m16 tile.
+                    const int k = ks * 16 + (lane >> 4) * 8 + (lane & 7);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        load_matrices_transposed(
+                            af[mt], at + k * A_PITCH + wm + mt * 16 + (lane >> 3 & 1) * 8);
+                    // B: matrices (sites +0, +8) of n8 tiles nt and nt + 1.
+                    const int kb = ks * 16 + (lane >> 3 & 1) * 8 + (lane & 7);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt += 2) {
+                        unsigned pair[4];
+                        load_matrices_transposed(pair,
+                                                 bt + kb * B_PITCH + wn + nt * 8 + (lane >> 4) * 8);
+                        bf[nt][0] = pair[0], bf[nt][1] = pair[1];
+                        bf[nt + 1][0] = pair[2], bf[nt + 1][1] = pair[3];
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+                            tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
+                }
+            } else {
+                const float* af32 = (const float*)at;
+                const float* bf32 = (const float*)bt;
+#pragma unroll
+                for (int ks = 0; ks < BK / 8; ++ks) {
+                    unsigned af[MT][4], bf[NT][2];
+                    const int k = ks * 8 + th.t;  // fragment word (row g, k t) and (g, t + 4)
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        const float* r = af32 + k * A_PITCH + wm + mt * 16 + th.g;
+                        af[mt][0] = to_tf32(r[0]);
+                        af[mt][1] = to_tf32(r[8]);
+                        af[mt][2] = to_tf32(r[4 * A_PITCH]);
+                        af[mt][3] = to_tf32(r[4 * A_PITCH + 8]);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const float* r = bf32 + k * B_PITCH + wn + nt * 8 + th.g;
+                        bf[nt][0] = to_tf32(r[0]);
+                        bf[nt][1] = to_tf32(r[4 * B_PITCH]);
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+                            tensor_core_mma<T>::run(acc[mt][nt], af[mt], bf[nt]);
+                }
+            }
+        };
+        stream_stages<mma_schedule::modulo, SLOTS>(stages, copy, [] { __syncthreads(); }, consume);
+    }
+    float* out = a.out + (i64)blockIdx.z * a.cout * cols;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int col = m0 + tile_t::acc_row(th, mt, i >> 1);
+                const int co = n0 + tile_t::acc_col(th, nt) + (i & 1);
+                if (col < cols && co < a.cout) out[(i64)co * cols + col] = acc[mt][nt][i];
+            }
+}

@@ -469,3 +469,14 @@ FUSED_ARGS = Record("FusedArgs", "submanifold", """
                            // like neighbour masks together, tap_masks), or null: 0, 1, ...
     int relu;              // 1: out = max(0, sum + bias) (unused with partial)
 """)
+
+# submanifold_grad_weight: the weight's gradient, gathered rows and matrix product in one kernel.
+GRAD_WEIGHT_ARGS = Record("GradWeightArgs", "submanifold", """
+    const void* features;  // [N_in, cin]
+    const void* dy;        // [n_out, cout]: the output's gradient
+    const int* map;        // [taps, n_out]: the input row tap k of output o reads, or -1
+    float* out;            // [splits, cout, taps * cin]: split z's sums at z * cout * taps * cin
+    i64 n_out;
+    int cin, cout, taps;
+    int split_sites;       // output sites a split (blockIdx.z) sums, whole chunks of the kernel's
+""")

@@ -7,7 +7,8 @@ import numpy
 from ..blocks import block_conv
 from ..core import checks as _checks
 from ..core.backend import CUPY
-from .conv_kernels import fused_conv, fused_sorts, gather_rows
+from .conv_kernels import (fused_conv, fused_sorts, gather_rows, grad_weight,
+                           grad_weight_fits)
 from .rulebook import Rulebook, SparseTensorData, strided_rulebook, submanifold_rulebook
 from .validation import DTYPES, check_algo, check_operands
 
@@ -87,9 +88,12 @@ def rulebook_conv_grad_features(dy, rulebook, weight):
     return rulebook_conv(dy, rulebook.inverse(), transposed_weight(weight))
 
 
-def rulebook_conv_grad_weight(features, dy, rulebook):
+def rulebook_conv_grad_weight(features, dy, rulebook, *, algo=None):
     """Gradient of rulebook_conv with respect to the weight, [Cout, *kernel_size, Cin]:
-    dy.T @ gather(features, rulebook.neighbors), one matrix product (deterministic)."""
+    dy.T @ gather(features, rulebook.neighbors), deterministic. algo as rulebook_conv's: on
+    CUDA, "fused" runs grad_weight's kernel (float32 as TF32), which never writes the gathered
+    rows, where it takes the layer (grad_weight_fits); "gemm" (or a layer it does not take)
+    the gather and one cuBLAS product."""
     xp = _checks.array_module(features=features, dy=dy, neighbors=rulebook.neighbors)
     n_out = rulebook.out_coords.shape[0]
     if dy.ndim != 2 or dy.shape[0] != n_out or dy.dtype != features.dtype:
@@ -99,17 +103,26 @@ def rulebook_conv_grad_weight(features, dy, rulebook):
         raise ValueError(f"features must be [{rulebook.in_coords.shape[0]}, Cin], got "
                          f"{features.shape}")
     shape = (dy.shape[1], *rulebook.kernel_size, features.shape[1])
+    dtype = _checks.dtype_name(features)
+    if algo is None:
+        algo = "gemm" if xp is numpy else choose_algo(dtype, block_conv.tf32_allowed())
+    check_algo(algo, dtype)
     with _checks.on_device(features):
-        return grad_weight_arrays(xp, features, dy, rulebook.neighbors, shape)
+        return grad_weight_arrays(xp, features, dy, rulebook.neighbors, shape, algo)
 
 
-def grad_weight_arrays(xp, features, dy, neighbors, shape):
+def grad_weight_arrays(xp, features, dy, neighbors, shape, algo="gemm"):
     """rulebook_conv_grad_weight on checked arrays of module xp: the weight's `shape`."""
-    g = gather(features, neighbors)
     if xp is numpy:
+        g = gather(features, neighbors)
         acc = _acc_dtype(features.dtype)
         return (dy.astype(acc).T @ g.astype(acc)).astype(features.dtype).reshape(shape)
-    return (dy.T @ g).reshape(shape)
+    dtype = CUPY.dtype_name(features)
+    if algo == "fused" and grad_weight_fits(
+            dtype, features.shape[1], dy.shape[1],
+            _checks.alignment(CUPY.pointer(features), CUPY.pointer(dy)) == 16):
+        return grad_weight(CUPY, features, dy, neighbors, dtype).reshape(shape)
+    return (dy.T @ gather(features, neighbors)).reshape(shape)
 
 
 def transposed_weight(weight):

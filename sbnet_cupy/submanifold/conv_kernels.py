@@ -192,6 +192,92 @@ def fused_splits(device, tiles, taps):
                                   _FUSED_CTAS_PER_SM, round_up=False)
 
 
+_GRAD_COLUMNS, _GRAD_THREADS = 64, 128  # columns (tap, ci) a CTA of the weight's gradient
+GRAD_TILES = (16, 32, 64)  # its output channels a CTA (grad_weight_tile)
+_GRAD_CHUNK_SITES = {2: 256, 4: 128}  # sites whose map a CTA holds at once, by item size
+_GRAD_CTAS_PER_SM = 4  # sites are split over CTAs until the grid has this many an SM
+
+
+def grad_weight_fits(dtype, cin, cout, aligned):
+    """Whether grad_weight's kernel takes a layer: a fused dtype, rows of dy whole 16-byte
+    vectors, rows of the features too once padded (padded_width), arrays 16-byte aligned
+    (aligned). Other layers take the gathered rows and a matrix product."""
+    itemsize = _kernels.ITEMSIZES.get(dtype)
+    return (dtype in _FUSED_DTYPES and aligned and cout * itemsize % 16 == 0
+            and padded_width(cin, itemsize) * itemsize % 16 == 0)
+
+
+def grad_weight(backend, features, dy, neighbors, out_dtype):
+    """The weight's gradient of the convolution of features [N_in, cin] through the int32 map
+    neighbors [taps, n_out] whose output's gradient is dy [n_out, cout] (a backend's arrays of
+    one dtype that grad_weight_fits): dw [cout, taps, cin] in out_dtype ("float32", or the
+    features' dtype), dw[co, k, ci] = sum over o of dy[o, co] * features[neighbors[k, o], ci],
+    summed in float32 (TF32 products for float32) in a deterministic order. Splits of the sites
+    write float32 sums to the backend's scratch, which split_sum adds up."""
+    taps, n_out = neighbors.shape
+    cin, cout = features.shape[1], dy.shape[1]
+    dtype = backend.dtype_name(features)
+    width = padded_width(cin, _kernels.ITEMSIZES[dtype])
+    if width != cin:
+        features = backend.padded(features, width)
+    features, dy = backend.contiguous(features), backend.contiguous(dy)
+    same = out_dtype == dtype  # (the emulated backend's bfloat16 is no NumPy dtype)
+    if n_out == 0 or cout * taps * width == 0:  # a sum of nothing
+        return backend.zeros((cout, taps, cin), features, None if same else out_dtype)
+    out = backend.empty((cout, taps, width), features, None if same else out_dtype)
+    device = backend.device(features)
+    plan = _grad_weight_plan(device, dtype, width, cout, taps, out_dtype)
+    grid, split_sites = grad_weight_grid(device, n_out, dtype, plan.tiles)
+    stream = backend.stream(device)
+    cols, splits = taps * width, grid[2]
+    direct = splits == 1 and out_dtype == "float32"
+    sums, _owner = ((backend.pointer(out), None) if direct
+                    else backend.float_scratch(device, splits * cout * cols))
+    plan.conv.launch(stream, backend.pointer(features), backend.pointer(dy),
+                     backend.pointer(neighbors), sums, n_out, width, cout, taps, split_sites,
+                     grid=grid)
+    if not direct:
+        plan.split_sum.launch(stream, sums, 0, backend.pointer(out), cout, cols, cols, splits,
+                              grid=_plan.split_sum_grid(cout, cols))
+    return out if width == cin else out[..., :cin]
+
+
+GradWeightPlan = namedtuple("GradWeightPlan", ["conv", "tiles", "split_sum"])
+
+
+@functools.lru_cache(maxsize=1024)
+def _grad_weight_plan(device, dtype, cin, cout, taps, out_dtype):
+    """The GradWeightPlan of a layer (cin: the padded width): the kernel's KernelPlan, its CTAs
+    across dw's columns and output channels, and the split sum's KernelPlan into out_dtype."""
+    tile = grad_weight_tile(cout)
+    ctype = _kernels.ARITHMETIC_CTYPES[dtype]
+    conv = _plan.KernelPlan(device, "submanifold", "submanifold_grad_weight", (ctype, tile),
+                            (1, 1, 1), (_GRAD_THREADS, 1, 1), 0, _records.GRAD_WEIGHT_ARGS,
+                            dependent=True)
+    split_sum = _plan.split_sum_plan(device, "submanifold", _kernels.ARITHMETIC_CTYPES[out_dtype],
+                                     dependent=True)
+    tiles = (_checks.grid_dim("weight columns", -(-taps * cin // _GRAD_COLUMNS)),
+             _checks.grid_dim("output channels", -(-cout // tile)))
+    return GradWeightPlan(conv, tiles, split_sum)
+
+
+def grad_weight_tile(cout):
+    """Output channels a CTA of the weight's gradient takes: the narrowest of GRAD_TILES that
+    holds cout, else the widest."""
+    return next((width for width in GRAD_TILES if cout <= width), GRAD_TILES[-1])
+
+
+def grad_weight_grid(device, n_out, dtype, tiles):
+    """(grid, split_sites) of the weight's gradient at n_out output sites: its tiles x splits of
+    the sites, each of whole chunks, so that the GPU gets about _GRAD_CTAS_PER_SM CTAs an SM."""
+    chunk = _GRAD_CHUNK_SITES[_kernels.ITEMSIZES[dtype]]
+    chunks = max(1, -(-n_out // chunk))
+    splits = _plan.reduction_splits(tiles[0] * tiles[1], chunks, _launch.device_info(device).sms,
+                                    _GRAD_CTAS_PER_SM)
+    split_sites = -(-chunks // splits) * chunk
+    return (*tiles, max(1, -(-n_out // split_sites))), split_sites
+
+
 def instantiations():
     """Name expressions of every kernel this op can ask for (the compile check builds them)."""
     fused = [_kernels.ARITHMETIC_CTYPES[dtype] for dtype in _FUSED_DTYPES]
@@ -199,6 +285,8 @@ def instantiations():
              for dims in range(1, MAX_DIMS + 1)]
             + [_kernels.name_expression("submanifold_fused", ctype, vector, stage, tile)
                for ctype in fused for vector, stage, tile in FUSED_CONFIGS]
+            + [_kernels.name_expression("submanifold_grad_weight", ctype, tile)
+               for ctype in fused for tile in GRAD_TILES]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
             + [_kernels.name_expression("tap_masks", "int")]
             + [_kernels.name_expression("submanifold_gather", word)

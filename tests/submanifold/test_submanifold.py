@@ -178,6 +178,41 @@ def test_fused_matches_loops(rng, subm, cin, cout, dtype):
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
+@pytest.mark.parametrize("cin, cout", [(4, 8), (8, 16), (16, 64), (24, 72), (32, 24), (40, 136),
+                                       (64, 16), (128, 128), (6, 8), (17, 24)])
+@pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
+def test_grad_weight_matches_loops(rng, subm, cin, cout, dtype):
+    """The weight's gradient through grad_weight's kernel (algo="fused": rows of 16-byte vectors,
+    rows under 16 bytes padded, tiles 16, 32 and 64 channels wide and part tiles, columns across
+    taps and within one, the sites of a scattered rulebook split over CTAs) and through the
+    gathered rows (algo="gemm", and layers the kernel does not take: 6 and 17 channels), against
+    the loop over the pairs and a float64 product."""
+    import cupy
+
+    from conftest import _poison_pool
+
+    _poison_pool()
+    case = "3d-3x3x3-stride2" if subm else "2d-5x5-stride2"
+    (coords, x, w, _), (_, x_d, w_d, _), rulebook, (out_coords, pairs, _) = build(
+        cupy, rng, case, subm, dtype, cin=cin, cout=cout, bias=False)
+    dy = random_array(rng, (out_coords.shape[0], cout), dtype)
+    want = numpy.zeros((cout, int(numpy.prod(w.shape[1:-1])), cin))
+    for k, i, o in pairs:
+        want[:, k] += numpy.outer(dy[o].astype(numpy.float64), x[i].astype(numpy.float64))
+    got = sm.rulebook_conv_grad_weight(x_d, cupy.asarray(dy), rulebook, algo="fused")
+    assert got.dtype == dtype and got.shape == w.shape
+    close(got, want.reshape(w.shape), dtype)
+    big = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, (60, 70, 80), 40000)),
+                                  (60, 70, 80), 2, 3)
+    xb = cupy.asarray(random_array(rng, (40000, cin), dtype))
+    dyb = cupy.asarray(random_array(rng, (40000, cout), dtype))
+    want = sm.rulebook_conv_grad_weight(xb.astype(cupy.float64), dyb.astype(cupy.float64), big)
+    for algo in ("fused", "gemm"):
+        close(sm.rulebook_conv_grad_weight(xb, dyb, big, algo=algo), want.get(), dtype)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
 @pytest.mark.parametrize("cin", [12, 16])
 @pytest.mark.parametrize("shape, kernel, n", [((30, 40), 7, 500), ((12, 14, 16), 5, 900)],
                          ids=["2d-7x7", "3d-5x5x5"])

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.skipif(not cuda_emulation.available(), reason="needs g
               pytest.mark.emulated]
 
 
-ARGUMENTS = {"submanifold_fused": "FusedArgs", "split_sum": "SplitSumArgs",
+ARGUMENTS = {"submanifold_fused": "FusedArgs", "submanifold_grad_weight": "GradWeightArgs",
+             "split_sum": "SplitSumArgs",
              "submanifold_gather": "GatherArgs", "tap_masks": "MaskArgs"}
 
 
@@ -31,8 +32,8 @@ def kernels(emulation_dir):
 
 
 # The plans of the launches, which keep the kernels they were made with (emulated ones here).
-PLANS = (conv_kernels._fused_plan, conv_kernels._gather_plan, conv_kernels._masks_plan,
-         cuda_rulebook._rule_plan)
+PLANS = (conv_kernels._fused_plan, conv_kernels._grad_weight_plan, conv_kernels._gather_plan,
+         conv_kernels._masks_plan, cuda_rulebook._rule_plan)
 
 
 @pytest.fixture
@@ -220,6 +221,47 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
                                   atol=tolerance * scale)
     assert [name.split("<")[0] for name, *_ in launched] == (
         ["submanifold_fused", "split_sum"] if memory.scratch else ["submanifold_fused"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("n_in, n_out, cin, cout, taps", [
+    (50, 70, 16, 24, 9), (200, 300, 40, 64, 27), (30, 20, 3, 8, 5), (90, 600, 8, 16, 27),
+    (10, 1, 64, 72, 1), (120, 150, 24, 32, 27), (300, 1100, 64, 16, 3)])
+def test_grad_weight_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, taps):
+    """dw[co, k, ci] = sum over o of dy[o, co] * features[map[k, o], ci]: tiles 16, 32 and 64
+    channels wide (and part tiles), tiles of the columns across taps (rows narrower than a tile,
+    a whole number of them or not) and within one, rows under 16 bytes padded (3 channels),
+    absent neighbours and a tap no site has, part stages and chunks, sites split over CTAs (the
+    emulated GPU's 2 SMs: their float sums added by split_sum) and several chunks in one CTA;
+    out in float32 and in the features' dtype."""
+    features = random_array(rng, (n_in, cin), numpy.float32)
+    dy = random_array(rng, (n_out, cout), numpy.float32)
+    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
+    neighbors[rng.random((taps, n_out)) < 0.4] = -1
+    neighbors[taps // 2] = -1  # a tap no site has
+    f, g = (_bits(a, dtype) for a in (features, dy))
+    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)  # [taps, n_out, cin]
+    want = numpy.einsum("oc,kos->cks", dy.astype(numpy.float64), gathered)
+    scale = max(1.0, numpy.abs(want).max())
+    assert submanifold.grad_weight_fits(dtype, cin, cout, True)
+    for out_dtype in ("float32", dtype):
+        memory = cuda_emulation.HostMemory()
+        out = submanifold.grad_weight(memory, f, g, neighbors, out_dtype)
+        assert out.shape == (cout, taps, cin)
+        got = ((out.astype(numpy.uint32) << 16).view(numpy.float32)
+               if out_dtype == "bfloat16" else out)
+        tolerance = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 8e-3}[out_dtype]
+        numpy.testing.assert_allclose(got.astype(numpy.float64), want, rtol=0,
+                                      atol=tolerance * scale)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_grad_weight_of_no_sites_is_zero(launched, dtype):
+    memory = cuda_emulation.HostMemory()
+    out = submanifold.grad_weight(memory, numpy.ones((4, 16), dtype), numpy.ones((0, 8), dtype),
+                                  numpy.zeros((27, 0), numpy.int32), "float32")
+    assert out.shape == (8, 27, 16) and not out.any()
+    assert launched == []
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -20,7 +20,8 @@ import torch
 
 from sbnet_cupy.core import checks as _checks
 from sbnet_cupy.submanifold.conv import choose_algo
-from sbnet_cupy.submanifold.conv_kernels import fused_conv, fused_sorts, gather_rows
+from sbnet_cupy.submanifold.conv_kernels import (fused_conv, fused_sorts, gather_rows,
+                                                 grad_weight, grad_weight_fits)
 from sbnet_cupy.submanifold.validation import check_algo, check_operands
 
 from .._ops import _contiguous, _register, _same_device, _traced
@@ -90,7 +91,7 @@ def _conv_backward(ctx, grad):
     if needs[1]:
         # In the weight's dtype: float32 under autocast (see _grad_weight_impl).
         dw = (_grad_weight_op if traced else _grad_weight_impl)(
-            features, grad, neighbors, list(weight.shape), weight.dtype)
+            features, grad, neighbors, list(weight.shape), weight.dtype, ctx.algo)
     if ctx.bias_dtype is not None and needs[2]:
         db = grad.sum(0, dtype=ctx.bias_dtype)
     return dx, dw, db, None, None, None, None, None, None
@@ -102,14 +103,21 @@ _conv_op, _conv_autograd = _register(
     _conv_impl, _conv_fake, _conv_setup, _conv_backward)
 
 
-def _grad_weight_impl(features, dy, neighbors, weight_shape, out_dtype):
+def _grad_weight_impl(features, dy, neighbors, weight_shape, out_dtype, algo="gemm"):
     """The weight's gradient [*weight_shape] in out_dtype: the features' dtype, or float32 for
-    float16 and bfloat16 features (autocast's float32 weight), which cuBLAS then sums and
-    writes in float32 (the float16 output of a sum over 100k sites of GradScaler-scaled
-    products overflows)."""
+    float16 and bfloat16 features (autocast's float32 weight), summed and written in float32
+    (the float16 output of a sum over 100k sites of GradScaler-scaled products overflows).
+    algo as the forward's: "fused" runs grad_weight's kernel where it takes the layer, else
+    the gathered rows go through cuBLAS."""
     features, dy = _contiguous(features), _contiguous(dy)
     if not features.is_cuda:
         return grad_weight_cpu(features, dy, neighbors, weight_shape, out_dtype)
+    if algo == "fused" and out_dtype in (features.dtype, torch.float32) and grad_weight_fits(
+            TORCH.dtype_name(features), features.shape[1], dy.shape[1],
+            _checks.alignment(features.data_ptr(), dy.data_ptr()) == 16):
+        return grad_weight(TORCH, features, dy, neighbors,
+                           TORCH.dtype_name(features) if out_dtype == features.dtype
+                           else "float32").reshape(weight_shape)
     g = gather_rows(TORCH, features, neighbors)
     if out_dtype == dy.dtype:
         dw = dy.t() @ g
@@ -120,13 +128,13 @@ def _grad_weight_impl(features, dy, neighbors, weight_shape, out_dtype):
     return dw.reshape(weight_shape)
 
 
-def _grad_weight_fake(features, dy, neighbors, weight_shape, out_dtype):
+def _grad_weight_fake(features, dy, neighbors, weight_shape, out_dtype, algo="gemm"):
     return features.new_empty(weight_shape, dtype=out_dtype)
 
 
 _grad_weight_op, _ = _register(
     "submanifold_conv_grad_weight(Tensor features, Tensor dy, Tensor neighbors, "
-    "int[] weight_shape, ScalarType out_dtype) -> Tensor",
+    "int[] weight_shape, ScalarType out_dtype, str algo=\"gemm\") -> Tensor",
     _grad_weight_impl, _grad_weight_fake)
 
 # What check_operands reads of a tensor, for a float32 parameter checked as if cast.
