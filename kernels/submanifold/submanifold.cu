@@ -580,9 +580,10 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
 #define GRAD_THREADS 128
 #define GRAD_SLOT_BYTES 36864  // static shared memory for stages, beside the chunk's map
 
-// Sites a stage holds (64 bytes of a column: two k-steps), and a chunk (whose map a CTA holds).
+// Sites a stage holds (64 bytes of a column: two k-steps); map entries a CTA holds at once
+// (a chunk of sites of each of its taps).
 template <typename T> constexpr int grad_stage_sites = 64 / sizeof(T);
-template <typename T> constexpr int grad_chunk_sites = sizeof(T) == 4 ? 128 : 256;
+template <typename T> constexpr int grad_map_entries = sizeof(T) == 4 ? 17 * 128 : 9 * 256;
 // Taps a tile's GRAD_BM columns may touch: rows of at least 16 bytes, not aligned to the tile.
 template <typename T> constexpr int grad_tile_taps = GRAD_BM / (16 / sizeof(T)) + 1;
 // Elements a staged row of `cols` columns takes: 8 of padding, so that the 8 rows of an ldmatrix
@@ -592,8 +593,9 @@ constexpr int grad_pitch(int cols) { return cols + 8; }
 template <typename T, int BN>
 __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const GradWeightArgs a) {
     static_assert(BN == 16 || BN == 32 || BN == 64, "a tile is 16, 32 or 64 channels wide");
-    constexpr int BK = grad_stage_sites<T>, CHUNK = grad_chunk_sites<T>;
+    constexpr int BK = grad_stage_sites<T>, ENTRIES = grad_map_entries<T>;
     constexpr int TILE_TAPS = grad_tile_taps<T>, E = 16 / sizeof(T);  // elements a 16-byte part
+    static_assert(ENTRIES % GRAD_THREADS == 0 && ENTRIES >= TILE_TAPS * BK, "whole loads a thread");
     constexpr int A_PITCH = grad_pitch(GRAD_BM), B_PITCH = grad_pitch(BN);
     constexpr int SLOT_BYTES = BK * (A_PITCH + B_PITCH) * sizeof(T);
     constexpr int SLOTS = GRAD_SLOT_BYTES / SLOT_BYTES < 4 ? GRAD_SLOT_BYTES / SLOT_BYTES : 4;
@@ -603,7 +605,9 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
     constexpr int MT = tile_t::MT, NT = tile_t::NT;
     static_assert(NT % 2 == 0, "B fragments in pairs");
     __shared__ __align__(16) unsigned char slots[SLOTS * SLOT_BYTES];
-    __shared__ int rows[TILE_TAPS][CHUNK];  // the chunk's input rows of the tile's taps
+    // The chunk's input rows of the tile's taps, [tile_taps][chunk]: the fewer taps a tile has,
+    // the longer its chunks, and the fewer times the pipeline drains.
+    __shared__ int rows[ENTRIES];
 
     const mma_place<tile_t::WARPS_M> th(threadIdx.x);
     const int lane = th.lane, wm = th.wm * tile_t::WM, wn = th.wn * tile_t::WN;
@@ -611,6 +615,7 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
     const int m0 = blockIdx.x * GRAD_BM, n0 = blockIdx.y * BN;
     const int tap_lo = m0 / a.cin;
     const int tile_taps = min(a.taps - 1, (m0 + GRAD_BM - 1) / a.cin) - tap_lo + 1;
+    const int chunk = ENTRIES / tile_taps / BK * BK;
     const i64 site_begin = (i64)blockIdx.z * a.split_sites;
     const i64 site_end = min(a.n_out, site_begin + a.split_sites);
     const T* features = (const T*)a.features;
@@ -630,22 +635,18 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
     wait_for_previous_kernel();
     allow_next_kernel();
     float acc[MT][NT][4] = {};
-    for (i64 c0 = site_begin; c0 < site_end; c0 += CHUNK) {
-        const int n_sites = (int)min((i64)CHUNK, site_end - c0);
-        int found[CHUNK / GRAD_THREADS][TILE_TAPS];
+    for (i64 c0 = site_begin; c0 < site_end; c0 += chunk) {
+        const int n_sites = (int)min((i64)chunk, site_end - c0);
+        int found[ENTRIES / GRAD_THREADS];
 #pragma unroll
-        for (int j = 0; j < CHUNK / GRAD_THREADS; ++j) {
-            const int s = threadIdx.x + j * GRAD_THREADS;
-#pragma unroll
-            for (int t = 0; t < TILE_TAPS; ++t)
-                found[j][t] = t < tile_taps && s < n_sites
-                                  ? a.map[(i64)(tap_lo + t) * a.n_out + c0 + s] : -1;
+        for (int j = 0; j < ENTRIES / GRAD_THREADS; ++j) {
+            const int e = threadIdx.x + j * GRAD_THREADS, t = e / chunk, s = e - t * chunk;
+            found[j] = t < tile_taps && s < n_sites
+                           ? a.map[(i64)(tap_lo + t) * a.n_out + c0 + s] : -1;
         }
         __syncthreads();  // the previous chunk's last stage is read: rows and slots are free
 #pragma unroll
-        for (int j = 0; j < CHUNK / GRAD_THREADS; ++j)
-#pragma unroll
-            for (int t = 0; t < TILE_TAPS; ++t) rows[t][threadIdx.x + j * GRAD_THREADS] = found[j][t];
+        for (int j = 0; j < ENTRIES / GRAD_THREADS; ++j) rows[threadIdx.x + j * GRAD_THREADS] = found[j];
         __syncthreads();
         const int stages = (n_sites + BK - 1) / BK;
         auto copy = [&](int i, int slot) {
@@ -655,8 +656,8 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
                                        (unsigned)sizeof(T);
 #pragma unroll
             for (int p = 0; p < BK / A_ROWS; ++p) {
-                const int s = i * BK + threadIdx.x / A_PARTS + p * A_ROWS;  // < CHUNK
-                const int row = a_tap < 0 ? -1 : rows[a_tap][s];  // -1 past n_sites too
+                const int s = i * BK + threadIdx.x / A_PARTS + p * A_ROWS;  // < chunk
+                const int row = a_tap < 0 ? -1 : rows[a_tap * chunk + s];  // -1 past n_sites
                 copy_async16_unless_negative(
                     a_dst + p * A_ROWS * A_PITCH * (unsigned)sizeof(T),
                     a_src + (unsigned long long)(unsigned)max(row, 0) * row_bytes, row);

@@ -194,7 +194,7 @@ def fused_splits(device, tiles, taps):
 
 _GRAD_COLUMNS, _GRAD_THREADS = 64, 128  # columns (tap, ci) a CTA of the weight's gradient
 GRAD_TILES = (16, 32, 64)  # its output channels a CTA (grad_weight_tile)
-_GRAD_CHUNK_SITES = {2: 256, 4: 128}  # sites whose map a CTA holds at once, by item size
+_GRAD_SPLIT_SITES = 256  # a split of the sites is a multiple of this many
 _GRAD_CTAS_PER_SM = 4  # sites are split over CTAs until the grid has this many an SM
 
 
@@ -227,7 +227,7 @@ def grad_weight(backend, features, dy, neighbors, out_dtype):
     out = backend.empty((cout, taps, width), features, None if same else out_dtype)
     device = backend.device(features)
     plan = _grad_weight_plan(device, dtype, width, cout, taps, out_dtype)
-    grid, split_sites = grad_weight_grid(device, n_out, dtype, plan.tiles)
+    grid, split_sites = grad_weight_grid(device, n_out, plan.tiles)
     stream = backend.stream(device)
     cols, splits = taps * width, grid[2]
     direct = splits == 1 and out_dtype == "float32"
@@ -267,14 +267,14 @@ def grad_weight_tile(cout):
     return next((width for width in GRAD_TILES if cout <= width), GRAD_TILES[-1])
 
 
-def grad_weight_grid(device, n_out, dtype, tiles):
+def grad_weight_grid(device, n_out, tiles):
     """(grid, split_sites) of the weight's gradient at n_out output sites: its tiles x splits of
-    the sites, each of whole chunks, so that the GPU gets about _GRAD_CTAS_PER_SM CTAs an SM."""
-    chunk = _GRAD_CHUNK_SITES[_kernels.ITEMSIZES[dtype]]
-    chunks = max(1, -(-n_out // chunk))
-    splits = _plan.reduction_splits(tiles[0] * tiles[1], chunks, _launch.device_info(device).sms,
+    the sites (multiples of _GRAD_SPLIT_SITES), so that the GPU gets about _GRAD_CTAS_PER_SM CTAs
+    an SM."""
+    parts = max(1, -(-n_out // _GRAD_SPLIT_SITES))
+    splits = _plan.reduction_splits(tiles[0] * tiles[1], parts, _launch.device_info(device).sms,
                                     _GRAD_CTAS_PER_SM)
-    split_sites = -(-chunks // splits) * chunk
+    split_sites = -(-parts // splits) * _GRAD_SPLIT_SITES
     return (*tiles, max(1, -(-n_out // split_sites))), split_sites
 
 

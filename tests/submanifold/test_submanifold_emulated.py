@@ -226,14 +226,15 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("n_in, n_out, cin, cout, taps", [
     (50, 70, 16, 24, 9), (200, 300, 40, 64, 27), (30, 20, 3, 8, 5), (90, 600, 8, 16, 27),
-    (10, 1, 64, 72, 1), (120, 150, 24, 32, 27), (300, 1100, 64, 16, 3)])
+    (10, 1, 64, 72, 1), (120, 150, 24, 32, 27), (300, 1100, 64, 16, 3), (90, 900, 4, 16, 27)])
 def test_grad_weight_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, taps):
     """dw[co, k, ci] = sum over o of dy[o, co] * features[map[k, o], ci]: tiles 16, 32 and 64
     channels wide (and part tiles), tiles of the columns across taps (rows narrower than a tile,
     a whole number of them or not) and within one, rows under 16 bytes padded (3 channels),
-    absent neighbours and a tap no site has, part stages and chunks, sites split over CTAs (the
-    emulated GPU's 2 SMs: their float sums added by split_sum) and several chunks in one CTA;
-    out in float32 and in the features' dtype."""
+    absent neighbours and a tap no site has, part stages and chunks (a chunk's sites: the fewer
+    taps a tile has, the more), sites split over CTAs (the emulated GPU's 2 SMs: their float sums
+    added by split_sum) and several chunks in one CTA (8 and 16 taps a tile); out in float32 and
+    in the features' dtype."""
     features = random_array(rng, (n_in, cin), numpy.float32)
     dy = random_array(rng, (n_out, cout), numpy.float32)
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)

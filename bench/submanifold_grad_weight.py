@@ -1,0 +1,90 @@
+"""The weight's gradient of a submanifold convolution, layer by layer: GPU time of grad_weight's
+kernel (the gathered rows kept in shared memory) against the gathered rows and cuBLAS, on the
+sites of a LiDAR scene, so that the rule choosing between them
+(sbnet_cupy.submanifold.conv_kernels.grad_weight_fits) is a measured one.
+
+    python -m bench.submanifold_grad_weight [--scale waymo] [--batch 2] [--repeats 5] [--out DIR]
+
+Sites and layers: bench.submanifold_tiles' (a 3x3x3 submanifold rulebook at strides 1, 2, 4 and
+8 of --batch frames; the widths detectors and segmentation U-Nets use at each level). Dtypes:
+float16 with a float32 gradient (AMP's float32 weight) and float32 as TF32, through the torch
+op's implementation (torch_bridge.submanifold.conv_op), the call a training step's backward
+makes. Time: the median over --repeats of CUDA events around 20 back-to-back calls, divided by
+20. Writes DIR/submanifold_grad_weight_<device>.csv.
+"""
+
+import argparse
+import pathlib
+import re
+import statistics
+
+from bench import lidar_scenes
+from bench._common import RESULTS, allow_tf32, require_gpu, write_csv
+from bench.submanifold_tiles import LAYERS, levels
+
+CALLS = 20
+
+
+def gpu_ms(run, repeats):
+    import torch
+
+    run()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(CALLS):
+            run()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / CALLS)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", default="waymo", choices=list(lidar_scenes.SCALES))
+    parser.add_argument("--batch", type=int, default=2, help="frames")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    require_gpu("bench.submanifold_grad_weight")
+    import torch
+
+    import torch_bridge.submanifold as ours
+    from torch_bridge.submanifold.conv_op import _grad_weight_impl
+
+    allow_tf32(True)
+    coords, _ = lidar_scenes.batch(args.scale, 100, args.batch)
+    shape = list(lidar_scenes.SCALES[args.scale].grid)
+    maps = [ours.build_rulebook(torch.from_numpy(c).cuda(), s, args.batch, 3, subm=True).neighbors
+            for c, s in levels(coords, shape)]
+    generator = torch.Generator("cuda").manual_seed(0)
+    rows = []
+    for level, cin, cout in LAYERS:
+        neighbors = maps[level]
+        n = neighbors.shape[1]
+        for dtype in (torch.float16, torch.float32):
+            x = torch.randn(n, cin, device="cuda", generator=generator).to(dtype)
+            dy = torch.randn(n, cout, device="cuda", generator=generator).to(dtype)
+            shape_w = [cout, 3, 3, 3, cin]
+            want = _grad_weight_impl(x.double(), dy.double(), neighbors, shape_w, torch.float64)
+            row = dict(dtype=str(dtype)[6:], level=level, sites=n, cin=cin, cout=cout)
+            for algo in ("fused", "gemm"):
+                def run(algo=algo):
+                    return _grad_weight_impl(x, dy, neighbors, shape_w, torch.float32, algo)
+                err = float((run().double() - want).norm() / want.norm())
+                row[f"{algo}_ms"] = round(gpu_ms(run, args.repeats), 4)
+                row[f"{algo}_err"] = f"{err:.1e}"
+            row["fused/gemm"] = round(row["fused_ms"] / row["gemm_ms"], 3)
+            rows.append(row)
+            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    device = re.sub(r"[^A-Za-z0-9_.-]", "_", torch.cuda.get_device_name())
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"submanifold_grad_weight_{device}.csv"
+    write_csv(rows, path)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
