@@ -8,7 +8,7 @@ from ..blocks import block_conv
 from ..core import checks as _checks
 from ..core.backend import CUPY
 from .conv_kernels import (fused_conv, fused_sorts, gather_rows, grad_weight,
-                           grad_weight_fits)
+                           grad_weight_takes)
 from .rulebook import Rulebook, SparseTensorData, strided_rulebook, submanifold_rulebook
 from .validation import DTYPES, check_algo, check_operands
 
@@ -92,7 +92,7 @@ def rulebook_conv_grad_weight(features, dy, rulebook, *, algo=None):
     """Gradient of rulebook_conv with respect to the weight, [Cout, *kernel_size, Cin]:
     dy.T @ gather(features, rulebook.neighbors), deterministic. algo as rulebook_conv's: on
     CUDA, "fused" runs grad_weight's kernel (float32 as TF32), which never writes the gathered
-    rows, where it takes the layer (grad_weight_fits); "gemm" (or a layer it does not take)
+    rows, where it takes the layer (grad_weight_takes); "gemm" (or a layer it does not take)
     the gather and one cuBLAS product."""
     xp = _checks.array_module(features=features, dy=dy, neighbors=rulebook.neighbors)
     n_out = rulebook.out_coords.shape[0]
@@ -118,7 +118,7 @@ def grad_weight_arrays(xp, features, dy, neighbors, shape, algo="gemm"):
         acc = _acc_dtype(features.dtype)
         return (dy.astype(acc).T @ g.astype(acc)).astype(features.dtype).reshape(shape)
     dtype = CUPY.dtype_name(features)
-    if algo == "fused" and grad_weight_fits(
+    if algo == "fused" and grad_weight_takes(
             dtype, features.shape[1], dy.shape[1],
             _checks.alignment(CUPY.pointer(features), CUPY.pointer(dy)) == 16):
         return grad_weight(CUPY, features, dy, neighbors, dtype).reshape(shape)

@@ -198,13 +198,24 @@ _GRAD_SPLIT_SITES = 256  # a split of the sites is a multiple of this many
 _GRAD_CTAS_PER_SM = 4  # sites are split over CTAs until the grid has this many an SM
 
 
+_GRAD_MAX_CHANNELS = 64 * 64  # cin x cout up to which grad_weight's kernel is the faster route
+
+
 def grad_weight_fits(dtype, cin, cout, aligned):
-    """Whether grad_weight's kernel takes a layer: a fused dtype, rows of dy whole 16-byte
+    """Whether grad_weight's kernel can take a layer: a fused dtype, rows of dy whole 16-byte
     vectors, rows of the features too once padded (padded_width), arrays 16-byte aligned
-    (aligned). Other layers take the gathered rows and a matrix product."""
+    (aligned)."""
     itemsize = _kernels.ITEMSIZES.get(dtype)
     return (dtype in _FUSED_DTYPES and aligned and cout * itemsize % 16 == 0
             and padded_width(cin, itemsize) * itemsize % 16 == 0)
+
+
+def grad_weight_takes(dtype, cin, cout, aligned):
+    """Whether the weight's gradient of a layer goes through grad_weight's kernel: where it can
+    (grad_weight_fits) and cin x cout is at most 64 x 64, where writing and reading the gathered
+    rows costs more than the kernel's product; wider layers' products run faster in cuBLAS, which
+    the gathered rows' cost does not outweigh (bench.submanifold_grad_weight)."""
+    return cin * cout <= _GRAD_MAX_CHANNELS and grad_weight_fits(dtype, cin, cout, aligned)
 
 
 def grad_weight(backend, features, dy, neighbors, out_dtype):

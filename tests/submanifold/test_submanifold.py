@@ -182,16 +182,21 @@ def test_fused_matches_loops(rng, subm, cin, cout, dtype):
                                        (64, 16), (128, 128), (6, 8), (17, 24)])
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
 def test_grad_weight_matches_loops(rng, subm, cin, cout, dtype):
-    """The weight's gradient through grad_weight's kernel (algo="fused": rows of 16-byte vectors,
-    rows under 16 bytes padded, tiles 16, 32 and 64 channels wide and part tiles, columns across
-    taps and within one, the sites of a scattered rulebook split over CTAs) and through the
-    gathered rows (algo="gemm", and layers the kernel does not take: 6 and 17 channels), against
-    the loop over the pairs and a float64 product."""
+    """The weight's gradient through grad_weight's kernel on every layer it can take (rows of
+    16-byte vectors, rows under 16 bytes padded, tiles 16, 32 and 64 channels wide and part
+    tiles, columns across taps and within one, the sites of a scattered rulebook split over
+    CTAs; out in float32 and in the features' dtype), and through rulebook_conv_grad_weight's
+    routes (algo="fused": the kernel up to 64 x 64 channels, the gathered rows and cuBLAS for
+    wider layers and those it cannot take, 6 and 17 channels; algo="gemm"), against the loop
+    over the pairs and a float64 product."""
     import cupy
 
     from conftest import _poison_pool
+    from sbnet_cupy.core.backend import CUPY
 
     _poison_pool()
+    name = numpy.dtype(dtype).name
+    fits = sm.grad_weight_fits(name, cin, cout, True)
     case = "3d-3x3x3-stride2" if subm else "2d-5x5-stride2"
     (coords, x, w, _), (_, x_d, w_d, _), rulebook, (out_coords, pairs, _) = build(
         cupy, rng, case, subm, dtype, cin=cin, cout=cout, bias=False)
@@ -199,9 +204,15 @@ def test_grad_weight_matches_loops(rng, subm, cin, cout, dtype):
     want = numpy.zeros((cout, int(numpy.prod(w.shape[1:-1])), cin))
     for k, i, o in pairs:
         want[:, k] += numpy.outer(dy[o].astype(numpy.float64), x[i].astype(numpy.float64))
+    want = want.reshape(w.shape)
     got = sm.rulebook_conv_grad_weight(x_d, cupy.asarray(dy), rulebook, algo="fused")
     assert got.dtype == dtype and got.shape == w.shape
-    close(got, want.reshape(w.shape), dtype)
+    close(got, want, dtype)
+    if fits:
+        for out_dtype in ("float32", name):
+            got = sm.grad_weight(CUPY, x_d, cupy.asarray(dy), rulebook.neighbors, out_dtype)
+            assert got.dtype == out_dtype
+            close(got.reshape(w.shape), want, dtype)
     big = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, (60, 70, 80), 40000)),
                                   (60, 70, 80), 2, 3)
     xb = cupy.asarray(random_array(rng, (40000, cin), dtype))
@@ -209,6 +220,9 @@ def test_grad_weight_matches_loops(rng, subm, cin, cout, dtype):
     want = sm.rulebook_conv_grad_weight(xb.astype(cupy.float64), dyb.astype(cupy.float64), big)
     for algo in ("fused", "gemm"):
         close(sm.rulebook_conv_grad_weight(xb, dyb, big, algo=algo), want.get(), dtype)
+    if fits:
+        got = sm.grad_weight(CUPY, xb, dyb, big.neighbors, "float32")
+        close(got.reshape(want.shape), want.get(), dtype)
 
 
 @requires_gpu

@@ -21,7 +21,7 @@ import torch
 from sbnet_cupy.core import checks as _checks
 from sbnet_cupy.submanifold.conv import choose_algo
 from sbnet_cupy.submanifold.conv_kernels import (fused_conv, fused_sorts, gather_rows,
-                                                 grad_weight, grad_weight_fits)
+                                                 grad_weight, grad_weight_takes)
 from sbnet_cupy.submanifold.validation import check_algo, check_operands
 
 from .._ops import _contiguous, _register, _same_device, _traced
@@ -112,7 +112,7 @@ def _grad_weight_impl(features, dy, neighbors, weight_shape, out_dtype, algo="ge
     features, dy = _contiguous(features), _contiguous(dy)
     if not features.is_cuda:
         return grad_weight_cpu(features, dy, neighbors, weight_shape, out_dtype)
-    if algo == "fused" and out_dtype in (features.dtype, torch.float32) and grad_weight_fits(
+    if algo == "fused" and out_dtype in (features.dtype, torch.float32) and grad_weight_takes(
             TORCH.dtype_name(features), features.shape[1], dy.shape[1],
             _checks.alignment(features.data_ptr(), dy.data_ptr()) == 16):
         return grad_weight(TORCH, features, dy, neighbors,
