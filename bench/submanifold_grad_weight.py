@@ -1,15 +1,16 @@
 """The weight's gradient of a submanifold convolution, layer by layer: GPU time of grad_weight's
-kernel (the gathered rows kept in shared memory) against the gathered rows and cuBLAS, on the
-sites of a LiDAR scene, so that the rule choosing between them
-(sbnet_cupy.submanifold.conv_kernels.grad_weight_fits) is a measured one.
+kernel (the gathered rows kept in shared memory; from 64 channels the sites of each tap alone,
+their lists built in the call) against the gathered rows and cuBLAS, on the sites of a LiDAR
+scene, so that the rule choosing between them (sbnet_cupy.submanifold.grad_weight_takes) is a
+measured one.
 
     python -m bench.submanifold_grad_weight [--scale waymo] [--batch 2] [--repeats 5] [--out DIR]
 
 Sites and layers: bench.submanifold_tiles' (a 3x3x3 submanifold rulebook at strides 1, 2, 4 and
 8 of --batch frames; the widths detectors and segmentation U-Nets use at each level). Dtypes:
-float16 with a float32 gradient (AMP's float32 weight) and float32 as TF32, through the torch
-op's implementation (torch_bridge.submanifold.conv_op), the call a training step's backward
-makes. Time: the median over --repeats of CUDA events around 20 back-to-back calls, divided by
+float16 with a float32 gradient (AMP's float32 weight) and float32 as TF32, on torch tensors:
+the kernel through sbnet_cupy.submanifold.grad_weight, the gemm route through the torch op's
+implementation (torch_bridge.submanifold.conv_op), as a training step's backward calls them. Time: the median over --repeats of CUDA events around 20 back-to-back calls, divided by
 20. Writes DIR/submanifold_grad_weight_<device>.csv.
 """
 
@@ -52,6 +53,8 @@ def main(argv=None):
     import torch
 
     import torch_bridge.submanifold as ours
+    from sbnet_cupy.submanifold import grad_weight
+    from torch_bridge.backend import TORCH
     from torch_bridge.submanifold.conv_op import _grad_weight_impl
 
     allow_tf32(True)
@@ -70,13 +73,14 @@ def main(argv=None):
             shape_w = [cout, 3, 3, 3, cin]
             want = _grad_weight_impl(x.double(), dy.double(), neighbors, shape_w, torch.float64)
             row = dict(dtype=str(dtype)[6:], level=level, sites=n, cin=cin, cout=cout)
-            for algo in ("fused", "gemm"):
-                def run(algo=algo):
-                    return _grad_weight_impl(x, dy, neighbors, shape_w, torch.float32, algo)
+            routes = {
+                "kernel": lambda: grad_weight(TORCH, x, dy, neighbors, "float32").reshape(shape_w),
+                "gemm": lambda: _grad_weight_impl(x, dy, neighbors, shape_w, torch.float32, "gemm")}
+            for route, run in routes.items():
                 err = float((run().double() - want).norm() / want.norm())
-                row[f"{algo}_ms"] = round(gpu_ms(run, args.repeats), 4)
-                row[f"{algo}_err"] = f"{err:.1e}"
-            row["fused/gemm"] = round(row["fused_ms"] / row["gemm_ms"], 3)
+                row[f"{route}_ms"] = round(gpu_ms(run, args.repeats), 4)
+                row[f"{route}_err"] = f"{err:.1e}"
+            row["kernel/gemm"] = round(row["kernel_ms"] / row["gemm_ms"], 3)
             rows.append(row)
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     device = re.sub(r"[^A-Za-z0-9_.-]", "_", torch.cuda.get_device_name())

@@ -331,6 +331,61 @@ template <typename Mask> __global__ void tap_masks(const MaskArgs a) {
     }
 }
 
+// The sites that have each tap, in order: pairs[k, i] is the i-th output site o whose map[k, o]
+// is a row (not -1), totals[k] how many there are. grad_weight's kernel then multiplies only the
+// sites a tap has, where the map's rows are mostly -1 (LiDAR sites fill a third or so of their
+// neighbourhoods). Two passes, so that the order is the sites' (a deterministic sum): each CTA of
+// PAIR_SITES sites counts its own, then places them after the counts of the CTAs before it, a
+// round of THREADS sites at a time.
+#define PAIR_SITES 1024
+
+template <int THREADS> __global__ void tap_pair_counts(const PairArgs a) {
+    __shared__ int count;
+    const int k = blockIdx.y;
+    const i64 base = (i64)blockIdx.x * PAIR_SITES;
+    if (threadIdx.x == 0) count = 0;
+    __syncthreads();
+    int mine = 0;
+    for (int j = 0; j < PAIR_SITES / THREADS; ++j) {
+        const i64 o = base + j * THREADS + threadIdx.x;
+        mine += o < a.n_out && a.map[k * a.n_out + o] >= 0;
+    }
+    atomicAdd(&count, mine);
+    __syncthreads();
+    if (threadIdx.x == 0) a.counts[k * a.blocks + blockIdx.x] = count;
+}
+
+template <int THREADS> __global__ void tap_pairs(const PairArgs a) {
+    static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps");
+    __shared__ int before;
+    __shared__ int warp_counts[THREADS / 32];
+    const int k = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const i64 base = (i64)blockIdx.x * PAIR_SITES;
+    if (threadIdx.x == 0) before = 0;
+    __syncthreads();
+    int mine = 0;
+    for (int b = threadIdx.x; b < (int)blockIdx.x; b += THREADS) mine += a.counts[k * a.blocks + b];
+    atomicAdd(&before, mine);
+    __syncthreads();
+    int placed = before;  // sites of this tap before the round
+    for (int j = 0; j < PAIR_SITES / THREADS; ++j) {
+        const i64 o = base + j * THREADS + threadIdx.x;
+        const bool has = o < a.n_out && a.map[k * a.n_out + o] >= 0;
+        const unsigned votes = __ballot_sync(0xffffffffu, has);
+        if (lane == 0) warp_counts[warp] = __popc(votes);
+        __syncthreads();
+        int offset = placed, round = 0;
+        for (int w = 0; w < THREADS / 32; ++w) {
+            offset += w < warp ? warp_counts[w] : 0;
+            round += warp_counts[w];
+        }
+        if (has) a.pairs[k * a.n_out + offset + __popc(votes & ((1u << lane) - 1u))] = (int)o;
+        placed += round;
+        __syncthreads();  // warp_counts is the next round's
+    }
+    if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) a.totals[k] = placed;
+}
+
 // --- the fused convolution: gather and tensor-core matrix product in one kernel -------------
 //
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
@@ -568,7 +623,9 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
 // rows [n_out, taps x cin], written whole and read again. Here the gathered rows never leave
 // shared memory. A CTA takes GRAD_BM columns (k, ci) of the taps x cin (the MMA's rows) x BN output
 // channels (its columns) over the sites of its split (blockIdx.z), whose map it reads a chunk
-// at a time (all of a thread's loads in flight at once), and reduces over the sites in stages of
+// at a time (all of a thread's loads in flight at once): every site, or, given the sites that have
+// each tap (a.pairs, tap_pairs), those of its tap alone (then a tile's columns are of one tap,
+// a.tiles_per_tap of them a tap), and reduces over the sites in stages of
 // 64 bytes of rows, one row a site (2 k-steps of the MMA): the features' rows through the map,
 // dy's as they lie. Both tiles stay site-major in shared memory ([site][column], as cp.async
 // copies them), so the fragments come through transposing ldmatrix (16-bit types) or word loads
@@ -579,11 +636,10 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
 #define GRAD_BM 64
 #define GRAD_THREADS 128
 #define GRAD_SLOT_BYTES 36864  // static shared memory for stages, beside the chunk's map
+#define GRAD_MAP_ENTRIES 2304  // map entries a CTA holds at once (a chunk of sites of its taps)
 
-// Sites a stage holds (64 bytes of a column: two k-steps); map entries a CTA holds at once
-// (a chunk of sites of each of its taps).
+// Sites a stage holds (64 bytes of a column: two k-steps).
 template <typename T> constexpr int grad_stage_sites = 64 / sizeof(T);
-template <typename T> constexpr int grad_map_entries = sizeof(T) == 4 ? 17 * 128 : 9 * 256;
 // Taps a tile's GRAD_BM columns may touch: rows of at least 16 bytes, not aligned to the tile.
 template <typename T> constexpr int grad_tile_taps = GRAD_BM / (16 / sizeof(T)) + 1;
 // Elements a staged row of `cols` columns takes: 8 of padding, so that the 8 rows of an ldmatrix
@@ -593,9 +649,10 @@ constexpr int grad_pitch(int cols) { return cols + 8; }
 template <typename T, int BN>
 __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const GradWeightArgs a) {
     static_assert(BN == 16 || BN == 32 || BN == 64, "a tile is 16, 32 or 64 channels wide");
-    constexpr int BK = grad_stage_sites<T>, ENTRIES = grad_map_entries<T>;
+    constexpr int BK = grad_stage_sites<T>, ENTRIES = GRAD_MAP_ENTRIES;
     constexpr int TILE_TAPS = grad_tile_taps<T>, E = 16 / sizeof(T);  // elements a 16-byte part
-    static_assert(ENTRIES % GRAD_THREADS == 0 && ENTRIES >= TILE_TAPS * BK, "whole loads a thread");
+    static_assert(ENTRIES % (2 * GRAD_THREADS) == 0 && ENTRIES / 2 % BK == 0 &&
+                  ENTRIES >= TILE_TAPS * BK, "whole loads a thread, whole stages a chunk");
     constexpr int A_PITCH = grad_pitch(GRAD_BM), B_PITCH = grad_pitch(BN);
     constexpr int SLOT_BYTES = BK * (A_PITCH + B_PITCH) * sizeof(T);
     constexpr int SLOTS = GRAD_SLOT_BYTES / SLOT_BYTES < 4 ? GRAD_SLOT_BYTES / SLOT_BYTES : 4;
@@ -606,18 +663,30 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
     static_assert(NT % 2 == 0, "B fragments in pairs");
     __shared__ __align__(16) unsigned char slots[SLOTS * SLOT_BYTES];
     // The chunk's input rows of the tile's taps, [tile_taps][chunk]: the fewer taps a tile has,
-    // the longer its chunks, and the fewer times the pipeline drains.
+    // the longer its chunks, and the fewer times the pipeline drains. By pairs: the input rows
+    // [chunk], then the output sites [chunk].
     __shared__ int rows[ENTRIES];
 
     const mma_place<tile_t::WARPS_M> th(threadIdx.x);
     const int lane = th.lane, wm = th.wm * tile_t::WM, wn = th.wn * tile_t::WN;
     const int cols = a.taps * a.cin;  // dw's columns after its output channel
-    const int m0 = blockIdx.x * GRAD_BM, n0 = blockIdx.y * BN;
-    const int tap_lo = m0 / a.cin;
-    const int tile_taps = min(a.taps - 1, (m0 + GRAD_BM - 1) / a.cin) - tap_lo + 1;
-    const int chunk = ENTRIES / tile_taps / BK * BK;
+    const bool by_pairs = a.pairs != nullptr;
+    const int n0 = blockIdx.y * BN;
+    // The tile's first column, its first tap and how many, the end of its columns.
+    int m0, tap_lo, tile_taps, col_end;
+    if (by_pairs) {
+        tap_lo = blockIdx.x / a.tiles_per_tap;
+        m0 = tap_lo * a.cin + blockIdx.x % a.tiles_per_tap * GRAD_BM;
+        tile_taps = 1;
+        col_end = (tap_lo + 1) * a.cin;
+    } else {
+        m0 = blockIdx.x * GRAD_BM;
+        tap_lo = m0 / a.cin;
+        tile_taps = min(a.taps - 1, (m0 + GRAD_BM - 1) / a.cin) - tap_lo + 1;
+        col_end = cols;
+    }
+    const int chunk = by_pairs ? ENTRIES / 2 : ENTRIES / tile_taps / BK * BK;
     const i64 site_begin = (i64)blockIdx.z * a.split_sites;
-    const i64 site_end = min(a.n_out, site_begin + a.split_sites);
     const T* features = (const T*)a.features;
     const T* dy = (const T*)a.dy;
 
@@ -626,23 +695,37 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
     constexpr int A_PARTS = GRAD_BM / E, A_ROWS = GRAD_THREADS / A_PARTS;
     static_assert(GRAD_THREADS % A_PARTS == 0 && BK % A_ROWS == 0, "whole rows of parts a pass");
     const int a_col = m0 + threadIdx.x % A_PARTS * E;
-    const int a_tap = a_col < cols ? a_col / a.cin - tap_lo : -1;
-    const char* a_src = (const char*)(features + (a_col < cols ? a_col % a.cin : 0));
+    const int a_tap = a_col < col_end ? a_col / a.cin - tap_lo : -1;
+    const char* a_src = (const char*)(features + (a_col < col_end ? a_col % a.cin : 0));
     const unsigned row_bytes = (unsigned)a.cin * (unsigned)sizeof(T);
     constexpr int B_PARTS = BN / E;
 
     // dy (and the map) may be the previous kernel's output: launched as its dependent.
     wait_for_previous_kernel();
     allow_next_kernel();
+    const i64 site_end =
+        min(by_pairs ? (i64)a.totals[tap_lo] : a.n_out, site_begin + a.split_sites);
+    const int* tap_map = a.map + (i64)tap_lo * a.n_out;
     float acc[MT][NT][4] = {};
     for (i64 c0 = site_begin; c0 < site_end; c0 += chunk) {
         const int n_sites = (int)min((i64)chunk, site_end - c0);
         int found[ENTRIES / GRAD_THREADS];
+        if (by_pairs) {  // found: the sites, then their input rows
+            constexpr int HALF = ENTRIES / 2 / GRAD_THREADS;
 #pragma unroll
-        for (int j = 0; j < ENTRIES / GRAD_THREADS; ++j) {
-            const int e = threadIdx.x + j * GRAD_THREADS, t = e / chunk, s = e - t * chunk;
-            found[j] = t < tile_taps && s < n_sites
-                           ? a.map[(i64)(tap_lo + t) * a.n_out + c0 + s] : -1;
+            for (int j = 0; j < HALF; ++j) {
+                const int s = threadIdx.x + j * GRAD_THREADS;
+                found[HALF + j] = s < n_sites ? a.pairs[(i64)tap_lo * a.n_out + c0 + s] : -1;
+            }
+#pragma unroll
+            for (int j = 0; j < HALF; ++j)
+                found[j] = found[HALF + j] >= 0 ? tap_map[found[HALF + j]] : -1;
+        } else {
+#pragma unroll
+            for (int j = 0; j < ENTRIES / GRAD_THREADS; ++j) {
+                const int e = threadIdx.x + j * GRAD_THREADS, t = e / chunk, s = e - t * chunk;
+                found[j] = t < tile_taps && s < n_sites ? tap_map[(i64)t * a.n_out + c0 + s] : -1;
+            }
         }
         __syncthreads();  // the previous chunk's last stage is read: rows and slots are free
 #pragma unroll
@@ -666,8 +749,9 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
             for (int e = threadIdx.x; e < BK * B_PARTS; e += GRAD_THREADS) {
                 const int r = e / B_PARTS, col = e % B_PARTS * E, s = i * BK + r;
                 const bool valid = s < n_sites && n0 + col < a.cout;
+                const i64 o = by_pairs ? rows[chunk + s] : c0 + s;  // -1 past n_sites
                 copy_async16(b_base + (r * B_PITCH + col) * (unsigned)sizeof(T),
-                             dy + (valid ? (c0 + s) * a.cout + n0 + col : 0), valid);
+                             dy + (valid ? o * a.cout + n0 + col : 0), valid);
             }
         };
         auto consume = [&](int, int slot) {
@@ -739,6 +823,6 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
             for (int i = 0; i < 4; ++i) {
                 const int col = m0 + tile_t::acc_row(th, mt, i >> 1);
                 const int co = n0 + tile_t::acc_col(th, nt) + (i & 1);
-                if (col < cols && co < a.cout) out[(i64)co * cols + col] = acc[mt][nt][i];
+                if (col < col_end && co < a.cout) out[(i64)co * cols + col] = acc[mt][nt][i];
             }
 }

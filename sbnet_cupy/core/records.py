@@ -478,5 +478,19 @@ GRAD_WEIGHT_ARGS = Record("GradWeightArgs", "submanifold", """
     float* out;            // [splits, cout, taps * cin]: split z's sums at z * cout * taps * cin
     i64 n_out;
     int cin, cout, taps;
-    int split_sites;       // output sites a split (blockIdx.z) sums, whole chunks of the kernel's
+    int split_sites;       // output sites (or a tap's pairs) a split (blockIdx.z) sums
+    const int* pairs;      // [taps, n_out]: the sites that have each tap (tap_pairs), or null
+                           // (every site; tiles across taps)
+    const int* totals;     // [taps]: how many sites each tap has, with pairs
+    int tiles_per_tap;     // with pairs: column tiles a tap (ceil(cin / 64))
+""")
+
+# tap_pair_counts, tap_pairs: the sites that have each tap of a map, in order.
+PAIR_ARGS = Record("PairArgs", "submanifold", """
+    const int* map;  // [taps, n_out]
+    int* counts;     // [taps, blocks]: sites of each block of sites that have the tap
+    int* pairs;      // [taps, n_out]: those sites, in order (past totals[k]: not written)
+    int* totals;     // [taps]
+    i64 n_out;
+    int blocks;
 """)

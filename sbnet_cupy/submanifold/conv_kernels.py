@@ -193,6 +193,7 @@ def fused_splits(device, tiles, taps):
 
 
 _GRAD_COLUMNS, _GRAD_THREADS = 64, 128  # columns (tap, ci) a CTA of the weight's gradient
+_PAIR_SITES, _PAIR_THREADS = 1024, 256  # sites a CTA of the tap_pairs kernels, its threads
 GRAD_TILES = (16, 32, 64)  # its output channels a CTA (grad_weight_tile)
 _GRAD_SPLIT_SITES = 256  # a split of the sites is a multiple of this many
 _GRAD_CTAS_PER_SM = 4  # sites are split over CTAs until the grid has this many an SM
@@ -224,7 +225,8 @@ def grad_weight(backend, features, dy, neighbors, out_dtype):
     one dtype that grad_weight_fits): dw [cout, taps, cin] in out_dtype ("float32", or the
     features' dtype), dw[co, k, ci] = sum over o of dy[o, co] * features[neighbors[k, o], ci],
     summed in float32 (TF32 products for float32) in a deterministic order. Splits of the sites
-    write float32 sums to the backend's scratch, which split_sum adds up."""
+    write float32 sums to the backend's scratch, which split_sum adds up. Rows of at least 64
+    channels multiply only the sites that have each tap (tap_pairs), one tap a tile."""
     taps, n_out = neighbors.shape
     cin, cout = features.shape[1], dy.shape[1]
     dtype = backend.dtype_name(features)
@@ -241,11 +243,15 @@ def grad_weight(backend, features, dy, neighbors, out_dtype):
     grid, split_sites = grad_weight_grid(device, n_out, plan.tiles)
     stream = backend.stream(device)
     cols, splits = taps * width, grid[2]
+    pairs = totals = None
+    if plan.tiles_per_tap:
+        pairs, totals, _counts = tap_pairs(backend, neighbors)
     direct = splits == 1 and out_dtype == "float32"
     sums, _owner = ((backend.pointer(out), None) if direct
                     else backend.float_scratch(device, splits * cout * cols))
     plan.conv.launch(stream, backend.pointer(features), backend.pointer(dy),
                      backend.pointer(neighbors), sums, n_out, width, cout, taps, split_sites,
+                     backend.pointer(pairs), backend.pointer(totals), plan.tiles_per_tap,
                      grid=grid)
     if not direct:
         plan.split_sum.launch(stream, sums, 0, backend.pointer(out), cout, cols, cols, splits,
@@ -253,13 +259,40 @@ def grad_weight(backend, features, dy, neighbors, out_dtype):
     return out if width == cin else out[..., :cin]
 
 
-GradWeightPlan = namedtuple("GradWeightPlan", ["conv", "tiles", "split_sum"])
+def tap_pairs(backend, neighbors):
+    """(pairs, totals, counts) of the int32 map neighbors [taps, n_out] (a backend's array, n_out
+    > 0): pairs [taps, n_out] whose row k starts with the sites o that have tap k (neighbors[k,
+    o] >= 0), in order, and totals [taps] how many; counts is the first pass's scratch, kept until
+    the launches are queued."""
+    taps, n_out = neighbors.shape
+    blocks = -(-n_out // _PAIR_SITES)
+    pairs, totals = backend.empty((taps, n_out), neighbors), backend.empty((taps,), neighbors)
+    counts = backend.empty((taps, blocks), neighbors)
+    device = backend.device(neighbors)
+    stream = backend.stream(device)
+    args = [backend.pointer(a) for a in (neighbors, counts, pairs, totals)] + [n_out, blocks]
+    grid = (_checks.grid_dim("site blocks", blocks, 2**31 - 1), _checks.grid_dim("taps", taps), 1)
+    for plan in _pairs_plans(device):
+        plan.launch(stream, *args, grid=grid)
+    return pairs, totals, counts
+
+
+@functools.lru_cache(maxsize=None)
+def _pairs_plans(device):
+    return tuple(_plan.KernelPlan(device, "submanifold", kernel, (_PAIR_THREADS,), (1, 1, 1),
+                                  (_PAIR_THREADS, 1, 1), 0, _records.PAIR_ARGS)
+                 for kernel in ("tap_pair_counts", "tap_pairs"))
+
+
+# A layer's weight gradient, planned once for every number of sites: the kernel's KernelPlan, its
+# CTAs across dw's columns and output channels, column tiles a tap where it multiplies the sites
+# of each tap alone (0: every site, tiles across taps), the split sum's KernelPlan.
+GradWeightPlan = namedtuple("GradWeightPlan", ["conv", "tiles", "tiles_per_tap", "split_sum"])
 
 
 @functools.lru_cache(maxsize=1024)
 def _grad_weight_plan(device, dtype, cin, cout, taps, out_dtype):
-    """The GradWeightPlan of a layer (cin: the padded width): the kernel's KernelPlan, its CTAs
-    across dw's columns and output channels, and the split sum's KernelPlan into out_dtype."""
+    """The GradWeightPlan of a layer (cin: the padded width) into out_dtype."""
     tile = grad_weight_tile(cout)
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
     conv = _plan.KernelPlan(device, "submanifold", "submanifold_grad_weight", (ctype, tile),
@@ -267,9 +300,11 @@ def _grad_weight_plan(device, dtype, cin, cout, taps, out_dtype):
                             dependent=True)
     split_sum = _plan.split_sum_plan(device, "submanifold", _kernels.ARITHMETIC_CTYPES[out_dtype],
                                      dependent=True)
-    tiles = (_checks.grid_dim("weight columns", -(-taps * cin // _GRAD_COLUMNS)),
+    tiles_per_tap = -(-cin // _GRAD_COLUMNS) if cin >= _GRAD_COLUMNS else 0
+    columns = taps * tiles_per_tap if tiles_per_tap else -(-taps * cin // _GRAD_COLUMNS)
+    tiles = (_checks.grid_dim("weight columns", columns),
              _checks.grid_dim("output channels", -(-cout // tile)))
-    return GradWeightPlan(conv, tiles, split_sum)
+    return GradWeightPlan(conv, tiles, tiles_per_tap, split_sum)
 
 
 def grad_weight_tile(cout):
@@ -298,6 +333,8 @@ def instantiations():
                for ctype in fused for vector, stage, tile in FUSED_CONFIGS]
             + [_kernels.name_expression("submanifold_grad_weight", ctype, tile)
                for ctype in fused for tile in GRAD_TILES]
+            + [_kernels.name_expression(kernel, _PAIR_THREADS)
+               for kernel in ("tap_pair_counts", "tap_pairs")]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
             + [_kernels.name_expression("tap_masks", "int")]
             + [_kernels.name_expression("submanifold_gather", word)

@@ -226,6 +226,28 @@ def test_grad_weight_matches_loops(rng, subm, cin, cout, dtype):
 
 
 @requires_gpu
+@pytest.mark.parametrize("n_out", [1, 1024, 100_003])
+def test_tap_pairs_equal_numpy(rng, n_out):
+    """The sites that have each tap, in order (grad_weight's lists for rows of 64 channels and
+    more), over one block of sites and many: taps that every site has, none has, and some."""
+    import cupy
+
+    from conftest import _poison_pool
+    from sbnet_cupy.core.backend import CUPY
+
+    _poison_pool()
+    neighbors = rng.integers(0, 50, (5, n_out)).astype(numpy.int32)
+    neighbors[rng.random((5, n_out)) < 0.6] = -1
+    neighbors[1], neighbors[2] = -1, 7
+    pairs, totals, _ = sm.conv_kernels.tap_pairs(CUPY, cupy.asarray(neighbors))
+    pairs, totals = pairs.get(), totals.get()
+    for k in range(5):
+        want = numpy.flatnonzero(neighbors[k] >= 0)
+        assert totals[k] == want.size
+        numpy.testing.assert_array_equal(pairs[k, :want.size], want)
+
+
+@requires_gpu
 @pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
 @pytest.mark.parametrize("cin", [12, 16])
 @pytest.mark.parametrize("shape, kernel, n", [((30, 40), 7, 500), ((12, 14, 16), 5, 900)],

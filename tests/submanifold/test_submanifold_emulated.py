@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.skipif(not cuda_emulation.available(), reason="needs g
 
 
 ARGUMENTS = {"submanifold_fused": "FusedArgs", "submanifold_grad_weight": "GradWeightArgs",
+             "tap_pair_counts": "PairArgs", "tap_pairs": "PairArgs",
              "split_sum": "SplitSumArgs",
              "submanifold_gather": "GatherArgs", "tap_masks": "MaskArgs"}
 
@@ -33,7 +34,7 @@ def kernels(emulation_dir):
 
 # The plans of the launches, which keep the kernels they were made with (emulated ones here).
 PLANS = (conv_kernels._fused_plan, conv_kernels._grad_weight_plan, conv_kernels._gather_plan,
-         conv_kernels._masks_plan, cuda_rulebook._rule_plan)
+         conv_kernels._masks_plan, conv_kernels._pairs_plans, cuda_rulebook._rule_plan)
 
 
 @pytest.fixture
@@ -226,15 +227,17 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("n_in, n_out, cin, cout, taps", [
     (50, 70, 16, 24, 9), (200, 300, 40, 64, 27), (30, 20, 3, 8, 5), (90, 600, 8, 16, 27),
-    (10, 1, 64, 72, 1), (120, 150, 24, 32, 27), (300, 1100, 64, 16, 3), (90, 900, 4, 16, 27)])
+    (10, 1, 64, 72, 1), (120, 150, 24, 32, 27), (300, 1100, 64, 16, 3), (90, 900, 4, 16, 27),
+    (150, 1500, 96, 40, 5)])
 def test_grad_weight_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, taps):
     """dw[co, k, ci] = sum over o of dy[o, co] * features[map[k, o], ci]: tiles 16, 32 and 64
     channels wide (and part tiles), tiles of the columns across taps (rows narrower than a tile,
     a whole number of them or not) and within one, rows under 16 bytes padded (3 channels),
     absent neighbours and a tap no site has, part stages and chunks (a chunk's sites: the fewer
     taps a tile has, the more), sites split over CTAs (the emulated GPU's 2 SMs: their float sums
-    added by split_sum) and several chunks in one CTA (8 and 16 taps a tile); out in float32 and
-    in the features' dtype."""
+    added by split_sum) and several chunks in one CTA (8 and 16 taps a tile); rows of 64 channels
+    and more by the sites each tap has (tap_pairs: 64, and 96 in two tiles a tap, the second part
+    filled); out in float32 and in the features' dtype."""
     features = random_array(rng, (n_in, cin), numpy.float32)
     dy = random_array(rng, (n_out, cout), numpy.float32)
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
@@ -254,6 +257,21 @@ def test_grad_weight_equals_definition(rng, launched, dtype, n_in, n_out, cin, c
         tolerance = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 8e-3}[out_dtype]
         numpy.testing.assert_allclose(got.astype(numpy.float64), want, rtol=0,
                                       atol=tolerance * scale)
+
+
+@pytest.mark.parametrize("n_out", [1, 1024, 2500])
+def test_tap_pairs_equal_numpy(rng, launched, n_out):
+    """Each tap's sites in order, over one block of sites and several (a part one): taps that
+    every site has, none has, and some."""
+    neighbors = rng.integers(0, 50, (4, n_out)).astype(numpy.int32)
+    neighbors[rng.random((4, n_out)) < 0.6] = -1
+    neighbors[1] = -1
+    neighbors[2] = 7
+    pairs, totals, _ = conv_kernels.tap_pairs(cuda_emulation.HostMemory(), neighbors)
+    for k in range(4):
+        want = numpy.flatnonzero(neighbors[k] >= 0)
+        assert totals[k] == want.size
+        numpy.testing.assert_array_equal(pairs[k, :want.size], want)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
