@@ -10,8 +10,9 @@ Sites and layers: bench.submanifold_tiles' (a 3x3x3 submanifold rulebook at stri
 8 of --batch frames; the widths detectors and segmentation U-Nets use at each level). Dtypes:
 float16 with a float32 gradient (AMP's float32 weight) and float32 as TF32, on torch tensors:
 the kernel through sbnet_cupy.submanifold.grad_weight, the gemm route through the torch op's
-implementation (torch_bridge.submanifold.conv_op), as a training step's backward calls them. Time: the median over --repeats of CUDA events around 20 back-to-back calls, divided by
-20. Writes DIR/submanifold_grad_weight_<device>.csv.
+implementation (torch_bridge.submanifold.conv_op), as a training step's backward calls them.
+Time: the median over --repeats of CUDA events around 20 back-to-back calls, divided by 20.
+Writes DIR/submanifold_grad_weight_<device>.csv.
 """
 
 import argparse
