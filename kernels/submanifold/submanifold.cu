@@ -621,44 +621,46 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
 // dw[co, k, ci] = sum over output sites o of dy[o, co] * features[map[k, o], ci] (zero where the
 // map is -1): for each tap a product over the sites, which the gemm route makes of the gathered
 // rows [n_out, taps x cin], written whole and read again. Here the gathered rows never leave
-// shared memory. A CTA takes GRAD_BM columns (k, ci) of the taps x cin (the MMA's rows) x BN output
+// shared memory. A CTA takes BM columns (k, ci) of the taps x cin (the MMA's rows) x BN output
 // channels (its columns) over the sites of its split (blockIdx.z), whose map it reads a chunk
 // at a time (all of a thread's loads in flight at once): every site, or, given the sites that have
 // each tap (a.pairs, tap_pairs), those of its tap alone (then a tile's columns are of one tap,
-// a.tiles_per_tap of them a tap), and reduces over the sites in stages of
-// 64 bytes of rows, one row a site (2 k-steps of the MMA): the features' rows through the map,
-// dy's as they lie. Both tiles stay site-major in shared memory ([site][column], as cp.async
+// a.tiles_per_tap of them a tap), and reduces over the sites in stages of 4096 / BM bytes of
+// rows, one row a site (two k-steps of the MMA in 64-column tiles, one in 128-column ones): the
+// features' rows through the map, dy's as they lie (or through the pairs). Wide layers take
+// 128 x 128 tiles, which read each pair's two rows once where 64 x 64 tiles read them twice or
+// more: by pairs, the rows are gathered from all over memory and their bytes are the time. Both tiles stay site-major in shared memory ([site][column], as cp.async
 // copies them), so the fragments come through transposing ldmatrix (16-bit types) or word loads
 // rounded to TF32 (float). Each split writes float sums, in out itself or in its part of a
 // partial buffer that split_sum adds up in split order (deterministic, no atomics). Rows are whole
 // 16-byte vectors (cin and cout x the item size, 16-byte aligned arrays: grad_weight_fits).
 
-#define GRAD_BM 64
 #define GRAD_THREADS 128
 #define GRAD_SLOT_BYTES 36864  // static shared memory for stages, beside the chunk's map
 #define GRAD_MAP_ENTRIES 2304  // map entries a CTA holds at once (a chunk of sites of its taps)
 
-// Sites a stage holds (64 bytes of a column: two k-steps).
-template <typename T> constexpr int grad_stage_sites = 64 / sizeof(T);
-// Taps a tile's GRAD_BM columns may touch: rows of at least 16 bytes, not aligned to the tile.
-template <typename T> constexpr int grad_tile_taps = GRAD_BM / (16 / sizeof(T)) + 1;
+// Sites a stage of a BM-column tile holds (4096 / BM bytes of a column).
+template <typename T, int BM> constexpr int grad_stage_sites = 4096 / BM / sizeof(T);
+// Taps a tile's BM columns may touch: rows of at least 16 bytes, not aligned to the tile.
+template <typename T, int BM> constexpr int grad_tile_taps = BM / (16 / sizeof(T)) + 1;
 // Elements a staged row of `cols` columns takes: 8 of padding, so that the 8 rows of an ldmatrix
 // (or the 4 x 8 words of a TF32 fragment's loads) fall in distinct banks.
 constexpr int grad_pitch(int cols) { return cols + 8; }
 
-template <typename T, int BN>
+template <typename T, int BM, int BN>
 __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const GradWeightArgs a) {
-    static_assert(BN == 16 || BN == 32 || BN == 64, "a tile is 16, 32 or 64 channels wide");
-    constexpr int BK = grad_stage_sites<T>, ENTRIES = GRAD_MAP_ENTRIES;
-    constexpr int TILE_TAPS = grad_tile_taps<T>, E = 16 / sizeof(T);  // elements a 16-byte part
+    static_assert((BM == 64 && (BN == 16 || BN == 32 || BN == 64)) || (BM == 128 && BN == 128),
+                  "tiles of 64 columns x 16, 32 or 64 channels, or 128 x 128");
+    constexpr int BK = grad_stage_sites<T, BM>, ENTRIES = GRAD_MAP_ENTRIES;
+    constexpr int TILE_TAPS = grad_tile_taps<T, BM>, E = 16 / sizeof(T);  // a 16-byte part
     static_assert(ENTRIES % (2 * GRAD_THREADS) == 0 && ENTRIES / 2 % BK == 0 &&
                   ENTRIES >= TILE_TAPS * BK, "whole loads a thread, whole stages a chunk");
-    constexpr int A_PITCH = grad_pitch(GRAD_BM), B_PITCH = grad_pitch(BN);
+    constexpr int A_PITCH = grad_pitch(BM), B_PITCH = grad_pitch(BN);
     constexpr int SLOT_BYTES = BK * (A_PITCH + B_PITCH) * sizeof(T);
     constexpr int SLOTS = GRAD_SLOT_BYTES / SLOT_BYTES < 4 ? GRAD_SLOT_BYTES / SLOT_BYTES : 4;
     static_assert(SLOTS >= 2 && SLOT_BYTES % 16 == 0, "a stage in flight, slots of whole vectors");
-    // Four warps of WM x WN, as mma_tile: 2 x 2 for BN 64 and 32, 4 x 1 for 16.
-    using tile_t = mma_tile<GRAD_BM, BN, 8, BN == 16 ? 4 : 2, SLOTS>;
+    // Four warps of WM x WN, as mma_tile: 2 x 2 but for BN 16 (4 x 1).
+    using tile_t = mma_tile<BM, BN, 8, BN == 16 ? 4 : 2, SLOTS>;
     constexpr int MT = tile_t::MT, NT = tile_t::NT;
     static_assert(NT % 2 == 0, "B fragments in pairs");
     __shared__ __align__(16) unsigned char slots[SLOTS * SLOT_BYTES];
@@ -676,13 +678,13 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
     int m0, tap_lo, tile_taps, col_end;
     if (by_pairs) {
         tap_lo = blockIdx.x / a.tiles_per_tap;
-        m0 = tap_lo * a.cin + blockIdx.x % a.tiles_per_tap * GRAD_BM;
+        m0 = tap_lo * a.cin + blockIdx.x % a.tiles_per_tap * BM;
         tile_taps = 1;
         col_end = (tap_lo + 1) * a.cin;
     } else {
-        m0 = blockIdx.x * GRAD_BM;
+        m0 = blockIdx.x * BM;
         tap_lo = m0 / a.cin;
-        tile_taps = min(a.taps - 1, (m0 + GRAD_BM - 1) / a.cin) - tap_lo + 1;
+        tile_taps = min(a.taps - 1, (m0 + BM - 1) / a.cin) - tap_lo + 1;
         col_end = cols;
     }
     const int chunk = by_pairs ? ENTRIES / 2 : ENTRIES / tile_taps / BK * BK;
@@ -692,7 +694,7 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
 
     // The 16-byte part of the tile's columns this thread stages (its tap, the tap's channel),
     // the same in every stage; and its first row, then every A_ROWS.
-    constexpr int A_PARTS = GRAD_BM / E, A_ROWS = GRAD_THREADS / A_PARTS;
+    constexpr int A_PARTS = BM / E, A_ROWS = GRAD_THREADS / A_PARTS;
     static_assert(GRAD_THREADS % A_PARTS == 0 && BK % A_ROWS == 0, "whole rows of parts a pass");
     const int a_col = m0 + threadIdx.x % A_PARTS * E;
     const int a_tap = a_col < col_end ? a_col / a.cin - tap_lo : -1;

@@ -192,14 +192,14 @@ def fused_splits(device, tiles, taps):
                                   _FUSED_CTAS_PER_SM, round_up=False)
 
 
-_GRAD_COLUMNS, _GRAD_THREADS = 64, 128  # columns (tap, ci) a CTA of the weight's gradient
+_GRAD_THREADS = 128  # a CTA of the weight's gradient
+# Its tiles, (columns (tap, ci), output channels) a CTA (grad_weight_config): 64 columns by 16,
+# 32 or 64 channels over every site; 128 x 128 over the sites of one tap (tap_pairs).
+GRAD_TILES = ((64, 16), (64, 32), (64, 64), (128, 128))
+_GRAD_NARROW = 64 * 64  # cin x cout up to which tiles take every site
 _PAIR_SITES, _PAIR_THREADS = 1024, 256  # sites a CTA of the tap_pairs kernels, its threads
-GRAD_TILES = (16, 32, 64)  # its output channels a CTA (grad_weight_tile)
 _GRAD_SPLIT_SITES = 256  # a split of the sites is a multiple of this many
 _GRAD_CTAS_PER_SM = 4  # sites are split over CTAs until the grid has this many an SM
-
-
-_GRAD_MAX_CHANNELS = 64 * 64  # cin x cout up to which grad_weight's kernel is the faster route
 
 
 def grad_weight_fits(dtype, cin, cout, aligned):
@@ -213,10 +213,22 @@ def grad_weight_fits(dtype, cin, cout, aligned):
 
 def grad_weight_takes(dtype, cin, cout, aligned):
     """Whether the weight's gradient of a layer goes through grad_weight's kernel: where it can
-    (grad_weight_fits) and cin x cout is at most 64 x 64, where writing and reading the gathered
-    rows costs more than the kernel's product; wider layers' products run faster in cuBLAS, which
-    the gathered rows' cost does not outweigh (bench.submanifold_grad_weight)."""
-    return cin * cout <= _GRAD_MAX_CHANNELS and grad_weight_fits(dtype, cin, cout, aligned)
+    (grad_weight_fits) and cin x cout is at most 64 x 64 or cin at least 64, where it measured
+    faster than writing and reading the gathered rows for cuBLAS (bench.submanifold_grad_weight);
+    narrow inputs to wide outputs take the gathered rows."""
+    return ((cin * cout <= _GRAD_NARROW or cin >= 64)
+            and grad_weight_fits(dtype, cin, cout, aligned))
+
+
+def grad_weight_config(cin, cout):
+    """(columns, channels, by_pairs) of grad_weight's tile for a layer of cin (padded) and cout
+    channels: up to 64 x 64 channels, 64 columns across taps by the narrowest of 16, 32 and 64
+    channels that holds cout (else 64), over every site; wider layers with cin >= 64, 128 x 128
+    over the sites that have each tap (tap_pairs): the rows of a tap's pairs are gathered from
+    all over memory, and the wider tile reads each of them fewer times."""
+    if cin >= 64 and cin * cout > _GRAD_NARROW:
+        return 128, 128, True
+    return 64, next((n for m, n in GRAD_TILES if m == 64 and cout <= n), 64), False
 
 
 def grad_weight(backend, features, dy, neighbors, out_dtype):
@@ -225,8 +237,8 @@ def grad_weight(backend, features, dy, neighbors, out_dtype):
     one dtype that grad_weight_fits): dw [cout, taps, cin] in out_dtype ("float32", or the
     features' dtype), dw[co, k, ci] = sum over o of dy[o, co] * features[neighbors[k, o], ci],
     summed in float32 (TF32 products for float32) in a deterministic order. Splits of the sites
-    write float32 sums to the backend's scratch, which split_sum adds up. Rows of at least 64
-    channels multiply only the sites that have each tap (tap_pairs), one tap a tile."""
+    write float32 sums to the backend's scratch, which split_sum adds up. Layers wider than 64 x
+    64 channels with cin >= 64 multiply only the sites that have each tap (tap_pairs)."""
     taps, n_out = neighbors.shape
     cin, cout = features.shape[1], dy.shape[1]
     dtype = backend.dtype_name(features)
@@ -293,24 +305,18 @@ GradWeightPlan = namedtuple("GradWeightPlan", ["conv", "tiles", "tiles_per_tap",
 @functools.lru_cache(maxsize=1024)
 def _grad_weight_plan(device, dtype, cin, cout, taps, out_dtype):
     """The GradWeightPlan of a layer (cin: the padded width) into out_dtype."""
-    tile = grad_weight_tile(cout)
+    columns, channels, by_pairs = grad_weight_config(cin, cout)
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
-    conv = _plan.KernelPlan(device, "submanifold", "submanifold_grad_weight", (ctype, tile),
-                            (1, 1, 1), (_GRAD_THREADS, 1, 1), 0, _records.GRAD_WEIGHT_ARGS,
-                            dependent=True)
+    conv = _plan.KernelPlan(device, "submanifold", "submanifold_grad_weight",
+                            (ctype, columns, channels), (1, 1, 1), (_GRAD_THREADS, 1, 1), 0,
+                            _records.GRAD_WEIGHT_ARGS, dependent=True)
     split_sum = _plan.split_sum_plan(device, "submanifold", _kernels.ARITHMETIC_CTYPES[out_dtype],
                                      dependent=True)
-    tiles_per_tap = -(-cin // _GRAD_COLUMNS) if cin >= _GRAD_COLUMNS else 0
-    columns = taps * tiles_per_tap if tiles_per_tap else -(-taps * cin // _GRAD_COLUMNS)
-    tiles = (_checks.grid_dim("weight columns", columns),
-             _checks.grid_dim("output channels", -(-cout // tile)))
+    tiles_per_tap = -(-cin // columns) if by_pairs else 0
+    tiles = (_checks.grid_dim("weight columns", taps * tiles_per_tap if by_pairs
+                              else -(-taps * cin // columns)),
+             _checks.grid_dim("output channels", -(-cout // channels)))
     return GradWeightPlan(conv, tiles, tiles_per_tap, split_sum)
-
-
-def grad_weight_tile(cout):
-    """Output channels a CTA of the weight's gradient takes: the narrowest of GRAD_TILES that
-    holds cout, else the widest."""
-    return next((width for width in GRAD_TILES if cout <= width), GRAD_TILES[-1])
 
 
 def grad_weight_grid(device, n_out, tiles):
@@ -331,8 +337,8 @@ def instantiations():
              for dims in range(1, MAX_DIMS + 1)]
             + [_kernels.name_expression("submanifold_fused", ctype, vector, stage, tile)
                for ctype in fused for vector, stage, tile in FUSED_CONFIGS]
-            + [_kernels.name_expression("submanifold_grad_weight", ctype, tile)
-               for ctype in fused for tile in GRAD_TILES]
+            + [_kernels.name_expression("submanifold_grad_weight", ctype, columns, channels)
+               for ctype in fused for columns, channels in GRAD_TILES]
             + [_kernels.name_expression(kernel, _PAIR_THREADS)
                for kernel in ("tap_pair_counts", "tap_pairs")]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]

@@ -179,15 +179,16 @@ def test_fused_matches_loops(rng, subm, cin, cout, dtype):
 @requires_gpu
 @pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
 @pytest.mark.parametrize("cin, cout", [(4, 8), (8, 16), (16, 64), (24, 72), (32, 24), (40, 136),
-                                       (64, 16), (128, 128), (6, 8), (17, 24)])
+                                       (64, 16), (128, 128), (96, 96), (256, 64), (6, 8), (17, 24)])
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])
 def test_grad_weight_matches_loops(rng, subm, cin, cout, dtype):
     """The weight's gradient through grad_weight's kernel on every layer it can take (rows of
-    16-byte vectors, rows under 16 bytes padded, tiles 16, 32 and 64 channels wide and part
-    tiles, columns across taps and within one, the sites of a scattered rulebook split over
-    CTAs; out in float32 and in the features' dtype), and through rulebook_conv_grad_weight's
-    routes (algo="fused": the kernel up to 64 x 64 channels, the gathered rows and cuBLAS for
-    wider layers and those it cannot take, 6 and 17 channels; algo="gemm"), against the loop
+    16-byte vectors, rows under 16 bytes padded, 64-column tiles 16, 32 and 64 channels wide and
+    part tiles, columns across taps and within one; wider layers by each tap's sites in 128 x
+    128 tiles, part filled; the sites of a scattered rulebook split over CTAs; out in float32
+    and in the features' dtype), and through rulebook_conv_grad_weight's routes (algo="fused":
+    the kernel where grad_weight_takes, the gathered rows and cuBLAS for narrow inputs to wide
+    outputs and the layers it cannot take, 6 and 17 channels; algo="gemm"), against the loop
     over the pairs and a float64 product."""
     import cupy
 

@@ -228,16 +228,17 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
 @pytest.mark.parametrize("n_in, n_out, cin, cout, taps", [
     (50, 70, 16, 24, 9), (200, 300, 40, 64, 27), (30, 20, 3, 8, 5), (90, 600, 8, 16, 27),
     (10, 1, 64, 72, 1), (120, 150, 24, 32, 27), (300, 1100, 64, 16, 3), (90, 900, 4, 16, 27),
-    (150, 1500, 96, 40, 5)])
+    (150, 1500, 96, 96, 5), (60, 700, 136, 136, 3)])
 def test_grad_weight_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, taps):
     """dw[co, k, ci] = sum over o of dy[o, co] * features[map[k, o], ci]: tiles 16, 32 and 64
     channels wide (and part tiles), tiles of the columns across taps (rows narrower than a tile,
     a whole number of them or not) and within one, rows under 16 bytes padded (3 channels),
     absent neighbours and a tap no site has, part stages and chunks (a chunk's sites: the fewer
     taps a tile has, the more), sites split over CTAs (the emulated GPU's 2 SMs: their float sums
-    added by split_sum) and several chunks in one CTA (8 and 16 taps a tile); rows of 64 channels
-    and more by the sites each tap has (tap_pairs: 64, and 96 in two tiles a tap, the second part
-    filled); out in float32 and in the features' dtype."""
+    added by split_sum) and several chunks in one CTA (8 and 16 taps a tile); layers wider than
+    64 x 64 channels by the sites each tap has (tap_pairs) in 128 x 128 tiles (64 x 72, 96 x 96
+    part filled, 136 x 136 in two tiles a tap and two of channels); out in float32 and in the
+    features' dtype."""
     features = random_array(rng, (n_in, cin), numpy.float32)
     dy = random_array(rng, (n_out, cout), numpy.float32)
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
