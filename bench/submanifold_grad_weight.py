@@ -11,36 +11,18 @@ Sites and layers: bench.submanifold_tiles' (a 3x3x3 submanifold rulebook at stri
 float16 with a float32 gradient (AMP's float32 weight) and float32 as TF32, on torch tensors:
 the kernel through sbnet_cupy.submanifold.grad_weight, the gemm route through the torch op's
 implementation (torch_bridge.submanifold.conv_op), as a training step's backward calls them.
-Time: the median over --repeats of CUDA events around 20 back-to-back calls, divided by 20.
+Time: bench.submanifold_tiles' (the median over --repeats of CUDA events around 20
+back-to-back calls, divided by 20).
 Writes DIR/submanifold_grad_weight_<device>.csv.
 """
 
 import argparse
 import pathlib
 import re
-import statistics
 
 from bench import lidar_scenes
 from bench._common import RESULTS, allow_tf32, require_gpu, write_csv
-from bench.submanifold_tiles import LAYERS, levels
-
-CALLS = 20
-
-
-def gpu_ms(run, repeats):
-    import torch
-
-    run()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(CALLS):
-            run()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / CALLS)
-    return statistics.median(times)
+from bench.submanifold_tiles import LAYERS, gpu_ms, levels
 
 
 def main(argv=None):
