@@ -620,20 +620,21 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
 //
 // dw[co, k, ci] = sum over output sites o of dy[o, co] * features[map[k, o], ci] (zero where the
 // map is -1): for each tap a product over the sites, which the gemm route makes of the gathered
-// rows [n_out, taps x cin], written whole and read again. Here the gathered rows never leave
-// shared memory. A CTA takes BM columns (k, ci) of the taps x cin (the MMA's rows) x BN output
-// channels (its columns) over the sites of its split (blockIdx.z), whose map it reads a chunk
-// at a time (all of a thread's loads in flight at once): every site, or, given the sites that have
-// each tap (a.pairs, tap_pairs), those of its tap alone (then a tile's columns are of one tap,
-// a.tiles_per_tap of them a tap), and reduces over the sites in stages of 4096 / BM bytes of
-// rows, one row a site (two k-steps of the MMA in 64-column tiles, one in 128-column ones): the
-// features' rows through the map, dy's as they lie (or through the pairs). Wide layers take
-// 128 x 128 tiles, which read each pair's two rows once where 64 x 64 tiles read them twice or
-// more: by pairs, the rows are gathered from all over memory and their bytes are the time. Both tiles stay site-major in shared memory ([site][column], as cp.async
-// copies them), so the fragments come through transposing ldmatrix (16-bit types) or word loads
-// rounded to TF32 (float). Each split writes float sums, in out itself or in its part of a
-// partial buffer that split_sum adds up in split order (deterministic, no atomics). Rows are whole
-// 16-byte vectors (cin and cout x the item size, 16-byte aligned arrays: grad_weight_fits).
+// rows [n_out, taps x cin], written whole and read again. Here the gathered rows never leave shared
+// memory. A CTA takes BM columns (k, ci) of the taps x cin (the MMA's rows) x BN output channels
+// (its columns) over the sites of its split (blockIdx.z), whose map it reads a chunk at a time (all
+// of a thread's loads in flight at once): every site, or, given the sites that have each tap
+// (a.pairs, tap_pairs), those of its tap alone (then a tile's columns are of one tap,
+// a.tiles_per_tap of them a tap), and reduces over the sites in stages of 4096 / BM bytes of rows,
+// one row a site (two k-steps of the MMA in 64-column tiles, one in 128-column ones): the features'
+// rows through the map, dy's as they lie (or through the pairs). Wide layers take 128 x 128 tiles,
+// which read each pair's two rows once where 64 x 64 tiles read them twice or more: by pairs, the
+// rows are gathered from all over memory and their bytes are the time. Both tiles stay site-major
+// in shared memory ([site][column], as cp.async copies them), so the fragments come through
+// transposing ldmatrix (16-bit types) or word loads rounded to TF32 (float). Each split writes
+// float sums, in out itself or in its part of a partial buffer that split_sum adds up in split
+// order (deterministic, no atomics). Rows are whole 16-byte vectors (cin and cout x the item size,
+// 16-byte aligned arrays: grad_weight_fits).
 
 #define GRAD_THREADS 128
 #define GRAD_SLOT_BYTES 36864  // static shared memory for stages, beside the chunk's map
@@ -712,7 +713,7 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
     for (i64 c0 = site_begin; c0 < site_end; c0 += chunk) {
         const int n_sites = (int)min((i64)chunk, site_end - c0);
         int found[ENTRIES / GRAD_THREADS];
-        if (by_pairs) {  // found: the sites, then their input rows
+        if (by_pairs) {  // found: the input rows, then the sites (read first)
             constexpr int HALF = ENTRIES / 2 / GRAD_THREADS;
 #pragma unroll
             for (int j = 0; j < HALF; ++j) {
@@ -731,7 +732,8 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
         }
         __syncthreads();  // the previous chunk's last stage is read: rows and slots are free
 #pragma unroll
-        for (int j = 0; j < ENTRIES / GRAD_THREADS; ++j) rows[threadIdx.x + j * GRAD_THREADS] = found[j];
+        for (int j = 0; j < ENTRIES / GRAD_THREADS; ++j)
+            rows[threadIdx.x + j * GRAD_THREADS] = found[j];
         __syncthreads();
         const int stages = (n_sites + BK - 1) / BK;
         auto copy = [&](int i, int slot) {
