@@ -117,11 +117,8 @@ def grad_weight_arrays(xp, features, dy, neighbors, shape, algo="gemm"):
         g = gather(features, neighbors)
         acc = _acc_dtype(features.dtype)
         return (dy.astype(acc).T @ g.astype(acc)).astype(features.dtype).reshape(shape)
-    dtype = CUPY.dtype_name(features)
-    if algo == "fused" and grad_weight_takes(
-            dtype, features.shape[1], dy.shape[1],
-            _checks.alignment(CUPY.pointer(features), CUPY.pointer(dy)) == 16):
-        return grad_weight(CUPY, features, dy, neighbors, dtype).reshape(shape)
+    if algo == "fused" and grad_weight_takes(CUPY, features, dy):
+        return grad_weight(CUPY, features, dy, neighbors, CUPY.dtype_name(features)).reshape(shape)
     return (dy.T @ gather(features, neighbors)).reshape(shape)
 
 

@@ -211,13 +211,16 @@ def grad_weight_fits(dtype, cin, cout, aligned):
             and padded_width(cin, itemsize) * itemsize % 16 == 0)
 
 
-def grad_weight_takes(dtype, cin, cout, aligned):
-    """Whether the weight's gradient of a layer goes through grad_weight's kernel: where it can
-    (grad_weight_fits) and cin x cout is at most 64 x 64 or cin at least 64, where it measured
-    faster than writing and reading the gathered rows for cuBLAS (bench.submanifold_grad_weight);
-    narrow inputs to wide outputs take the gathered rows."""
+def grad_weight_takes(backend, features, dy):
+    """Whether the weight's gradient of features [N_in, cin] and dy [n_out, cout] (a backend's
+    arrays) goes through grad_weight's kernel: where it can (grad_weight_fits) and cin x cout is
+    at most 64 x 64 or cin at least 64, where it measured faster than writing and reading the
+    gathered rows for cuBLAS (bench.submanifold_grad_weight); narrow inputs to wide outputs take
+    the gathered rows."""
+    cin, cout = features.shape[1], dy.shape[1]
+    aligned = _checks.alignment(backend.pointer(features), backend.pointer(dy)) == 16
     return ((cin * cout <= _GRAD_NARROW or cin >= 64)
-            and grad_weight_fits(dtype, cin, cout, aligned))
+            and grad_weight_fits(backend.dtype_name(features), cin, cout, aligned))
 
 
 def grad_weight_config(cin, cout):

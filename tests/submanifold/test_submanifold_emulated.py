@@ -249,6 +249,9 @@ def test_grad_weight_equals_definition(rng, launched, dtype, n_in, n_out, cin, c
     want = numpy.einsum("oc,kos->cks", dy.astype(numpy.float64), gathered)
     scale = max(1.0, numpy.abs(want).max())
     assert submanifold.grad_weight_fits(dtype, cin, cout, True)
+    # The route: the kernel up to 64 x 64 channels or from 64 input channels.
+    assert submanifold.grad_weight_takes(cuda_emulation.HostMemory(), f, g) == (
+        cin * cout <= 64 * 64 or cin >= 64)
     for out_dtype in ("float32", dtype):
         memory = cuda_emulation.HostMemory()
         out = submanifold.grad_weight(memory, f, g, neighbors, out_dtype)

@@ -112,9 +112,8 @@ def _grad_weight_impl(features, dy, neighbors, weight_shape, out_dtype, algo="ge
     features, dy = _contiguous(features), _contiguous(dy)
     if not features.is_cuda:
         return grad_weight_cpu(features, dy, neighbors, weight_shape, out_dtype)
-    if algo == "fused" and out_dtype in (features.dtype, torch.float32) and grad_weight_takes(
-            TORCH.dtype_name(features), features.shape[1], dy.shape[1],
-            _checks.alignment(features.data_ptr(), dy.data_ptr()) == 16):
+    if (algo == "fused" and out_dtype in (features.dtype, torch.float32)
+            and grad_weight_takes(TORCH, features, dy)):
         return grad_weight(TORCH, features, dy, neighbors,
                            TORCH.dtype_name(features) if out_dtype == features.dtype
                            else "float32").reshape(weight_shape)
