@@ -193,6 +193,9 @@ def later_cupy_calls():
             lambda: sbnet_cupy.sparse_kernel_conv2d(x64, split, padding="SAME")),
         "rulebook_conv (submanifold 3x3, rulebook built)": lambda: sbnet_cupy.rulebook_conv(
             features, rulebook, taps),
+        "rulebook_conv_grad_weight (submanifold 3x3, grad_weight's kernel)": (
+            lambda: sbnet_cupy.submanifold.rulebook_conv_grad_weight(features, features,
+                                                                     rulebook, algo="fused")),
     }
 
 
