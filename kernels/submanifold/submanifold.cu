@@ -389,24 +389,24 @@ template <int THREADS> __global__ void tap_pairs(const PairArgs a) {
 // --- the fused convolution: gather and tensor-core matrix product in one kernel -------------
 //
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
-// weight[:, k, ci] (then max(0, .) where a.relu: an eval model's ReLU, BatchNorm folded into
-// weight and bias, torch_bridge.submanifold.fuse_bn_relu), for a tile of FUSED_BM output sites x BN output channels a CTA (4 warps;
-// BN 16, 32, 64 or 128, the launch's choice by cout: narrow layers do no MMA work on padding,
-// wide ones gather each neighbour row once).
-// The reduction runs in stages of STAGE bytes a row: the tile's rows (zeros for absent
-// neighbours) and the weight's slice [BN, STAGE bytes] staged in shared memory and multiplied
-// with mma.sync (tensor_core_mma, common.cuh): m16n8k16 for half and bfloat16, m16n8k8 TF32
-// for float; float32 accumulation. A stage holds `width` channels of each of `per_stage` taps
-// side by side: rows narrower than a stage (16 or 32 channels) pack several taps into it, so
-// every barrier has whole k-steps of work; wider rows take ceil(cin / width) stages a tap.
-// All but one of the stages in shared memory are in flight (cp.async where rows are whole
-// 16-byte vectors): with few sites the grid is small and each CTA's chain of loads is what
-// takes the time. The neighbour rows of up to FUSED_TAPS taps are read once, together; taps no
-// row of the tile has are skipped, and where the launch gives an order of the output rows
-// sorted by their neighbour masks (tap_masks), a tile's rows have much the same taps. Where
-// tiles are fewer than the GPU has SMs, the taps are split over blockIdx.z: each split writes
-// its float sums to partial[z], and split_sum (common.cuh) adds them up in split order
-// (deterministic, no atomics). Both are programmatic dependent launches (common.cuh).
+// weight[:, k, ci] (then max(0, .) where a.relu: an eval model's ReLU, BatchNorm folded into weight
+// and bias, torch_bridge.submanifold.fuse_bn_relu), for a tile of FUSED_BM output sites x BN output
+// channels a CTA (4 warps; BN 16, 32, 64 or 128, the launch's choice by cout: narrow layers do no
+// MMA work on padding, wide ones gather each neighbour row once). The reduction runs in stages of
+// STAGE bytes a row: the tile's rows (zeros for absent neighbours) and the weight's slice [BN,
+// STAGE bytes] staged in shared memory and multiplied with mma.sync (tensor_core_mma, common.cuh):
+// m16n8k16 for half and bfloat16, m16n8k8 TF32 for float; float32 accumulation. A stage holds
+// `width` channels of each of `per_stage` taps side by side: rows narrower than a stage (16 or 32
+// channels) pack several taps into it, so every barrier has whole k-steps of work; wider rows take
+// ceil(cin / width) stages a tap. All but one of the stages in shared memory are in flight
+// (cp.async where rows are whole 16-byte vectors): with few sites the grid is small and each CTA's
+// chain of loads is what takes the time. The neighbour rows of up to FUSED_TAPS taps are read once,
+// together; taps no row of the tile has are skipped, and where the launch gives an order of the
+// output rows sorted by their neighbour masks (tap_masks), with the map's columns in that order (so
+// that tiles read the map coalesced), a tile's rows have much the same taps. Where tiles are fewer
+// than the GPU has SMs, the taps are split over blockIdx.z: each split writes its float sums to
+// partial[z], and split_sum (common.cuh) adds them up in split order (deterministic, no atomics).
+// Both are programmatic dependent launches (common.cuh).
 
 #define FUSED_BM 64
 #define FUSED_THREADS 128
@@ -531,9 +531,10 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     // Launched as a dependent (launch_fused): features may be the previous kernel's output.
     wait_for_previous_kernel();
     allow_next_kernel();
-    const int out_row =
-        m0 + mine < a.n_out ? (a.order ? a.order[m0 + mine] : (int)(m0 + mine)) : -1;
-    if (t0 == 0) out_rows[mine] = out_row;
+    // The map's columns come in the tiles' order (the launch permuted them with the rows), so
+    // a tile reads them at its positions, coalesced; only the epilogue needs the output rows.
+    const int position = m0 + mine < a.n_out ? (int)(m0 + mine) : -1;
+    if (t0 == 0) out_rows[mine] = position >= 0 && a.order ? a.order[position] : position;
     __syncthreads();  // for the epilogue, where the CTA has no taps
     float acc[MT][NT][4] = {};
     for (int k0 = tap_begin; k0 < tap_end; k0 += FUSED_TAPS) {
@@ -544,7 +545,7 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
 #pragma unroll
         for (int i = 0; i < PER_THREAD; ++i) {
             const int t = t0 + i * TAP_STRIDE;
-            found[i] = t < group && out_row >= 0 ? a.map[(i64)(k0 + t) * a.n_out + out_row] : -1;
+            found[i] = t < group && position >= 0 ? a.map[(i64)(k0 + t) * a.n_out + position] : -1;
         }
         unsigned has = 0;  // bit t: this thread's row has tap t
 #pragma unroll

@@ -459,7 +459,8 @@ FUSED_ARGS = Record("FusedArgs", "submanifold", """
     const void* features;  // [N_in, cin]
     const void* weight;    // [cout, taps, cin]
     const void* bias;      // [cout], or null
-    const int* map;        // [taps, n_out]: the input row tap k of output o reads, or -1
+    const int* map;        // [taps, n_out]: the input row tap k of the output at position o
+                           // (o itself, or order[o]) reads, or -1
     void* out;             // [n_out, cout]
     float* partial;        // [splits, n_out, cout] for split taps (then out, bias unused), or null
     i64 n_out;
@@ -474,7 +475,8 @@ FUSED_ARGS = Record("FusedArgs", "submanifold", """
 GRAD_WEIGHT_ARGS = Record("GradWeightArgs", "submanifold", """
     const void* features;  // [N_in, cin]
     const void* dy;        // [n_out, cout]: the output's gradient
-    const int* map;        // [taps, n_out]: the input row tap k of output o reads, or -1
+    const int* map;        // [taps, n_out]: the input row tap k of the output at position o
+                           // (o itself, or order[o]) reads, or -1
     float* out;            // [splits, cout, taps * cin]: split z's sums at z * cout * taps * cin
     i64 n_out;
     int cin, cout, taps;

@@ -87,10 +87,11 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=Fals
     """The fused convolution of a backend's arrays: features [N_in, cin], weight [cout, *kernel,
     cin] and bias [cout] (or None) of one dtype ("float16", "bfloat16", or "float32" as TF32),
     through the int32 map neighbors [taps, n_out]; returns out [n_out, cout]. order: int32
-    [n_out], a permutation of the output rows in which tiles take them (Rulebook.fused_order),
-    or None: 0, 1, ... relu: out = max(0, out), in the kernel's epilogue. Split taps write
-    float32 partial sums to the backend's scratch, which a second kernel adds up with the bias
-    (and takes the ReLU)."""
+    [1 + taps, n_out] (Rulebook.fused_order): row 0 a permutation of the output rows in which
+    tiles take them, rows 1.. the map's columns in that order (neighbors[:, order[0]]); or None:
+    0, 1, ... relu: out = max(0, out), in the kernel's epilogue. Split taps write float32
+    partial sums to the backend's scratch, which a second kernel adds up with the bias (and
+    takes the ReLU)."""
     taps, n_out = neighbors.shape
     cin, cout = features.shape[1], weight.shape[0]
     features, weight = backend.contiguous(features), backend.contiguous(weight)
@@ -109,17 +110,20 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=Fals
     stream = backend.stream(device)
     bias = None if bias is None else backend.contiguous(bias)  # kept until the launches
     b = backend.pointer(bias)
-    order = backend.pointer(order)
+    order = None if order is None else backend.contiguous(order)  # kept until the launches
+    order_at = backend.pointer(order)
+    # The map in the tiles' order: order's rows after the first, or neighbors as they are.
+    map_at = order_at + 4 * n_out if order_at else backend.pointer(neighbors)
     splits = grid[2]
     if splits == 1:
-        plan.conv.launch(stream, x, w, b, backend.pointer(neighbors), backend.pointer(out), 0,
-                         n_out, cin, cout, taps, split_taps, order, int(relu), grid=grid)
+        plan.conv.launch(stream, x, w, b, map_at, backend.pointer(out), 0, n_out, cin, cout, taps,
+                         split_taps, order_at, int(relu), grid=grid)
         return out
     # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest;
     # _owner keeps the scratch until both launches are queued.
     partial, _owner = backend.float_scratch(device, splits * n_out * cout)
-    plan.conv.launch(stream, x, w, 0, backend.pointer(neighbors), 0, partial, n_out, cin, cout,
-                     taps, split_taps, order, 0, grid=grid)
+    plan.conv.launch(stream, x, w, 0, map_at, 0, partial, n_out, cin, cout, taps, split_taps,
+                     order_at, 0, grid=grid)
     plan.split_sum.launch(stream, partial, b, backend.pointer(out), n_out, cout, cout, splits,
                           grid=_plan.split_sum_grid(n_out, cout))
     return out

@@ -72,9 +72,10 @@ class Rulebook:
 
     def fused_order(self, transposed=False):
         """The fused kernel's order of the output rows of `neighbors` (of `neighbors_t` if
-        transposed), int32 on the map's device: the rows sorted by their neighbour masks (the
-        taps they have), so that a tile's rows have much the same taps and the kernel skips the
-        others. Computed on first use, kept while the map is the same object."""
+        transposed), int32 [1 + taps, n] on the map's device: row 0 the rows sorted by their
+        neighbour masks (the taps they have), so that a tile's rows have much the same taps and
+        the kernel skips the others; rows 1.. the map's columns in that order, which tiles then
+        read coalesced. Computed on first use, kept while the map is the same object."""
         neighbors = self.neighbors_t if transposed else self.neighbors
         cached = self._orders[transposed]
         if cached is None or cached[0] is not neighbors:
@@ -85,12 +86,17 @@ class Rulebook:
 
     @staticmethod
     def _sorted_rows(neighbors):
-        """fused_order's rows of a CuPy map: argsort of their tap_masks (stable: rows of one mask
-        keep their order, which the rulebooks give sites of one neighbourhood)."""
+        """fused_order of a CuPy map: argsort of its rows' tap_masks (stable: rows of one mask
+        keep their order, which the rulebooks give sites of one neighbourhood), and the map's
+        columns in that order."""
         import cupy
 
         with cupy.cuda.Device(neighbors.data.device_id):
-            return cupy.argsort(tap_masks(CUPY, neighbors)).astype(cupy.int32)
+            order = cupy.argsort(tap_masks(CUPY, neighbors)).astype(cupy.int32)
+            rows = cupy.empty((1 + neighbors.shape[0], neighbors.shape[1]), cupy.int32)
+            rows[0] = order
+            cupy.take(neighbors, order, axis=1, out=rows[1:])
+            return rows
 
     def __repr__(self):
         kind = "submanifold" if self.subm else "inverse" if self.inverted else "strided"

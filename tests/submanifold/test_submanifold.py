@@ -370,9 +370,9 @@ def test_fused_every_configuration(rng, monkeypatch, stage, tile, cin, dtype):
 @requires_gpu
 def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
     """Rulebook.fused_order: a permutation of the output rows, their tap masks in ascending
-    order (int32), computed once for the map it was computed for and again for a new one;
-    inverse() swaps the two orders. The convolution in that order equals the one without
-    (SORT_ROWS off)."""
+    order, and the map's columns in that order (int32), computed once for the map it was
+    computed for and again for a new one; inverse() swaps the two orders. The convolution in
+    that order equals the one without (SORT_ROWS off)."""
     import cupy
 
     monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)  # every layer sorts
@@ -382,13 +382,15 @@ def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
     for rulebook in (sm.submanifold_rulebook(coords, shape, 2, 3),
                      sm.strided_rulebook(coords, shape, 2, 3, 2, 1)):
         for transposed in (False, True):
-            order = rulebook.fused_order(transposed)
+            rows = rulebook.fused_order(transposed)
             neighbors = (rulebook.neighbors_t if transposed else rulebook.neighbors).get()
-            assert order.dtype == cupy.int32 and order is rulebook.fused_order(transposed)
-            numpy.testing.assert_array_equal(numpy.sort(order.get()),
-                                             numpy.arange(neighbors.shape[1]))
+            assert rows.dtype == cupy.int32 and rows is rulebook.fused_order(transposed)
+            assert rows.shape == (28, neighbors.shape[1])
+            order = rows[0].get()
+            numpy.testing.assert_array_equal(numpy.sort(order), numpy.arange(neighbors.shape[1]))
+            numpy.testing.assert_array_equal(rows[1:].get(), neighbors[:, order])
             masks = ((neighbors >= 0).astype(numpy.int64) << numpy.arange(27)[:, None]).sum(0)
-            assert numpy.all(numpy.diff(masks.astype(numpy.int32)[order.get()]) >= 0)
+            assert numpy.all(numpy.diff(masks.astype(numpy.int32)[order]) >= 0)
         assert rulebook.inverse().fused_order() is rulebook.fused_order(True)
         first = rulebook.fused_order()
         rulebook.neighbors = rulebook.neighbors.copy()

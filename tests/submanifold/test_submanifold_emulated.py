@@ -351,15 +351,17 @@ def test_tap_masks_equal_numpy(rng, launched, taps):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("n_out, cin, cout", [(150, 16, 24), (70, 40, 130)])
 def test_fused_in_an_order_equals_definition(rng, launched, dtype, n_out, cin, cout):
-    """Tiles that take the output rows in a given order (Rulebook.fused_order's permutation)
-    write each row where it belongs: split taps, bias and part tiles too."""
+    """Tiles that take the output rows in a given order (Rulebook.fused_order's permutation,
+    the map's columns in that order beside it) write each row where it belongs: split taps,
+    bias and part tiles too."""
     n_in, taps = 90, 27
     features = random_array(rng, (n_in, cin), numpy.float32)
     weight = random_array(rng, (cout, taps, cin), numpy.float32)
     bias = random_array(rng, (cout,), numpy.float32)
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
     neighbors[rng.random((taps, n_out)) < 0.6] = -1
-    order = rng.permutation(n_out).astype(numpy.int32)
+    permutation = rng.permutation(n_out).astype(numpy.int32)
+    order = numpy.concatenate([permutation[None], neighbors[:, permutation]])
     f, w, b = (a.astype(dtype) for a in (features, weight, bias))
     out = submanifold.fused_conv(cuda_emulation.HostMemory(), f, w, b, neighbors, order)
     gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)

@@ -80,8 +80,14 @@ class Rulebook(_core.Rulebook):
 
     @staticmethod
     def _sorted_rows(neighbors):
-        """fused_order's rows of a CUDA map: a stable argsort of their tap_masks."""
-        return torch.argsort(tap_masks(TORCH, neighbors), stable=True).to(torch.int32)
+        """fused_order of a CUDA map: a stable argsort of its rows' tap_masks, and the map's
+        columns in that order."""
+        order = torch.argsort(tap_masks(TORCH, neighbors), stable=True).to(torch.int32)
+        rows = torch.empty((1 + neighbors.shape[0], neighbors.shape[1]), dtype=torch.int32,
+                           device=neighbors.device)
+        rows[0] = order
+        torch.index_select(neighbors, 1, order, out=rows[1:])
+        return rows
 
     @property
     def in_indices(self):
