@@ -9,8 +9,9 @@ them) and the same at strides 2, 4 and 8 (coordinates halved, duplicates merged,
 as strided rulebooks emit them), as a detector's stages see them; a 3x3x3
 submanifold rulebook at each level. Layers: the channel widths detectors and segmentation
 U-Nets use at each level. For each layer, dtype (float16; float32 as TF32), stage (bytes of a
-row a stage holds: 32, 64, 128) and tile width (16, 32, 64, 128 output channels a CTA) the
-kernels are built for (sbnet_cupy.submanifold.FUSED_CONFIGS): the median
+row a stage holds: 32, 64, 128), tile width (16, 32, 64, 128 output channels a CTA) and slots
+(stages in dynamic shared memory; 0: those that fit in static memory) the kernels are built for
+(sbnet_cupy.submanifold.FUSED_CONFIGS): the median
 over --repeats of CUDA events around 20 back-to-back calls, divided by 20 (the kernels queue
 faster than they run, so this is GPU time). `rule` marks the configuration the library picks.
 Writes DIR/submanifold_tiles_<device>.csv.
@@ -94,16 +95,17 @@ def main(argv=None):
             vector = cin * x.itemsize % 16 == 0
             chosen = rule(vector, x.itemsize, cout)
             want = sm.rulebook_conv(x, rulebook, w, algo="fused")
-            for stage, tile in [(s, t) for v, s, t in sm.FUSED_CONFIGS if v == vector]:
+            for stage, tile, slots in [config[1:] for config in sm.FUSED_CONFIGS
+                                       if config[0] == vector]:
                 conv_kernels.fused_config = (
-                    lambda vector, itemsize, cout, config=(stage, tile): config)
+                    lambda vector, itemsize, cout, config=(stage, tile, slots): config)
                 conv_kernels._fused_plan.cache_clear()
                 got = sm.rulebook_conv(x, rulebook, w, algo="fused")
                 err = float(cupy.abs(got.astype(cupy.float32) - want.astype(cupy.float32)).max())
                 ms = gpu_ms(lambda: sm.rulebook_conv(x, rulebook, w, algo="fused"), args.repeats)
                 rows.append(dict(dtype=dtype, level=level, sites=n, cin=cin, cout=cout,
-                                 stage=stage, tile=tile, ms=round(ms, 4), diff=err,
-                                 rule=int((stage, tile) == chosen)))
+                                 stage=stage, tile=tile, slots=slots, ms=round(ms, 4),
+                                 diff=err, rule=int((stage, tile, slots) == chosen)))
                 print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     finally:
         conv_kernels.fused_config = rule

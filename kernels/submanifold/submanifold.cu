@@ -424,11 +424,12 @@ constexpr int fused_slots = FUSED_SLOT_BYTES / ((FUSED_BM + BN) * fused_pitch<ST
                                 : 6;
 
 // A tile of FUSED_BM sites x BN channels in stages of STAGE bytes a row (32: one k-step of the
-// MMA; 64 or 128: two or four, for fewer barriers and copy rounds) and the stages that fit in
-// FUSED_SLOT_BYTES (mma_tile, common.cuh). Four warps of WM x WN: 2 x 2 for BN 128, 64 and 32,
+// MMA; 64 or 128: two or four, for fewer barriers and copy rounds) and SLOTS of them in shared
+// memory (mma_tile, common.cuh): the stages that fit in FUSED_SLOT_BYTES, or as many as the
+// launch gives dynamic shared memory for. Four warps of WM x WN: 2 x 2 for BN 128, 64 and 32,
 // 4 x 1 for 16.
-template <int STAGE, int BN>
-struct fused_tile : mma_tile<FUSED_BM, BN, STAGE / 4, BN == 16 ? 4 : 2, fused_slots<STAGE, BN>> {
+template <int STAGE, int BN, int SLOTS = fused_slots<STAGE, BN>>
+struct fused_tile : mma_tile<FUSED_BM, BN, STAGE / 4, BN == 16 ? 4 : 2, SLOTS> {
     static_assert(STAGE == 32 || STAGE == 64 || STAGE == 128, "a stage is 1, 2 or 4 k-steps");
     static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128,
                   "a tile is 16, 32, 64 or 128 channels wide");
@@ -494,13 +495,18 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
     }
 }
 
-template <typename T, bool VEC, int STAGE, int BN>
+// DYNAMIC_SLOTS: 0, the slots that fit in static shared memory; else that many slots in the
+// launch's dynamic shared memory (DYNAMIC_SLOTS x SLOT_WORDS words: past 48 KiB, where a 128-wide
+// tile's 128-byte stages fit only once in static memory).
+template <typename T, bool VEC, int STAGE, int BN, int DYNAMIC_SLOTS = 0>
 __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedArgs a) {
-    using tile_t = fused_tile<STAGE, BN>;
+    using tile_t = fused_tile<STAGE, BN, DYNAMIC_SLOTS ? DYNAMIC_SLOTS : fused_slots<STAGE, BN>>;
     constexpr int BK = STAGE / sizeof(T), PITCH = tile_t::PITCH, SLOTS = tile_t::SLOTS;
     constexpr int SLOT_WORDS = tile_t::SLOT_WORDS, MT = tile_t::MT, NT = tile_t::NT;
     static_assert(FUSED_TAPS <= 32, "the taps of a group are the bits of one word");
-    __shared__ __align__(16) unsigned slots[SLOTS * SLOT_WORDS];
+    __shared__ __align__(16) unsigned static_slots[DYNAMIC_SLOTS ? 4 : SLOTS * SLOT_WORDS];
+    extern __shared__ __align__(16) unsigned submanifold_smem[];
+    unsigned* const slots = DYNAMIC_SLOTS ? submanifold_smem : static_slots;
     __shared__ int rows[FUSED_TAPS][FUSED_BM];  // neighbour rows of the group's taps
     __shared__ int out_rows[FUSED_BM];          // the tile's output rows, -1 past n_out
     // The group's taps some row has, in tap order: a copy a warp, so that each warp writes and

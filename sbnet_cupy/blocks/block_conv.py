@@ -151,15 +151,6 @@ def tile_channels(cout, rows, pixel_tiles, sms):
     return min(least)
 
 
-def _max_dynamic_shared(plan, shared_mem):
-    """Lets plan's kernel take up to shared_mem bytes of dynamic shared memory (past 48 KiB a
-    kernel must opt in); returns plan's function."""
-    driver = _launch.driver
-    driver.funcSetAttribute(plan.function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            shared_mem)
-    return plan.function
-
-
 @functools.lru_cache(maxsize=1024)
 def _plan(device, dtype_name, cin, width, alignment, op, kernel_size):
     """The BlockConvPlan of block_conv (the streamed stages) for this convolution."""
@@ -176,7 +167,7 @@ def _plan(device, dtype_name, cin, width, alignment, op, kernel_size):
                                     _streamed_tail(dtype_name, cin, kernel_size, groups),
                                     dependent=True)
                   for groups in range(1, max_groups + 1))
-    function = _max_dynamic_shared(plans[-1], max_groups * group_bytes)
+    function = _plans.max_dynamic_shared(plans[-1], max_groups * group_bytes)
     ctas = tuple(_plans.resident_ctas(function, THREADS * groups, groups * group_bytes, device)
                  for groups in range(1, max_groups + 1))
     return BlockConvPlan(plans, ctas, _stages(dtype_name, cin, kernel_size))
@@ -210,7 +201,7 @@ def _halo_plan(device, dtype_name, cin, width, kernel_size, out_size, alignment,
         BLOCK_CONV_ARGS.tail(k_groups=groups, step_taps_y=0, step_taps_x=0, step_channels=0,
                              halo_chunk=chunk), dependent=True) or None
         for groups, bytes_ in enumerate(shared, 1))
-    function = _max_dynamic_shared(next(p for p in plans if p), limit)
+    function = _plans.max_dynamic_shared(next(p for p in plans if p), limit)
     ctas = tuple(bytes_ and _plans.resident_ctas(function, THREADS * groups, bytes_, device)
                  for groups, bytes_ in enumerate(shared, 1))
     return HaloPlan(plans, chunk, chunks, shared, ctas, info.sms)
@@ -348,7 +339,7 @@ def _pair_plan(device, dtype_name, bn, bn2, bottleneck):
                                     (THREADS * groups, 1, 1), bytes_, BLOCK_CONV_PAIR_ARGS,
                                     dependent=True)
                   for groups, bytes_ in enumerate(shared, 1))
-    function = _max_dynamic_shared(plans[-1], shared[-1])
+    function = _plans.max_dynamic_shared(plans[-1], shared[-1])
     ctas = tuple(_plans.resident_ctas(function, THREADS * groups, bytes_, device)
                  for groups, bytes_ in enumerate(shared, 1))
     return PairPlan(plans, ctas, _stages(dtype_name, bottleneck, (3, 3)),

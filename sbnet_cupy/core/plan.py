@@ -68,6 +68,15 @@ class KernelPlan:
                 f"shared_mem={self.shared_mem})")
 
 
+def max_dynamic_shared(plan, shared_mem):
+    """Lets plan's kernel take up to shared_mem bytes of dynamic shared memory (past 48 KiB a
+    kernel must opt in); returns plan's function."""
+    driver = _launch.driver
+    driver.funcSetAttribute(plan.function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            shared_mem)
+    return plan.function
+
+
 def resident_ctas(function, threads, shared_mem, device):
     """How many CTAs of `function` (threads each, shared_mem dynamic bytes) `device` runs at
     once: its SMs times the occupancy (at least one a SM)."""

@@ -18,11 +18,15 @@ from .validation import MAX_DIMS
 
 _FUSED_SITES, _FUSED_THREADS = 64, 128  # output sites a CTA; its threads
 FUSED_TILES = (16, 32, 64, 128)  # output channels a CTA (fused_config)
-# The (vector, stage, tile) the fused kernel is built for: every stage a row can take with
-# every tile, but for 128-byte stages of 128-wide tiles (two slots of them would not fit).
-FUSED_CONFIGS = tuple((vector, stage, tile) for vector in (False, True)
+# The (vector, stage, tile, slots) the fused kernel is built for: every stage a row can take
+# with every tile in the slots that fit in static shared memory (slots 0), but for 128-byte
+# stages of 128-wide tiles, which take two slots of dynamic shared memory.
+FUSED_CONFIGS = tuple((vector, stage, tile, 0) for vector in (False, True)
                       for stage in ((32, 64, 128) if vector else (32, 64)) for tile in FUSED_TILES
-                      if stage * tile < 128 * 128)
+                      if stage * tile < 128 * 128) + ((True, 128, 128, 2),)
+# Static shared memory of the fused kernel beside dynamic slots: the map's rows of a group of
+# taps, the output rows, the active taps (a bound, for the opt-in check).
+_FUSED_STATIC_SHARED = 32 * _FUSED_SITES * 4 + 1024
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
 MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config)
 SORT_ROWS = True  # the fused kernel takes output rows sorted by neighbour mask (fused_sorts)
@@ -140,21 +144,33 @@ def padded_width(cin, itemsize):
 
 
 def fused_config(vector, itemsize, cout):
-    """(stage, tile) of the fused kernel: bytes of a row staged at a time, and output channels
-    a CTA. The tile is the narrowest of 16, 32 and 64 that holds cout, so narrow layers do no
-    MMA work on padding; wider layers take tiles of 64 where cout is a multiple of 64, else of
-    128, which gather each neighbour row once where 64-wide tiles would pad as much. Rows of
+    """(stage, tile, slots) of the fused kernel: bytes of a row staged at a time, output
+    channels a CTA, and stages in dynamic shared memory (0: those that fit in static memory).
+    The tile is the narrowest of 16, 32 and 64 that holds cout, so narrow layers do no MMA work
+    on padding; wider layers take tiles of 64 where cout is a multiple of 64, else of 128,
+    which gather each neighbour row once where 64-wide tiles would pad as much. Rows of
     16-byte vectors are staged MAX_STAGE bytes at a time (narrower rows pack several taps into
-    a stage, so every stage is whole k-steps of the MMA), 64 in 128-wide tiles (whose slots of
-    128 would not fit twice); odd rows 16 elements at a time, one k-step of a 16-bit MMA or two
-    of TF32, as their loads through registers are the stage's time. bench.submanifold_tiles
-    measures every pair per layer."""
+    a stage, so every stage is whole k-steps of the MMA), but for 128-wide tiles: TF32 through
+    two slots of dynamic shared memory (one would fit in static memory), 16-bit types 64 bytes
+    at a time in static memory; odd rows 16 elements at a time, one k-step of a 16-bit MMA or
+    two of TF32, as their loads through registers are the stage's time.
+    bench.submanifold_tiles measures every configuration per layer."""
     tile = next((width for width in FUSED_TILES if cout <= width), FUSED_TILES[-1])
     if tile == 128 and cout % 64 == 0:
         tile = 64
     if not vector:
-        return min(MAX_STAGE, 16 * itemsize), tile
-    return (MAX_STAGE if tile < 128 else min(MAX_STAGE, 64)), tile
+        return min(MAX_STAGE, 16 * itemsize), tile, 0
+    if tile < 128:
+        return MAX_STAGE, tile, 0
+    # 128-byte stages of a 128-wide tile fit only in dynamic shared memory: there they take
+    # 0.87-0.95x the time of 64-byte ones in TF32 and the same in 16-bit types.
+    return (MAX_STAGE, tile, 2) if itemsize == 4 else (64, tile, 0)
+
+
+def _fused_shared(stage, tile, slots):
+    """Dynamic shared memory (bytes) of the fused kernel's `slots` stages of 64 sites and `tile`
+    channels, rows of `stage` bytes padded by 16 (mma_pitch, common.cuh)."""
+    return slots * (_FUSED_SITES + tile) * (stage + 16)
 
 
 # A layer's fused convolution, planned once for every number of output sites (which real frames
@@ -170,11 +186,18 @@ def _fused_plan(device, dtype, aligned, cin, cout, taps, relu=False):
     whether the split sum takes the ReLU (the conv kernel's is each call's)."""
     itemsize = _kernels.ITEMSIZES[dtype]
     vector = aligned and cin * itemsize % 16 == 0
-    stage, tile = fused_config(vector, itemsize, cout)
+    stage, tile, slots = fused_config(vector, itemsize, cout)
+    shared = _fused_shared(stage, tile, slots)
+    if shared + _FUSED_STATIC_SHARED > _launch.device_info(device).shared_per_block_optin:
+        # A GPU with less shared memory a CTA: the slots that fit in static memory.
+        stage, slots, shared = (stage if stage * tile < 128 * 128 else 64), 0, 0
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
     conv = _plan.KernelPlan(device, "submanifold", "submanifold_fused",
-                            (ctype, vector, stage, tile), (1, 1, 1), (_FUSED_THREADS, 1, 1), 0,
-                            _records.FUSED_ARGS, dependent=True)
+                            (ctype, vector, stage, tile) + ((slots,) if slots else ()),
+                            (1, 1, 1), (_FUSED_THREADS, 1, 1), shared, _records.FUSED_ARGS,
+                            dependent=True)
+    if shared:
+        _plan.max_dynamic_shared(conv, shared)
     split_sum = (None if taps == 1 else
                  _plan.split_sum_plan(device, "submanifold", ctype, dependent=True, relu=relu))
     return FusedPlan(conv, _checks.grid_dim("output channels", -(-cout // tile)), split_sum)
@@ -342,8 +365,9 @@ def instantiations():
     fused = [_kernels.ARITHMETIC_CTYPES[dtype] for dtype in _FUSED_DTYPES]
     return ([_kernels.name_expression(rule, dims) for rule in RULE_KERNELS
              for dims in range(1, MAX_DIMS + 1)]
-            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage, tile)
-               for ctype in fused for vector, stage, tile in FUSED_CONFIGS]
+            + [_kernels.name_expression("submanifold_fused", ctype, vector, stage, tile,
+                                        *((slots,) if slots else ()))
+               for ctype in fused for vector, stage, tile, slots in FUSED_CONFIGS]
             + [_kernels.name_expression("submanifold_grad_weight", ctype, columns, channels)
                for ctype in fused for columns, channels in GRAD_TILES]
             + [_kernels.name_expression(kernel, _PAIR_THREADS)

@@ -336,12 +336,12 @@ def test_fused_pads_narrow_rows(cin, itemsize, width):
 @requires_gpu
 @pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
 @pytest.mark.parametrize("cin", [8, 24, 40, 5, 17])
-@pytest.mark.parametrize("stage, tile", [(s, t) for s in (32, 64, 128) for t in (16, 32, 64, 128)
-                                         if s * t < 128 * 128])
-def test_fused_every_configuration(rng, monkeypatch, stage, tile, cin, dtype):
-    """Every stage and tile width the kernels are built for (bench.submanifold_tiles times them
-    all), whatever the rule would pick: rows of one, several and a part of a stage, odd rows
-    through registers (stages of 32 and 64 bytes), narrow rows padded (5 channels)."""
+@pytest.mark.parametrize("stage, tile, slots", sorted({config[1:] for config in
+                                                       conv_kernels.FUSED_CONFIGS}))
+def test_fused_every_configuration(rng, monkeypatch, stage, tile, slots, cin, dtype):
+    """Every stage, tile width and slot count the kernels are built for (bench.submanifold_tiles
+    times them all), whatever the rule would pick: rows of one, several and a part of a stage,
+    odd rows through registers (stages of 32 and 64 bytes), narrow rows padded (5 channels)."""
     import cupy
 
     from conftest import _poison_pool
@@ -350,7 +350,8 @@ def test_fused_every_configuration(rng, monkeypatch, stage, tile, cin, dtype):
     vector = conv_kernels.padded_width(cin, itemsize) * itemsize % 16 == 0
     if not vector and stage == 128:
         pytest.skip("odd rows are staged 32 or 64 bytes at a time")
-    monkeypatch.setattr(conv_kernels, "fused_config", lambda vector, itemsize, cout: (stage, tile))
+    monkeypatch.setattr(conv_kernels, "fused_config",
+                        lambda vector, itemsize, cout: (stage, tile, slots))
     conv_kernels._fused_plan.cache_clear()
     _poison_pool()
     shape = (12, 14, 16)

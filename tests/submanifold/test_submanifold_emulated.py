@@ -11,6 +11,7 @@ import pytest
 import cuda_emulation
 from axes import random_array
 from sbnet_cupy import submanifold
+from sbnet_cupy.core import launch
 from sbnet_cupy.submanifold import conv_kernels, cuda_rulebook
 from test_submanifold import CASES, colliding_keys, random_sites
 
@@ -372,14 +373,16 @@ def test_fused_in_an_order_equals_definition(rng, launched, dtype, n_out, cin, c
 
 
 @pytest.mark.parametrize("cin", [8, 24, 20])
-@pytest.mark.parametrize("stage, tile", [(s, t) for s in (32, 64, 128) for t in (16, 32, 64, 128)
-                                         if s * t < 128 * 128])
-def test_fused_every_configuration(rng, launched, monkeypatch, stage, tile, cin):
-    """Every stage and tile width the kernels are built for, whatever the rule would pick
-    (float16: rows of one, several and a part of a 32-byte stage; odd rows through registers)."""
+@pytest.mark.parametrize("stage, tile, slots", sorted({config[1:] for config in
+                                                       conv_kernels.FUSED_CONFIGS}))
+def test_fused_every_configuration(rng, launched, monkeypatch, stage, tile, slots, cin):
+    """Every stage, tile width and slot count the kernels are built for, whatever the rule would
+    pick (float16: rows of one, several and a part of a 32-byte stage; odd rows through
+    registers)."""
     if cin % 8 and stage == 128:
         pytest.skip("odd rows are staged 32 or 64 bytes at a time")
-    monkeypatch.setattr(conv_kernels, "fused_config", lambda vector, itemsize, cout: (stage, tile))
+    monkeypatch.setattr(conv_kernels, "fused_config",
+                        lambda vector, itemsize, cout: (stage, tile, slots))
     n_in, n_out, cout, taps = 60, 70, 40, 27
     features = random_array(rng, (n_in, cin), numpy.float32).astype(numpy.float16)
     weight = random_array(rng, (cout, taps, cin), numpy.float32).astype(numpy.float16)
@@ -390,6 +393,37 @@ def test_fused_every_configuration(rng, launched, monkeypatch, stage, tile, cin)
     want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight)
     numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
                                   atol=2e-3 * max(1.0, numpy.abs(want).max()))
+
+
+@pytest.mark.parametrize("dtype, optin, config, shared", [
+    ("float32", cuda_emulation.SHARED_MEMORY_OPTIN, (128, 128, 2), 2 * 192 * 144),
+    ("float32", 48 * 1024, (64, 128), 0),
+    ("float16", cuda_emulation.SHARED_MEMORY_OPTIN, (64, 128), 0)],
+    ids=["tf32-dynamic", "tf32-static", "float16"])
+def test_wide_tiles_take_the_shared_memory_the_gpu_allows(rng, launched, monkeypatch, dtype,
+                                                          optin, config, shared):
+    """128-wide tiles (96 output channels) in TF32 stage 128 bytes a row through two slots of
+    dynamic shared memory where a CTA may opt into them, and 64 bytes in static memory where it
+    may not (a GPU of 48 KiB a CTA); 16-bit types stage 64 bytes in static memory. Each computes
+    the definition."""
+    info = launch.device_info(0)._replace(shared_per_block_optin=optin)
+    monkeypatch.setattr(launch, "device_info", lambda device: info)
+    conv_kernels._fused_plan.cache_clear()
+    n_in, n_out, cin, cout, taps = 50, 70, 16, 96, 27
+    features = random_array(rng, (n_in, cin), numpy.float32)
+    weight = random_array(rng, (cout, taps, cin), numpy.float32)
+    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
+    neighbors[rng.random((taps, n_out)) < 0.5] = -1
+    out = submanifold.fused_conv(cuda_emulation.HostMemory(), features.astype(dtype),
+                                 weight.astype(dtype), None, neighbors)
+    plan = conv_kernels._fused_plan(0, dtype, True, cin, cout, taps).conv
+    assert plan.template_args[2:] == config and plan.shared_mem == shared
+    assert launched[0][0] == plan.name and launched[0][-1] == shared
+    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
+    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight)
+    tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
+    numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
+                                  atol=tolerance * max(1.0, numpy.abs(want).max()))
 
 
 @pytest.mark.parametrize("dtype, channels", [(numpy.float32, 5), (numpy.float16, 3),
