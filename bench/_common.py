@@ -4,6 +4,7 @@ their CSV files."""
 import argparse
 import csv
 import pathlib
+import re
 import statistics
 import sys
 
@@ -82,6 +83,13 @@ def graph(run):
         run()
     captured.weights = weights  # alive as long as the graph
     return captured
+
+
+def results_stem(out, name, device):
+    """out/<name>_<device>, the stem of a benchmark's result files, with the folder made; in
+    the device's name every character but letters, digits, '_', '.' and '-' becomes '_'."""
+    out.mkdir(parents=True, exist_ok=True)
+    return out / f"{name}_{re.sub(r'[^A-Za-z0-9_.-]', '_', device)}"
 
 
 def write_csv(rows, path, digits=4):

@@ -96,7 +96,7 @@ import torch
 
 import torch_bridge.submanifold as ours
 from bench import lidar_scenes
-from bench._common import RESULTS, allow_tf32, events_ms, require_gpu, write_csv
+from bench._common import RESULTS, allow_tf32, events_ms, require_gpu, results_stem, write_csv
 from bench.submanifold import by_site, rel_error
 
 MODES = ("eval-tf32", "eval-fp16", "eval-tf32-fused", "eval-fp16-fused", "eval-tf32-graph",
@@ -697,10 +697,9 @@ def main(argv=None):
     batches = args.batches or ([1] if args.quick else [1, 2, 4])
     torch.backends.cudnn.benchmark = True
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", device)
-    args.out.mkdir(parents=True, exist_ok=True)
     name = "_".join(["detectors"] + (["quick"] if args.quick else [])
                     + ([args.suffix] if args.suffix else []))
+    stem = results_stem(args.out, name, device)
     started = time.time()
     libs = libraries(args.device)
     notes = [f"Libraries: {', '.join(libs)}" + ("" if "spconv" in libs else
@@ -722,11 +721,11 @@ def main(argv=None):
     rows, kernels_log, cache, skipped = [], [], {}, []
 
     def save():
-        write_csv(rows, args.out / f"{name}_{slug}.csv")
+        write_csv(rows, f"{stem}.csv")
         text = table(rows, device, notes + ([f"Left out by the {args.budget:.0f} s budget: "
                                              + ", ".join(skipped)] if skipped else []),
                      kernels_log)
-        (args.out / f"{name}_{slug}.md").write_text(text)
+        pathlib.Path(f"{stem}.md").write_text(text)
 
     for model, scale, batch in cases:
         if not args.all and time.time() - started > args.budget:
@@ -745,10 +744,10 @@ def main(argv=None):
             torch.cuda.empty_cache()
     if skipped:
         print("left out by the budget: " + ", ".join(skipped), flush=True)
-    if not plot(rows, args.out / f"{name}_{slug}.png"):
+    if not plot(rows, f"{stem}.png"):
         notes.append("No plot (matplotlib not installed, or no speed-ups to plot).")
     save()
-    print(f"[{time.time() - started:5.0f}s] wrote {args.out / f'{name}_{slug}'}.csv/.md",
+    print(f"[{time.time() - started:5.0f}s] wrote {stem}.csv/.md",
           flush=True)
     return 1 if any("FAILED" in str(r.get("check", "")) or "ours_error" in r
                     for r in rows) else 0

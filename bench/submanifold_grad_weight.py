@@ -18,10 +18,9 @@ Writes DIR/submanifold_grad_weight_<device>.csv.
 
 import argparse
 import pathlib
-import re
 
 from bench import lidar_scenes
-from bench._common import RESULTS, allow_tf32, require_gpu, write_csv
+from bench._common import RESULTS, allow_tf32, require_gpu, results_stem, write_csv
 from bench.submanifold_tiles import LAYERS, gpu_ms, levels
 
 
@@ -66,9 +65,7 @@ def main(argv=None):
             row["kernel/gemm"] = round(row["kernel_ms"] / row["gemm_ms"], 3)
             rows.append(row)
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    device = re.sub(r"[^A-Za-z0-9_.-]", "_", torch.cuda.get_device_name())
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"submanifold_grad_weight_{device}.csv"
+    path = f"{results_stem(args.out, 'submanifold_grad_weight', torch.cuda.get_device_name())}.csv"
     write_csv(rows, path)
     print(f"wrote {path}")
 

@@ -20,13 +20,12 @@ Writes DIR/submanifold_tiles_<device>.csv.
 import argparse
 import itertools
 import pathlib
-import re
 import statistics
 
 import numpy
 
 from bench import lidar_scenes
-from bench._common import RESULTS, require_gpu, write_csv
+from bench._common import RESULTS, require_gpu, results_stem, write_csv
 
 # (level, cin, cout): VoxelBackBone8x / VoxelResBackBone8x / UNetV2 widths by level, and
 # MinkUNet's (32 at the input sites, up to 256).
@@ -110,10 +109,8 @@ def main(argv=None):
     finally:
         conv_kernels.fused_config = rule
         conv_kernels._fused_plan.cache_clear()
-    device = re.sub(r"[^A-Za-z0-9_.-]", "_", cupy.cuda.runtime.getDeviceProperties(
-        cupy.cuda.Device().id)["name"].decode())
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"submanifold_tiles_{device}.csv"
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    path = f"{results_stem(args.out, 'submanifold_tiles', device)}.csv"
     write_csv(rows, path)
     print(f"wrote {path}")
 
