@@ -189,8 +189,10 @@ def _fused_plan(device, dtype, aligned, cin, cout, taps, relu=False):
     stage, tile, slots = fused_config(vector, itemsize, cout)
     shared = _fused_shared(stage, tile, slots)
     if shared + _FUSED_STATIC_SHARED > _launch.device_info(device).shared_per_block_optin:
-        # A GPU with less shared memory a CTA: the slots that fit in static memory.
-        stage, slots, shared = (stage if stage * tile < 128 * 128 else 64), 0, 0
+        # A GPU with less shared memory a CTA: the widest stage built for static slots.
+        stage = max(s for v, s, t, static in FUSED_CONFIGS
+                    if (v, t, static) == (vector, tile, 0) and s <= stage)
+        slots, shared = 0, 0
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
     conv = _plan.KernelPlan(device, "submanifold", "submanifold_fused",
                             (ctype, vector, stage, tile) + ((slots,) if slots else ()),
