@@ -390,9 +390,11 @@ template <int THREADS> __global__ void tap_pairs(const PairArgs a) {
 //
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
 // weight[:, k, ci] (then max(0, .) where a.relu: an eval model's ReLU, BatchNorm folded into weight
-// and bias, torch_bridge.submanifold.fuse_bn_relu), for a tile of FUSED_BM output sites x BN output
+// and bias, torch_bridge.submanifold.fuse_bn_relu), for a tile of BM output sites x BN output
 // channels a CTA (4 warps; BN 16, 32, 64 or 128, the launch's choice by cout: narrow layers do no
-// MMA work on padding, wide ones gather each neighbour row once). The reduction runs in stages of
+// MMA work on padding, wide ones gather each neighbour row once; BM 64, or 128 where the rows are
+// not sorted and the sites fill the GPU: a weight slice then serves twice the rows, and each warp
+// does twice the MMAs for its fragment loads). The reduction runs in stages of
 // STAGE bytes a row: the tile's rows (zeros for absent neighbours) and the weight's slice [BN,
 // STAGE bytes] staged in shared memory and multiplied with mma.sync (tensor_core_mma, common.cuh):
 // m16n8k16 for half and bfloat16, m16n8k8 TF32 for float; float32 accumulation. A stage holds
@@ -408,7 +410,7 @@ template <int THREADS> __global__ void tap_pairs(const PairArgs a) {
 // partial[z], and split_sum (common.cuh) adds them up in split order (deterministic, no atomics).
 // Both are programmatic dependent launches (common.cuh).
 
-#define FUSED_BM 64
+#define FUSED_BM 64  // sites of a tile in static shared memory (BM 128 takes dynamic slots)
 #define FUSED_THREADS 128
 #define FUSED_TAPS 32  // taps whose neighbour rows a CTA holds at once (bits of one word)
 #define FUSED_SLOT_BYTES 37888  // static shared memory for stages, beside the neighbour rows
@@ -423,13 +425,12 @@ constexpr int fused_slots = FUSED_SLOT_BYTES / ((FUSED_BM + BN) * fused_pitch<ST
                                 ? FUSED_SLOT_BYTES / ((FUSED_BM + BN) * fused_pitch<STAGE> * 4)
                                 : 6;
 
-// A tile of FUSED_BM sites x BN channels in stages of STAGE bytes a row (32: one k-step of the
-// MMA; 64 or 128: two or four, for fewer barriers and copy rounds) and SLOTS of them in shared
-// memory (mma_tile, common.cuh): the stages that fit in FUSED_SLOT_BYTES, or as many as the
-// launch gives dynamic shared memory for. Four warps of WM x WN: 2 x 2 for BN 128, 64 and 32,
-// 4 x 1 for 16.
-template <int STAGE, int BN, int SLOTS = fused_slots<STAGE, BN>>
-struct fused_tile : mma_tile<FUSED_BM, BN, STAGE / 4, BN == 16 ? 4 : 2, SLOTS> {
+// A tile of BM sites x BN channels in stages of STAGE bytes a row (32: one k-step of the MMA; 64
+// or 128: two or four, for fewer barriers and copy rounds) and SLOTS of them in shared memory
+// (mma_tile, common.cuh): the stages that fit in FUSED_SLOT_BYTES, or as many as the launch gives
+// dynamic shared memory for. Four warps of WM x WN: 2 x 2 for BN 128, 64 and 32, 4 x 1 for 16.
+template <int STAGE, int BN, int SLOTS = fused_slots<STAGE, BN>, int BM = FUSED_BM>
+struct fused_tile : mma_tile<BM, BN, STAGE / 4, BN == 16 ? 4 : 2, SLOTS> {
     static_assert(STAGE == 32 || STAGE == 64 || STAGE == 128, "a stage is 1, 2 or 4 k-steps");
     static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128,
                   "a tile is 16, 32, 64 or 128 channels wide");
@@ -495,16 +496,17 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
     }
 }
 
-// The rows of a tile a thread stages in the VEC layout: threadIdx.x / PARTS + i * STRIDE.
-template <int STAGE> constexpr int fused_held = FUSED_BM * (STAGE / 16) / FUSED_THREADS;
+// The rows of a tile of BM sites a thread stages in the VEC layout: threadIdx.x / PARTS + i *
+// STRIDE.
+template <int STAGE, int BM> constexpr int fused_held = BM * (STAGE / 16) / FUSED_THREADS;
 
-// fused_stage's VEC copies of the tile's FUSED_BM feature rows for a stage of tap `tap` (this
-// thread's part's; -1: zeros), from the source rows held[i] of the thread's rows, which the
-// kernel read from shared memory a stage ahead, so that no copy waits on that read.
-template <typename T, int STAGE>
+// fused_stage's VEC copies of the tile's BM feature rows for a stage of tap `tap` (this thread's
+// part's; -1: zeros), from the source rows held[i] of the thread's rows, which the kernel read
+// from shared memory a stage ahead, so that no copy waits on that read.
+template <typename T, int STAGE, int BM>
 static __device__ __forceinline__ void fused_stage_held(
     unsigned* tile, const T* base, int stride, int col0, fused_part<T, STAGE> part, int tap,
-    const int (&held)[fused_held<STAGE>]) {
+    const int (&held)[fused_held<STAGE, BM>]) {
     constexpr int PARTS = fused_part<T, STAGE>::PARTS, STRIDE = FUSED_THREADS / PARTS;
     constexpr int PITCH = fused_pitch<STAGE>;
     const char* at = (const char*)(base + col0 + part.c);
@@ -512,42 +514,45 @@ static __device__ __forceinline__ void fused_stage_held(
     const unsigned dst =
         shared_address(tile + threadIdx.x / PARTS * PITCH + threadIdx.x % PARTS * 4);
 #pragma unroll
-    for (int i = 0; i < fused_held<STAGE>; ++i)
+    for (int i = 0; i < fused_held<STAGE, BM>; ++i)
         copy_async16_unless_negative(dst + i * STRIDE * PITCH * 4,
                                      at + (unsigned long long)(unsigned)max(held[i], 0) * row_bytes,
                                      held[i] | tap);
 }
 
-// DYNAMIC_SLOTS: 0, the slots that fit in static shared memory; else that many slots in the
-// launch's dynamic shared memory (DYNAMIC_SLOTS x SLOT_WORDS words: past 48 KiB, where a 128-wide
-// tile's 128-byte stages fit only once in static memory).
-template <typename T, bool VEC, int STAGE, int BN, int DYNAMIC_SLOTS = 0>
+// DYNAMIC_SLOTS: 0, the slots that fit in static shared memory (tiles of FUSED_BM sites); else
+// that many slots in the launch's dynamic shared memory (DYNAMIC_SLOTS x SLOT_WORDS words: past
+// 48 KiB, where a 128-wide tile's 128-byte stages, or a 128-site tile's, fit only once in static
+// memory). BM: the sites of a tile.
+template <typename T, bool VEC, int STAGE, int BN, int DYNAMIC_SLOTS = 0, int BM = FUSED_BM>
 __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedArgs a) {
-    using tile_t = fused_tile<STAGE, BN, DYNAMIC_SLOTS ? DYNAMIC_SLOTS : fused_slots<STAGE, BN>>;
+    static_assert(BM == FUSED_BM || DYNAMIC_SLOTS, "128-site tiles take dynamic slots");
+    using tile_t =
+        fused_tile<STAGE, BN, DYNAMIC_SLOTS ? DYNAMIC_SLOTS : fused_slots<STAGE, BN>, BM>;
     constexpr int BK = STAGE / sizeof(T), PITCH = tile_t::PITCH, SLOTS = tile_t::SLOTS;
     constexpr int SLOT_WORDS = tile_t::SLOT_WORDS, MT = tile_t::MT, NT = tile_t::NT;
     static_assert(FUSED_TAPS <= 32, "the taps of a group are the bits of one word");
     __shared__ __align__(16) unsigned static_slots[DYNAMIC_SLOTS ? 4 : SLOTS * SLOT_WORDS];
     extern __shared__ __align__(16) unsigned submanifold_smem[];
     unsigned* const slots = DYNAMIC_SLOTS ? submanifold_smem : static_slots;
-    __shared__ int rows[FUSED_TAPS][FUSED_BM];  // neighbour rows of the group's taps
-    __shared__ int out_rows[FUSED_BM];          // the tile's output rows, -1 past n_out
+    __shared__ int rows[FUSED_TAPS][BM];  // neighbour rows of the group's taps
+    __shared__ int out_rows[BM];          // the tile's output rows, -1 past n_out
     // The group's taps some row has, in tap order: a copy a warp, so that each warp writes and
     // reads its own with no barrier of the CTA.
     // Bytes, not ints: the four copies then take no more shared memory than one did, which
     // would cost the widest tiles a CTA an SM.
     __shared__ unsigned char active[FUSED_THREADS / 32][FUSED_TAPS];
     __shared__ unsigned warp_taps[FUSED_THREADS / 32];  // bit t: a row of the warp's has tap t
-    static_assert(FUSED_THREADS % FUSED_BM == 0, "a thread reads the map of one output row");
+    static_assert(FUSED_THREADS % BM == 0, "a thread reads the map of one output row");
     // A thread reads the neighbour rows of output row `mine` for taps t0, t0 + TAP_STRIDE, ...
-    constexpr int TAP_STRIDE = FUSED_THREADS / FUSED_BM, PER_THREAD = FUSED_TAPS / TAP_STRIDE;
-    const int mine = threadIdx.x % FUSED_BM, t0 = threadIdx.x / FUSED_BM;
+    constexpr int TAP_STRIDE = FUSED_THREADS / BM, PER_THREAD = FUSED_TAPS / TAP_STRIDE;
+    const int mine = threadIdx.x % BM, t0 = threadIdx.x / BM;
     const mma_place<tile_t::WARPS_M> th(threadIdx.x);
     const int lane = th.lane, warp = threadIdx.x >> 5;
     const int wm = th.wm * tile_t::WM, wn = th.wn * tile_t::WN;  // the warp's first row, column
     // Float words rounded to TF32 by the MMA, as the staging stores them as they are.
     const mma_mainloop<T, tile_t, true> mainloop(th, slots);
-    const i64 m0 = (i64)blockIdx.x * FUSED_BM;
+    const i64 m0 = (i64)blockIdx.x * BM;
     const int n0 = blockIdx.y * BN;
     // A stage: `width` channels of `per_stage` taps; a tap's channels in `chunks` stages.
     const int width = max(1, min(a.cin, BK)), per_stage = BK / width;  // cin 0: no stages
@@ -602,14 +607,14 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
         // 16-bit types only: in TF32 the registers they take cost as much as the waits they
         // save (bench: 0.92-0.97x the time in float16, 0.95-1.04x in TF32).
         constexpr bool HOLD = VEC && sizeof(T) == 2;
-        int held_tap = -1, held[fused_held<STAGE>];
+        int held_tap = -1, held[fused_held<STAGE, BM>];
         auto fetch = [&] {
             held_tap = part.g < per_stage && chunk * width + part.c < a.cin &&
                                first + part.g < n_active
                            ? active[warp][first + part.g]
                            : -1;
 #pragma unroll
-            for (int i = 0; i < fused_held<STAGE>; ++i)
+            for (int i = 0; i < fused_held<STAGE, BM>; ++i)
                 held[i] = rows[max(held_tap, 0)][threadIdx.x / fused_part<T, STAGE>::PARTS +
                                                  i * (FUSED_THREADS / fused_part<T, STAGE>::PARTS)];
         };
@@ -623,14 +628,15 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
             };
             // Rows in units of cin: neighbour rows of the features, a tap's weights.
             if constexpr (HOLD) {
-                fused_stage_held<T, STAGE>(slot, features, a.cin, col0, part, held_tap, held);
+                fused_stage_held<T, STAGE, BM>(slot, features, a.cin, col0, part, held_tap,
+                                               held);
             } else {
-                fused_stage<T, VEC, STAGE, FUSED_BM>(slot, features, a.cin, width, per_stage,
-                                                     a.cin, col0, part, tap_of,
-                                                     [&](int tap, int r) { return rows[tap][r]; });
+                fused_stage<T, VEC, STAGE, BM>(slot, features, a.cin, width, per_stage, a.cin,
+                                               col0, part, tap_of,
+                                               [&](int tap, int r) { return rows[tap][r]; });
             }
             fused_stage<T, VEC, STAGE, BN>(
-                slot + FUSED_BM * PITCH, weight, a.cin, width, per_stage, a.cin, col0, part,
+                slot + BM * PITCH, weight, a.cin, width, per_stage, a.cin, col0, part,
                 tap_of, [&](int tap, int r) {
                     return n0 + r < a.cout ? (n0 + r) * a.taps + k0 + tap : -1;
                 });

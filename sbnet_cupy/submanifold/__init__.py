@@ -60,8 +60,9 @@ from .conv import (check_conv, choose_algo, conv_arrays, gather, grad_weight_arr
                    inverse_conv, rulebook_conv, rulebook_conv_grad_features,
                    rulebook_conv_grad_weight, sparse_conv, submanifold_conv, transposed_weight)
 from .conv_kernels import (FUSED_CONFIGS, FUSED_TILES, GRAD_TILES, MAX_STAGE, fused_config,
-                           fused_conv, fused_sorts, fused_splits, gather_rows, grad_weight,
-                           grad_weight_fits, grad_weight_takes, instantiations, tap_masks)
+                           fused_conv, fused_sorts, fused_splits, fused_tall, gather_rows,
+                           grad_weight, grad_weight_fits, grad_weight_takes, instantiations,
+                           tall_tiles, tap_masks)
 from .cuda_rulebook import Built, HashTable, build_raw, hash_table, table_capacity
 from .rulebook import (Rulebook, SparseTensorData, from_dense, from_mask, strided_rulebook,
                        submanifold_rulebook, to_dense)
@@ -73,9 +74,9 @@ __all__ = [
     "Rulebook", "SparseTensorData", "build_raw", "check_algo", "check_conv", "check_grid",
     "check_operands", "check_weight", "choose_algo", "conv_arrays", "conv_output_shape",
     "from_dense", "from_mask", "fused_config", "fused_conv", "fused_sorts", "fused_splits",
-    "gather", "gather_rows", "grad_weight", "grad_weight_arrays", "grad_weight_fits",
+    "fused_tall", "gather", "gather_rows", "grad_weight", "grad_weight_arrays", "grad_weight_fits",
     "grad_weight_takes", "hash_table", "instantiations", "inverse_conv", "rulebook_conv",
     "rulebook_conv_grad_features", "rulebook_conv_grad_weight", "rulebook_geometry", "sparse_conv",
-    "strided_rulebook", "submanifold_conv", "submanifold_rulebook", "table_capacity", "tap_masks",
-    "to_dense", "transposed_weight",
+    "strided_rulebook", "submanifold_conv", "submanifold_rulebook", "table_capacity", "tall_tiles",
+    "tap_masks", "to_dense", "transposed_weight",
 ]

@@ -17,18 +17,26 @@ from .cuda_rulebook import RULE_KERNELS, THREADS, grid
 from .validation import MAX_DIMS
 
 _FUSED_SITES, _FUSED_THREADS = 64, 128  # output sites a CTA; its threads
+_TALL_SITES = 128  # output sites a CTA of tall tiles (fused_tall)
+_TALL_CTAS_PER_SM = 2  # tall tiles where the sites make at least this many of them an SM
 FUSED_TILES = (16, 32, 64, 128)  # output channels a CTA (fused_config)
+MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config)
 # The (vector, stage, tile, slots) the fused kernel is built for: every stage a row can take
 # with every tile in the slots that fit in static shared memory (slots 0), but for 128-byte
 # stages of 128-wide tiles, which take two slots of dynamic shared memory.
 FUSED_CONFIGS = tuple((vector, stage, tile, 0) for vector in (False, True)
                       for stage in ((32, 64, 128) if vector else (32, 64)) for tile in FUSED_TILES
                       if stage * tile < 128 * 128) + ((True, 128, 128, 2),)
-# Static shared memory of the fused kernel beside dynamic slots: the map's rows of a group of
-# taps, the output rows, the active taps (a bound, for the opt-in check).
-_FUSED_STATIC_SHARED = 32 * _FUSED_SITES * 4 + 1024
+
+
+def tall_tiles(itemsize, tile):
+    """Whether a layer of `itemsize`-byte items in channel tiles of `tile` may take tall tiles
+    (_TALL_SITES sites, rows of 16-byte vectors staged MAX_STAGE bytes at a time through two
+    slots of dynamic shared memory; fused_tall): tiles of 16-64 channels in 16-bit types, 32-64 in
+    TF32, where 16-channel tall tiles measured slower than 64-site ones."""
+    return tile <= 64 and (itemsize == 2 or tile > 16)
+
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
-MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config)
 SORT_ROWS = True  # the fused kernel takes output rows sorted by neighbour mask (fused_sorts)
 _SORT_WORK = 1 << 29  # n_out x cin x cout from which it does
 _FUSED_DTYPES = ("float16", "bfloat16", "float32")
@@ -110,7 +118,10 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=Fals
     device = backend.device(features)
     x, w = backend.pointer(features), backend.pointer(weight)
     plan = _fused_plan(device, dtype, _checks.alignment(x, w) == 16, cin, cout, taps, bool(relu))
-    grid, split_taps = fused_grid(device, n_out, plan.channel_tiles, taps)
+    tall = fused_tall(device, plan, n_out, order is not None)
+    conv = plan.tall if tall else plan.conv
+    grid, split_taps = fused_grid(device, n_out, plan.channel_tiles, taps,
+                                  _TALL_SITES if tall else _FUSED_SITES)
     stream = backend.stream(device)
     bias = None if bias is None else backend.contiguous(bias)  # kept until the launches
     b = backend.pointer(bias)
@@ -120,14 +131,14 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=Fals
     map_at = order_at + 4 * n_out if order_at else backend.pointer(neighbors)
     splits = grid[2]
     if splits == 1:
-        plan.conv.launch(stream, x, w, b, map_at, backend.pointer(out), 0, n_out, cin, cout, taps,
-                         split_taps, order_at, int(relu), grid=grid)
+        conv.launch(stream, x, w, b, map_at, backend.pointer(out), 0, n_out, cin, cout, taps,
+                    split_taps, order_at, int(relu), grid=grid)
         return out
     # Split taps: the kernel writes partial sums (no bias, no out), the split sum the rest;
     # _owner keeps the scratch until both launches are queued.
     partial, _owner = backend.float_scratch(device, splits * n_out * cout)
-    plan.conv.launch(stream, x, w, 0, map_at, 0, partial, n_out, cin, cout, taps, split_taps,
-                     order_at, 0, grid=grid)
+    conv.launch(stream, x, w, 0, map_at, 0, partial, n_out, cin, cout, taps, split_taps,
+                order_at, 0, grid=grid)
     plan.split_sum.launch(stream, partial, b, backend.pointer(out), n_out, cout, cout, splits,
                           grid=_plan.split_sum_grid(n_out, cout))
     return out
@@ -167,17 +178,25 @@ def fused_config(vector, itemsize, cout):
     return (MAX_STAGE, tile, 2) if itemsize == 4 else (64, tile, 0)
 
 
-def _fused_shared(stage, tile, slots):
-    """Dynamic shared memory (bytes) of the fused kernel's `slots` stages of 64 sites and `tile`
-    channels, rows of `stage` bytes padded by 16 (mma_pitch, common.cuh)."""
-    return slots * (_FUSED_SITES + tile) * (stage + 16)
+def _fused_shared(stage, tile, slots, sites=_FUSED_SITES):
+    """Dynamic shared memory (bytes) of the fused kernel's `slots` stages of `sites` sites and
+    `tile` channels, rows of `stage` bytes padded by 16 (mma_pitch, common.cuh)."""
+    return slots * (sites + tile) * (stage + 16)
+
+
+def _fused_static_shared(sites):
+    """Static shared memory of the fused kernel beside dynamic slots, in tiles of `sites` sites:
+    the map's rows of a group of taps, the output rows, the active taps (a bound, for the
+    opt-in check)."""
+    return 32 * sites * 4 + 1024
 
 
 # A layer's fused convolution, planned once for every number of output sites (which real frames
-# change every frame): the kernel's KernelPlan, its CTAs across the output channels, and the
-# split sum's KernelPlan for calls that split the taps (None for one tap). Each call passes the
-# sizes that depend on its sites: the grid (fused_grid) and the split sum's rows and splits.
-FusedPlan = namedtuple("FusedPlan", ["conv", "channel_tiles", "split_sum"])
+# change every frame): the kernel's KernelPlan, its CTAs across the output channels, the split
+# sum's KernelPlan for calls that split the taps (None for one tap), and the kernel's KernelPlan
+# in tall tiles (None where the layer never takes them: fused_tall). Each call passes the sizes
+# that depend on its sites: the grid (fused_grid) and the split sum's rows and splits.
+FusedPlan = namedtuple("FusedPlan", ["conv", "channel_tiles", "split_sum", "tall"])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -188,7 +207,8 @@ def _fused_plan(device, dtype, aligned, cin, cout, taps, relu=False):
     vector = aligned and cin * itemsize % 16 == 0
     stage, tile, slots = fused_config(vector, itemsize, cout)
     shared = _fused_shared(stage, tile, slots)
-    if shared + _FUSED_STATIC_SHARED > _launch.device_info(device).shared_per_block_optin:
+    optin = _launch.device_info(device).shared_per_block_optin
+    if shared + _fused_static_shared(_FUSED_SITES) > optin:
         # A GPU with less shared memory a CTA: the widest stage built for static slots.
         stage = max(s for v, s, t, static in FUSED_CONFIGS
                     if (v, t, static) == (vector, tile, 0) and s <= stage)
@@ -202,13 +222,34 @@ def _fused_plan(device, dtype, aligned, cin, cout, taps, relu=False):
         _plan.max_dynamic_shared(conv, shared)
     split_sum = (None if taps == 1 else
                  _plan.split_sum_plan(device, "submanifold", ctype, dependent=True, relu=relu))
-    return FusedPlan(conv, _checks.grid_dim("output channels", -(-cout // tile)), split_sum)
+    tall = None
+    tall_shared = _fused_shared(MAX_STAGE, tile, 2, _TALL_SITES)
+    if (vector and tall_tiles(itemsize, tile)
+            and tall_shared + _fused_static_shared(_TALL_SITES) <= optin):
+        tall = _plan.KernelPlan(device, "submanifold", "submanifold_fused",
+                                (ctype, True, MAX_STAGE, tile, 2, _TALL_SITES), (1, 1, 1),
+                                (_FUSED_THREADS, 1, 1), tall_shared, _records.FUSED_ARGS,
+                                dependent=True)
+        _plan.max_dynamic_shared(tall, tall_shared)
+    return FusedPlan(conv, _checks.grid_dim("output channels", -(-cout // tile)), split_sum, tall)
 
 
-def fused_grid(device, n_out, channel_tiles, taps):
-    """(grid, split_taps) of the fused kernel at n_out output sites: CTAs of _FUSED_SITES sites
-    x channel_tiles x splits of the taps, each summing split_taps of them (fused_splits)."""
-    sites = _checks.grid_dim("output sites", -(-n_out // _FUSED_SITES), 2**31 - 1)
+def fused_tall(device, plan, n_out, sorted_rows):
+    """Whether a call of the layer planned as `plan` (a FusedPlan) at n_out output sites takes
+    tiles of _TALL_SITES sites: where the plan has them (tall_tiles, rows of 16-byte vectors,
+    the shared memory for two slots of their stages), the rows are not sorted (sorted rows
+    share fewer taps over 64 sites than over 128), and the tall tiles alone give the GPU
+    _TALL_CTAS_PER_SM CTAs an SM (fewer leave SMs idle). A weight slice then serves twice the
+    sites, and a warp's fragment loads twice the MMAs (bench.conv_time measures the rule)."""
+    return (plan.tall is not None and not sorted_rows
+            and -(-n_out // _TALL_SITES) * plan.channel_tiles
+            >= _TALL_CTAS_PER_SM * _launch.device_info(device).sms)
+
+
+def fused_grid(device, n_out, channel_tiles, taps, tile_sites=_FUSED_SITES):
+    """(grid, split_taps) of the fused kernel at n_out output sites: CTAs of tile_sites sites x
+    channel_tiles x splits of the taps, each summing split_taps of them (fused_splits)."""
+    sites = _checks.grid_dim("output sites", -(-n_out // tile_sites), 2**31 - 1)
     split_taps = -(-taps // fused_splits(device, sites * channel_tiles, taps))
     return (sites, channel_tiles, -(-taps // split_taps)), split_taps
 
@@ -370,6 +411,10 @@ def instantiations():
             + [_kernels.name_expression("submanifold_fused", ctype, vector, stage, tile,
                                         *((slots,) if slots else ()))
                for ctype in fused for vector, stage, tile, slots in FUSED_CONFIGS]
+            + [_kernels.name_expression("submanifold_fused", _kernels.ARITHMETIC_CTYPES[dtype],
+                                        True, MAX_STAGE, tile, 2, _TALL_SITES)
+               for dtype in _FUSED_DTYPES for tile in FUSED_TILES
+               if tall_tiles(_kernels.ITEMSIZES[dtype], tile)]
             + [_kernels.name_expression("submanifold_grad_weight", ctype, columns, channels)
                for ctype in fused for columns, channels in GRAD_TILES]
             + [_kernels.name_expression(kernel, _PAIR_THREADS)

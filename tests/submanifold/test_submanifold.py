@@ -369,6 +369,40 @@ def test_fused_every_configuration(rng, monkeypatch, stage, tile, slots, cin, dt
 
 
 @requires_gpu
+@pytest.mark.parametrize("dtype", [numpy.float16, numpy.float32])
+@pytest.mark.parametrize("cin, cout", [(8, 16), (24, 40), (64, 64), (16, 130)])
+@pytest.mark.parametrize("rule", [False, True], ids=["forced", "rule"])
+def test_fused_tall_tiles(rng, monkeypatch, dtype, cin, cout, rule):
+    """128-site tiles (fused_tall) against float64 on the GPU: forced on a small layer (partial
+    tiles of sites and channels, TF32's 16-wide tiles and 128-wide tiles falling back to 64
+    sites), and by the rule at 40k sites, where they fill an H100 or H200."""
+    import cupy
+
+    from conftest import _poison_pool
+
+    if not rule:
+        monkeypatch.setattr(conv_kernels, "fused_tall",
+                            lambda device, plan, n_out, sorted_rows: plan.tall is not None)
+    conv_kernels._fused_plan.cache_clear()
+    _poison_pool()
+    shape, n = ((12, 14, 16), 700) if not rule else ((40, 64, 64), 40_000)
+    rulebook = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, shape, n)), shape, 2, 3)
+    x = cupy.asarray(random_array(rng, (n, cin), numpy.float32).astype(dtype))
+    w = cupy.asarray(random_array(rng, (cout, 3, 3, 3, cin), numpy.float32).astype(dtype))
+    b = cupy.asarray(random_array(rng, (cout,), numpy.float32).astype(dtype))
+    try:
+        y = sm.rulebook_conv(x, rulebook, w, b, algo="fused")
+        plan = conv_kernels._fused_plan(0, numpy.dtype(dtype).name, True, cin, cout, 27)
+    finally:
+        conv_kernels._fused_plan.cache_clear()
+    itemsize = numpy.dtype(dtype).itemsize
+    assert (plan.tall is not None) == conv_kernels.tall_tiles(
+        itemsize, conv_kernels.fused_config(True, itemsize, cout)[1])
+    f64 = cupy.float64
+    close(y, sm.rulebook_conv(x.astype(f64), rulebook, w.astype(f64), b.astype(f64)).get(), dtype)
+
+
+@requires_gpu
 def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
     """Rulebook.fused_order: a permutation of the output rows, their tap masks in ascending
     order, and the map's columns in that order (int32), computed once for the map it was
@@ -420,25 +454,28 @@ def test_fused_splits_fill_the_gpu(monkeypatch):
     assert sm.fused_splits(0, 1, 1) == 1
 
 
-# (taps, n_out): the fused kernel's grid (site tiles of 64, one channel tile, tap splits) and
-# taps a split, on an H100 (132 SMs: few tiles split their taps up to 264 CTAs).
+# (taps, n_out): the fused kernel's grid (site tiles of 64, or of 128 where they make 264 CTAs or
+# more, one channel tile, tap splits) and taps a split, on an H100 (132 SMs: few tiles split
+# their taps up to 264 CTAs).
 FUSED_GRIDS = {
     (1, 1): ((1, 1, 1), 1), (1, 63): ((1, 1, 1), 1), (1, 64): ((1, 1, 1), 1),
-    (1, 65): ((2, 1, 1), 1), (1, 3000): ((47, 1, 1), 1), (1, 200_000): ((3125, 1, 1), 1),
+    (1, 65): ((2, 1, 1), 1), (1, 3000): ((47, 1, 1), 1), (1, 200_000): ((1563, 1, 1), 1),
     (9, 1): ((1, 1, 9), 1), (9, 63): ((1, 1, 9), 1), (9, 64): ((1, 1, 9), 1),
     (9, 65): ((2, 1, 9), 1), (9, 3000): ((47, 1, 5), 2), (9, 4224): ((66, 1, 3), 3),
-    (9, 200_000): ((3125, 1, 1), 9),
+    (9, 200_000): ((1563, 1, 1), 9),
     (27, 1): ((1, 1, 27), 1), (27, 63): ((1, 1, 27), 1), (27, 64): ((1, 1, 27), 1),
     (27, 65): ((2, 1, 27), 1), (27, 3000): ((47, 1, 5), 6), (27, 4224): ((66, 1, 4), 7),
-    (27, 200_000): ((3125, 1, 1), 27)}
+    (27, 33_664): ((526, 1, 1), 27), (27, 33_665): ((264, 1, 1), 27),
+    (27, 200_000): ((1563, 1, 1), 27)}
 
 
 def test_fused_plan_serves_every_number_of_sites(monkeypatch):
     """A layer's KernelPlans are made at its first call, whatever its sites (real frames change
     theirs every frame): later calls at other counts make none, and launch with their own grid,
-    split taps, scratch and split sum sizes (fused_splits' rule on an H100)."""
+    split taps, scratch and split sum sizes (fused_splits' and fused_tall's rules on an H100)."""
     monkeypatch.setattr(_launch, "device_info", lambda device: _launch.H100)
     monkeypatch.setattr(_launch, "function", lambda device, op, kernel, *args: kernel)
+    monkeypatch.setattr(_plan, "max_dynamic_shared", lambda plan, shared: plan.function)
     made, launches = [], []
     make = _plan.KernelPlan.__init__
 
@@ -446,9 +483,12 @@ def test_fused_plan_serves_every_number_of_sites(monkeypatch):
         made.append(kernel)
         make(plan, device, op, kernel, *args, **options)
 
+    names = []
+
     def record(plan, stream, *values, grid=None, function=None):
         named = dict(zip(plan.record.names, values + plan.constants))
         launches.append((plan.name.split("<")[0], grid, named))
+        names.append(plan.name)
 
     monkeypatch.setattr(_plan.KernelPlan, "__init__", counted)
     monkeypatch.setattr(_plan.KernelPlan, "launch", record)
@@ -464,6 +504,8 @@ def test_fused_plan_serves_every_number_of_sites(monkeypatch):
                                     neighbors, relu=True)
             (kernel, got_grid, fused), *split_sum = launches
             assert (kernel, got_grid) == ("submanifold_fused", grid), (taps, n_out)
+            tall = n_out > 33_664
+            assert fused["n_out"] and names[-1].endswith(", 2, 128>") == tall
             assert (fused["n_out"], fused["split_taps"]) == (n_out, split_taps)
             splits = grid[2]
             assert bool(fused["partial"]) == (splits > 1) == bool(memory.scratch)
@@ -477,7 +519,38 @@ def test_fused_plan_serves_every_number_of_sites(monkeypatch):
                 assert not split_sum and fused["relu"] == 1
     finally:
         conv_kernels._fused_plan.cache_clear()
-    assert made == ["submanifold_fused"] + ["submanifold_fused", "split_sum"] * 2
+    # Each layer's plans at its first call: the kernel, the split sum (taps > 1), the tall tiles.
+    assert made == (["submanifold_fused"] * 2
+                    + ["submanifold_fused", "split_sum", "submanifold_fused"] * 2)
+
+
+def test_fused_tall_rule(monkeypatch):
+    """Tall tiles (128 sites) where the plan has them (16-byte rows; 16-64 channels a tile in
+    16-bit types, 32-64 in TF32; the shared memory to opt into), the rows are unsorted and they
+    alone make _TALL_CTAS_PER_SM CTAs an SM of an H100 (264)."""
+    info = _launch.H100
+    monkeypatch.setattr(_launch, "device_info", lambda device: info)
+    monkeypatch.setattr(_launch, "function", lambda device, op, kernel, *args: kernel)
+    monkeypatch.setattr(_plan, "max_dynamic_shared", lambda plan, shared: plan.function)
+    conv_kernels._fused_plan.cache_clear()
+    try:
+        plan = conv_kernels._fused_plan(0, "float16", True, 32, 128, 27)  # two 64-wide tiles
+        assert plan.tall.name == "submanifold_fused<half_t, true, 128, 64, 2, 128>"
+        assert plan.tall.shared_mem == 2 * (128 + 64) * (128 + 16)
+        assert not sm.fused_tall(0, plan, 131 * 128, False)
+        assert sm.fused_tall(0, plan, 131 * 128 + 1, False)
+        assert not sm.fused_tall(0, plan, 200_000, True)  # sorted rows: 64-site tiles
+        assert conv_kernels._fused_plan(0, "float16", True, 8, 16, 27).tall is not None
+        assert conv_kernels._fused_plan(0, "bfloat16", True, 8, 32, 27).tall is not None
+        assert conv_kernels._fused_plan(0, "float32", True, 8, 40, 27).tall is not None
+        for dtype, aligned, cin, cout in [("float32", True, 8, 16), ("float16", True, 16, 96),
+                                          ("float16", False, 16, 64), ("float16", True, 12, 64)]:
+            assert conv_kernels._fused_plan(0, dtype, aligned, cin, cout, 27).tall is None
+        info = info._replace(shared_per_block_optin=48 * 1024)
+        conv_kernels._fused_plan.cache_clear()
+        assert conv_kernels._fused_plan(0, "float16", True, 32, 64, 27).tall is None
+    finally:
+        conv_kernels._fused_plan.cache_clear()
 
 
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])

@@ -395,6 +395,37 @@ def test_fused_every_configuration(rng, launched, monkeypatch, stage, tile, slot
                                   atol=2e-3 * max(1.0, numpy.abs(want).max()))
 
 
+@pytest.mark.parametrize("split", [1, 4], ids=["one-split", "split-taps"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("cin, cout", [(8, 16), (24, 40), (16, 64), (32, 130)])
+def test_fused_tall_tiles(rng, launched, monkeypatch, dtype, cin, cout, split):
+    """Tiles of 128 sites compute the definition wherever the plan has them (fused_tall forced):
+    rows of one and several 16-byte vectors a stage, partial tiles of sites and channels, bias,
+    absent neighbours; with the taps split over CTAs too (the rule takes tall tiles only where
+    they fill the GPU unsplit; the kernel does not care). Layers without tall tiles (TF32 tiles of
+    16 channels, 128-wide tiles) keep 64-site tiles."""
+    monkeypatch.setattr(conv_kernels, "fused_tall",
+                        lambda device, plan, n_out, sorted_rows: plan.tall is not None)
+    monkeypatch.setattr(conv_kernels, "fused_splits", lambda device, tiles, taps: split)
+    n_in, n_out, taps = 150, 300, 27
+    features = random_array(rng, (n_in, cin), numpy.float32)
+    weight = random_array(rng, (cout, taps, cin), numpy.float32)
+    bias = random_array(rng, (cout,), numpy.float32)
+    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
+    neighbors[rng.random((taps, n_out)) < 0.6] = -1
+    out = submanifold.fused_conv(cuda_emulation.HostMemory(), features.astype(dtype),
+                                 weight.astype(dtype), bias.astype(dtype), neighbors)
+    tile = conv_kernels.fused_config(True, numpy.dtype(dtype).itemsize, cout)[1]
+    tall = conv_kernels.tall_tiles(numpy.dtype(dtype).itemsize, tile)
+    assert launched[0][0].endswith(", 2, 128>") == tall
+    assert launched[0][1][0] == -(-n_out // (128 if tall else 64))
+    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
+    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
+    tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
+    numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
+                                  atol=tolerance * max(1.0, numpy.abs(want).max()))
+
+
 @pytest.mark.parametrize("dtype, optin, config, shared", [
     ("float32", cuda_emulation.SHARED_MEMORY_OPTIN, (128, 128, 2), 2 * 192 * 144),
     ("float32", 48 * 1024, (64, 128), 0),
