@@ -17,7 +17,7 @@ from .cuda_rulebook import RULE_KERNELS, THREADS, grid
 from .validation import MAX_DIMS
 
 _FUSED_SITES, _FUSED_THREADS = 64, 128  # output sites a CTA; its threads
-_TALL_SITES = 128  # output sites a CTA of tall tiles (fused_tall)
+_TALL_SITES, _TALL_SLOTS = 128, 2  # output sites a CTA of tall tiles (fused_tall); their slots
 _TALL_CTAS_PER_SM = 2  # tall tiles where the sites make at least this many of them an SM
 FUSED_TILES = (16, 32, 64, 128)  # output channels a CTA (fused_config)
 MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config)
@@ -27,15 +27,6 @@ MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config
 FUSED_CONFIGS = tuple((vector, stage, tile, 0) for vector in (False, True)
                       for stage in ((32, 64, 128) if vector else (32, 64)) for tile in FUSED_TILES
                       if stage * tile < 128 * 128) + ((True, 128, 128, 2),)
-
-
-def tall_tiles(itemsize, tile):
-    """Whether a layer of `itemsize`-byte items in channel tiles of `tile` may take tall tiles
-    (_TALL_SITES sites, rows of 16-byte vectors staged MAX_STAGE bytes at a time through two
-    slots of dynamic shared memory; fused_tall): tiles of 16-64 channels in 16-bit types, 32-64 in
-    TF32, where 16-channel tall tiles measured slower than 64-site ones."""
-    return tile <= 64 and (itemsize == 2 or tile > 16)
-
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
 SORT_ROWS = True  # the fused kernel takes output rows sorted by neighbour mask (fused_sorts)
 _SORT_WORK = 1 << 29  # n_out x cin x cout from which it does
@@ -178,6 +169,14 @@ def fused_config(vector, itemsize, cout):
     return (MAX_STAGE, tile, 2) if itemsize == 4 else (64, tile, 0)
 
 
+def tall_tiles(itemsize, tile):
+    """Whether a layer of `itemsize`-byte items in channel tiles of `tile` may take tall tiles
+    (_TALL_SITES sites, rows of 16-byte vectors staged MAX_STAGE bytes at a time through
+    _TALL_SLOTS slots of dynamic shared memory; fused_tall): tiles of 16-64 channels in 16-bit
+    types, 32-64 in TF32, where 16-channel tall tiles measured slower than 64-site ones."""
+    return tile <= 64 and (itemsize == 2 or tile > 16)
+
+
 def _fused_shared(stage, tile, slots, sites=_FUSED_SITES):
     """Dynamic shared memory (bytes) of the fused kernel's `slots` stages of `sites` sites and
     `tile` channels, rows of `stage` bytes padded by 16 (mma_pitch, common.cuh)."""
@@ -223,11 +222,11 @@ def _fused_plan(device, dtype, aligned, cin, cout, taps, relu=False):
     split_sum = (None if taps == 1 else
                  _plan.split_sum_plan(device, "submanifold", ctype, dependent=True, relu=relu))
     tall = None
-    tall_shared = _fused_shared(MAX_STAGE, tile, 2, _TALL_SITES)
+    tall_shared = _fused_shared(MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES)
     if (vector and tall_tiles(itemsize, tile)
             and tall_shared + _fused_static_shared(_TALL_SITES) <= optin):
         tall = _plan.KernelPlan(device, "submanifold", "submanifold_fused",
-                                (ctype, True, MAX_STAGE, tile, 2, _TALL_SITES), (1, 1, 1),
+                                (ctype, True, MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES), (1, 1, 1),
                                 (_FUSED_THREADS, 1, 1), tall_shared, _records.FUSED_ARGS,
                                 dependent=True)
         _plan.max_dynamic_shared(tall, tall_shared)
@@ -237,7 +236,7 @@ def _fused_plan(device, dtype, aligned, cin, cout, taps, relu=False):
 def fused_tall(device, plan, n_out, sorted_rows):
     """Whether a call of the layer planned as `plan` (a FusedPlan) at n_out output sites takes
     tiles of _TALL_SITES sites: where the plan has them (tall_tiles, rows of 16-byte vectors,
-    the shared memory for two slots of their stages), the rows are not sorted (sorted rows
+    the shared memory for their slots), the rows are not sorted (sorted rows
     share fewer taps over 64 sites than over 128), and the tall tiles alone give the GPU
     _TALL_CTAS_PER_SM CTAs an SM (fewer leave SMs idle). A weight slice then serves twice the
     sites, and a warp's fragment loads twice the MMAs (bench.conv_time measures the rule)."""
@@ -412,7 +411,7 @@ def instantiations():
                                         *((slots,) if slots else ()))
                for ctype in fused for vector, stage, tile, slots in FUSED_CONFIGS]
             + [_kernels.name_expression("submanifold_fused", _kernels.ARITHMETIC_CTYPES[dtype],
-                                        True, MAX_STAGE, tile, 2, _TALL_SITES)
+                                        True, MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES)
                for dtype in _FUSED_DTYPES for tile in FUSED_TILES
                if tall_tiles(_kernels.ITEMSIZES[dtype], tile)]
             + [_kernels.name_expression("submanifold_grad_weight", ctype, columns, channels)
