@@ -213,24 +213,27 @@ def _fused_plan(device, dtype, aligned, cin, cout, taps, relu=False):
                     if (v, t, static) == (vector, tile, 0) and s <= stage)
         slots, shared = 0, 0
     ctype = _kernels.ARITHMETIC_CTYPES[dtype]
-    conv = _plan.KernelPlan(device, "submanifold", "submanifold_fused",
-                            (ctype, vector, stage, tile) + ((slots,) if slots else ()),
-                            (1, 1, 1), (_FUSED_THREADS, 1, 1), shared, _records.FUSED_ARGS,
-                            dependent=True)
-    if shared:
-        _plan.max_dynamic_shared(conv, shared)
+    conv = _fused_kernel(device, (ctype, vector, stage, tile) + ((slots,) if slots else ()),
+                         shared)
     split_sum = (None if taps == 1 else
                  _plan.split_sum_plan(device, "submanifold", ctype, dependent=True, relu=relu))
     tall = None
     tall_shared = _fused_shared(MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES)
     if (vector and tall_tiles(itemsize, tile)
             and tall_shared + _fused_static_shared(_TALL_SITES) <= optin):
-        tall = _plan.KernelPlan(device, "submanifold", "submanifold_fused",
-                                (ctype, True, MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES), (1, 1, 1),
-                                (_FUSED_THREADS, 1, 1), tall_shared, _records.FUSED_ARGS,
-                                dependent=True)
-        _plan.max_dynamic_shared(tall, tall_shared)
+        tall = _fused_kernel(device, (ctype, True, MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES),
+                             tall_shared)
     return FusedPlan(conv, _checks.grid_dim("output channels", -(-cout // tile)), split_sum, tall)
+
+
+def _fused_kernel(device, template_args, shared):
+    """The KernelPlan of submanifold_fused<template_args> (a programmatic dependent launch, grid
+    per call), opted into `shared` bytes of dynamic shared memory where it takes any."""
+    conv = _plan.KernelPlan(device, "submanifold", "submanifold_fused", template_args, (1, 1, 1),
+                            (_FUSED_THREADS, 1, 1), shared, _records.FUSED_ARGS, dependent=True)
+    if shared:
+        _plan.max_dynamic_shared(conv, shared)
+    return conv
 
 
 def fused_tall(device, plan, n_out, sorted_rows):

@@ -496,7 +496,7 @@ def test_fused_plan_serves_every_number_of_sites(monkeypatch):
     cin, cout = 32, 16
     try:
         for (taps, n_out), (grid, split_taps) in FUSED_GRIDS.items():
-            memory, launches[:] = cuda_emulation.HostMemory(), []
+            memory, launches[:], names[:] = cuda_emulation.HostMemory(), [], []
             features = numpy.zeros((8, cin), numpy.float16)
             weight = numpy.zeros((cout, taps, cin), numpy.float16)
             neighbors = numpy.zeros((taps, n_out), numpy.int32)
@@ -504,8 +504,7 @@ def test_fused_plan_serves_every_number_of_sites(monkeypatch):
                                     neighbors, relu=True)
             (kernel, got_grid, fused), *split_sum = launches
             assert (kernel, got_grid) == ("submanifold_fused", grid), (taps, n_out)
-            tall = n_out > 33_664
-            assert fused["n_out"] and names[-1].endswith(", 2, 128>") == tall
+            assert names[0].endswith(", 2, 128>") == (n_out > 33_664)  # tall tiles
             assert (fused["n_out"], fused["split_taps"]) == (n_out, split_taps)
             splits = grid[2]
             assert bool(fused["partial"]) == (splits > 1) == bool(memory.scratch)
