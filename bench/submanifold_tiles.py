@@ -9,11 +9,11 @@ them) and the same at strides 2, 4 and 8 (coordinates halved, duplicates merged,
 as strided rulebooks emit them), as a detector's stages see them; a 3x3x3
 submanifold rulebook at each level. Layers: the channel widths detectors and segmentation
 U-Nets use at each level. For each layer, dtype (float16; float32 as TF32), stage (bytes of a
-row a stage holds: 32, 64, 128), tile width (16, 32, 64, 128 output channels a CTA) and slots
-(stages in dynamic shared memory; 0: those that fit in static memory) the kernels are built for
-(sbnet_cupy.submanifold.FUSED_CONFIGS): the median
-over --repeats of CUDA events around 20 back-to-back calls, divided by 20 (the kernels queue
-faster than they run, so this is GPU time). `rule` marks the configuration the library picks.
+row a stage holds: 32, 64, 128), tile width (16, 32, 64, 96, 128 output channels a CTA) and
+slots (stages in dynamic shared memory; 0: those that fit in static memory) the kernels are
+built for (sbnet_cupy.submanifold.FUSED_CONFIGS): the median over --repeats of CUDA events
+around 20 back-to-back calls, divided by 20 (the kernels queue faster than they run, so this is
+GPU time). `rule` marks the configuration the library picks.
 Writes DIR/submanifold_tiles_<device>.csv.
 """
 

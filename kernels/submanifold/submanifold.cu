@@ -391,8 +391,8 @@ template <int THREADS> __global__ void tap_pairs(const PairArgs a) {
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
 // weight[:, k, ci] (then max(0, .) where a.relu: an eval model's ReLU, BatchNorm folded into weight
 // and bias, torch_bridge.submanifold.fuse_bn_relu), for a tile of BM output sites x BN output
-// channels a CTA (4 warps; BN 16, 32, 64 or 128, the launch's choice by cout: narrow layers do no
-// MMA work on padding, wide ones gather each neighbour row once; BM 64, or 128 where the rows are
+// channels a CTA (4 warps; BN 16, 32, 64, 96 or 128, the launch's choice by cout: narrow layers
+// (and segmentation U-Nets' 96 channels) do no MMA work on padding, wide ones gather each neighbour row once; BM 64, or 128 where the rows are
 // not sorted and the sites fill the GPU: a weight slice then serves twice the rows, and each warp
 // does twice the MMAs for its fragment loads). The reduction runs in stages of
 // STAGE bytes a row: the tile's rows (zeros for absent neighbours) and the weight's slice [BN,
@@ -428,12 +428,12 @@ constexpr int fused_slots = FUSED_SLOT_BYTES / ((FUSED_BM + BN) * fused_pitch<ST
 // A tile of BM sites x BN channels in stages of STAGE bytes a row (32: one k-step of the MMA; 64
 // or 128: two or four, for fewer barriers and copy rounds) and SLOTS of them in shared memory
 // (mma_tile, common.cuh): the stages that fit in FUSED_SLOT_BYTES, or as many as the launch gives
-// dynamic shared memory for. Four warps of WM x WN: 2 x 2 for BN 128, 64 and 32, 4 x 1 for 16.
+// dynamic shared memory for. Four warps of WM x WN: 2 x 2 for BN 128, 96, 64 and 32, 4 x 1 for 16.
 template <int STAGE, int BN, int SLOTS = fused_slots<STAGE, BN>, int BM = FUSED_BM>
 struct fused_tile : mma_tile<BM, BN, STAGE / 4, BN == 16 ? 4 : 2, SLOTS> {
     static_assert(STAGE == 32 || STAGE == 64 || STAGE == 128, "a stage is 1, 2 or 4 k-steps");
-    static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128,
-                  "a tile is 16, 32, 64 or 128 channels wide");
+    static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 96 || BN == 128,
+                  "a tile is 16, 32, 64, 96 or 128 channels wide");
     static_assert(fused_tile::SLOTS >= 2 && fused_tile::NT % 2 == 0,
                   "a stage in flight; B fragments in pairs");
 };

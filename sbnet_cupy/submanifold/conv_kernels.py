@@ -19,14 +19,30 @@ from .validation import MAX_DIMS
 _FUSED_SITES, _FUSED_THREADS = 64, 128  # output sites a CTA; its threads
 _TALL_SITES, _TALL_SLOTS = 128, 2  # output sites a CTA of tall tiles (fused_tall); their slots
 _TALL_CTAS_PER_SM = 2  # tall tiles where the sites make at least this many of them an SM
-FUSED_TILES = (16, 32, 64, 128)  # output channels a CTA (fused_config)
+FUSED_TILES = (16, 32, 64, 96, 128)  # output channels a CTA (fused_config)
 MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config)
+_FUSED_SLOT_BYTES = 37888  # static shared memory for stages (FUSED_SLOT_BYTES, submanifold.cu)
+
+
+def _fused_shared(stage, tile, slots, sites=_FUSED_SITES):
+    """Dynamic shared memory (bytes) of the fused kernel's `slots` stages of `sites` sites and
+    `tile` channels, rows of `stage` bytes padded by 16 (mma_pitch, common.cuh)."""
+    return slots * (sites + tile) * (stage + 16)
+
+
+def _static_slots(stage, tile):
+    """Stages of `stage` bytes a row in tiles of _FUSED_SITES sites and `tile` channels that
+    fit in the fused kernel's static shared memory."""
+    return _FUSED_SLOT_BYTES // _fused_shared(stage, tile, 1)
+
+
 # The (vector, stage, tile, slots) the fused kernel is built for: every stage a row can take
-# with every tile in the slots that fit in static shared memory (slots 0), but for 128-byte
-# stages of 128-wide tiles, which take two slots of dynamic shared memory.
-FUSED_CONFIGS = tuple((vector, stage, tile, 0) for vector in (False, True)
-                      for stage in ((32, 64, 128) if vector else (32, 64)) for tile in FUSED_TILES
-                      if stage * tile < 128 * 128) + ((True, 128, 128, 2),)
+# with every tile where two slots or more fit in static shared memory (slots 0), and 128-byte
+# stages of 96- and 128-wide tiles in two slots of dynamic shared memory.
+FUSED_CONFIGS = (tuple((vector, stage, tile, 0) for vector in (False, True)
+                       for stage in ((32, 64, 128) if vector else (32, 64)) for tile in FUSED_TILES
+                       if _static_slots(stage, tile) >= 2)
+                 + ((True, 128, 96, 2), (True, 128, 128, 2)))
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
 SORT_ROWS = True  # the fused kernel takes output rows sorted by neighbour mask (fused_sorts)
 _SORT_WORK = 1 << 29  # n_out x cin x cout from which it does
@@ -148,25 +164,27 @@ def padded_width(cin, itemsize):
 def fused_config(vector, itemsize, cout):
     """(stage, tile, slots) of the fused kernel: bytes of a row staged at a time, output
     channels a CTA, and stages in dynamic shared memory (0: those that fit in static memory).
-    The tile is the narrowest of 16, 32 and 64 that holds cout, so narrow layers do no MMA work
-    on padding; wider layers take tiles of 64 where cout is a multiple of 64, else of 128,
-    which gather each neighbour row once where 64-wide tiles would pad as much. Rows of
-    16-byte vectors are staged MAX_STAGE bytes at a time (narrower rows pack several taps into
-    a stage, so every stage is whole k-steps of the MMA), but for 128-wide tiles: TF32 through
-    two slots of dynamic shared memory (one would fit in static memory), 16-bit types 64 bytes
-    at a time in static memory; odd rows 16 elements at a time, one k-step of a 16-bit MMA or
-    two of TF32, as their loads through registers are the stage's time.
+    The tile is the narrowest of 16, 32, 64 and 96 that holds cout, so narrow layers (and the
+    96 channels of segmentation U-Nets' decoders) do no MMA work on padding; wider layers take
+    tiles of 64 where cout is a multiple of 64, else of 128, which gather each neighbour row
+    once where 64-wide tiles would pad as much. Rows of 16-byte vectors are staged MAX_STAGE
+    bytes at a time (narrower rows pack several taps into a stage, so every stage is whole
+    k-steps of the MMA), but for 96- and 128-wide tiles: through two slots of dynamic shared
+    memory (one would fit in static memory), except 16-bit types in 128-wide tiles, 64 bytes at
+    a time in static memory; odd rows 16 elements at a time, one k-step of a 16-bit MMA or two
+    of TF32, as their loads through registers are the stage's time.
     bench.submanifold_tiles measures every configuration per layer."""
-    tile = next((width for width in FUSED_TILES if cout <= width), FUSED_TILES[-1])
-    if tile == 128 and cout % 64 == 0:
-        tile = 64
+    tile = next((width for width in FUSED_TILES[:-1] if cout <= width), None)
+    if tile is None:
+        tile = 64 if cout % 64 == 0 else 128
     if not vector:
         return min(MAX_STAGE, 16 * itemsize), tile, 0
-    if tile < 128:
+    if tile <= 64:
         return MAX_STAGE, tile, 0
-    # 128-byte stages of a 128-wide tile fit only in dynamic shared memory: there they take
-    # 0.87-0.95x the time of 64-byte ones in TF32 and the same in 16-bit types.
-    return (MAX_STAGE, tile, 2) if itemsize == 4 else (64, tile, 0)
+    # 128-byte stages of 96- and 128-wide tiles fit only in dynamic shared memory: there they
+    # take 0.84-0.95x the time of 64-byte ones in TF32 and in 16-bit 96-wide tiles, the same in
+    # 16-bit 128-wide ones.
+    return (MAX_STAGE, tile, 2) if itemsize == 4 or tile == 96 else (64, tile, 0)
 
 
 def tall_tiles(itemsize, tile):
@@ -175,12 +193,6 @@ def tall_tiles(itemsize, tile):
     _TALL_SLOTS slots of dynamic shared memory; fused_tall): tiles of 16-64 channels in 16-bit
     types, 32-64 in TF32, where 16-channel tall tiles measured slower than 64-site ones."""
     return tile <= 64 and (itemsize == 2 or tile > 16)
-
-
-def _fused_shared(stage, tile, slots, sites=_FUSED_SITES):
-    """Dynamic shared memory (bytes) of the fused kernel's `slots` stages of `sites` sites and
-    `tile` channels, rows of `stage` bytes padded by 16 (mma_pitch, common.cuh)."""
-    return slots * (sites + tile) * (stage + 16)
 
 
 def _fused_static_shared(sites):

@@ -426,21 +426,22 @@ def test_fused_tall_tiles(rng, launched, monkeypatch, dtype, cin, cout, split):
                                   atol=tolerance * max(1.0, numpy.abs(want).max()))
 
 
-@pytest.mark.parametrize("dtype, optin, config, shared", [
-    ("float32", cuda_emulation.SHARED_MEMORY_OPTIN, (128, 128, 2), 2 * 192 * 144),
-    ("float32", 48 * 1024, (64, 128), 0),
-    ("float16", cuda_emulation.SHARED_MEMORY_OPTIN, (64, 128), 0)],
-    ids=["tf32-dynamic", "tf32-static", "float16"])
+@pytest.mark.parametrize("dtype, optin, cout, config, shared", [
+    ("float32", cuda_emulation.SHARED_MEMORY_OPTIN, 96, (128, 96, 2), 2 * 160 * 144),
+    ("float32", cuda_emulation.SHARED_MEMORY_OPTIN, 112, (128, 128, 2), 2 * 192 * 144),
+    ("float32", 48 * 1024, 96, (64, 96), 0),
+    ("float16", cuda_emulation.SHARED_MEMORY_OPTIN, 112, (64, 128), 0)],
+    ids=["tf32-dynamic-96", "tf32-dynamic-128", "tf32-static", "float16"])
 def test_wide_tiles_take_the_shared_memory_the_gpu_allows(rng, launched, monkeypatch, dtype,
-                                                          optin, config, shared):
-    """128-wide tiles (96 output channels) in TF32 stage 128 bytes a row through two slots of
-    dynamic shared memory where a CTA may opt into them, and 64 bytes in static memory where it
-    may not (a GPU of 48 KiB a CTA); 16-bit types stage 64 bytes in static memory. Each computes
-    the definition."""
+                                                          optin, cout, config, shared):
+    """96-wide tiles (96 output channels) and 128-wide ones (112) in TF32 stage 128 bytes a row
+    through two slots of dynamic shared memory where a CTA may opt into them, and 64 bytes in
+    static memory where it may not (a GPU of 48 KiB a CTA); 16-bit types stage 64 bytes in
+    static memory. Each computes the definition."""
     info = launch.device_info(0)._replace(shared_per_block_optin=optin)
     monkeypatch.setattr(launch, "device_info", lambda device: info)
     conv_kernels._fused_plan.cache_clear()
-    n_in, n_out, cin, cout, taps = 50, 70, 16, 96, 27
+    n_in, n_out, cin, taps = 50, 70, 16, 27
     features = random_array(rng, (n_in, cin), numpy.float32)
     weight = random_array(rng, (cout, taps, cin), numpy.float32)
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
