@@ -450,6 +450,34 @@ template <typename T, int STAGE> struct fused_part {
     }
 };
 
+// The VEC copies of ROWS rows of STAGE bytes for a stage of tap `tap` (this thread's part's;
+// -1: zeros): the thread's part of rows threadIdx.x / PARTS + i * STRIDE, copied from source
+// row source(i) (-1: zeros) of base, columns from col0 + part.c.
+template <typename T, int STAGE, int ROWS, typename Source>
+static __device__ __forceinline__ void fused_copy_rows(unsigned* tile, const T* base, int stride,
+                                                       int col0, fused_part<T, STAGE> part,
+                                                       int tap, Source source) {
+    constexpr int PARTS = fused_part<T, STAGE>::PARTS, PITCH = fused_pitch<STAGE>;
+    static_assert(FUSED_THREADS % PARTS == 0, "a thread's parts are one column of parts");
+    constexpr int STRIDE = FUSED_THREADS / PARTS;
+    // In bytes, so that a row's address is one wide multiply-add: at + row * row_bytes.
+    const char* at = (const char*)(base + col0 + part.c);
+    const unsigned row_bytes = (unsigned)stride * (unsigned)sizeof(T);
+    const unsigned dst =
+        shared_address(tile + threadIdx.x / PARTS * PITCH + threadIdx.x % PARTS * 4);
+#pragma unroll
+    for (int i = 0; i < (ROWS + STRIDE - 1) / STRIDE; ++i) {
+        const int r = threadIdx.x / PARTS + i * STRIDE;
+        if (ROWS % STRIDE != 0 && r >= ROWS) break;
+        const int row = source(i);
+        // An unsigned 32 x 32 -> 64-bit product (max(row, 0)): one instruction, where a
+        // signed or 64-bit one takes three or four. Negative row | tap: zeros.
+        copy_async16_unless_negative(dst + i * STRIDE * PITCH * 4,
+                                     at + (unsigned long long)(unsigned)max(row, 0) * row_bytes,
+                                     row | tap);
+    }
+}
+
 // Stage ROWS rows of STAGE bytes: element e of row r is base[row_of(tap, r) * stride + col0 +
 // e % width] for tap = tap_of(e / width); zero where row_of gives -1, where tap is -1 or
 // e / width >= per_stage, and past `cols`. VEC: width and cols are whole 16-byte vectors and
@@ -463,27 +491,12 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
                                                    RowOf row_of) {
     constexpr int BK = STAGE / sizeof(T), PITCH = fused_pitch<STAGE>;
     if (VEC) {
-        constexpr int PARTS = fused_part<T, STAGE>::PARTS;
-        static_assert(FUSED_THREADS % PARTS == 0, "a thread's parts are one column of parts");
-        // A thread stages the same part of rows threadIdx.x / PARTS + i * STRIDE.
-        constexpr int STRIDE = FUSED_THREADS / PARTS;
+        constexpr int STRIDE = FUSED_THREADS / fused_part<T, STAGE>::PARTS;
         const int tap = part.g < per_stage && col0 + part.c < cols ? tap_of(part.g) : -1;
-        // In bytes, so that a row's address is one wide multiply-add: at + row * row_bytes.
-        const char* at = (const char*)(base + col0 + part.c);
-        const unsigned row_bytes = (unsigned)stride * (unsigned)sizeof(T);
-        const unsigned dst =
-            shared_address(tile + threadIdx.x / PARTS * PITCH + threadIdx.x % PARTS * 4);
-#pragma unroll
-        for (int i = 0; i < (ROWS + STRIDE - 1) / STRIDE; ++i) {
-            const int r = threadIdx.x / PARTS + i * STRIDE;
-            if (ROWS % STRIDE != 0 && r >= ROWS) break;
-            const int row = row_of(max(tap, 0), r);
-            // An unsigned 32 x 32 -> 64-bit product (max(row, 0)): one instruction, where a
-            // signed or 64-bit one takes three or four. Negative row | tap: zeros.
-            copy_async16_unless_negative(dst + i * STRIDE * PITCH * 4,
-                                         at + (unsigned long long)(unsigned)max(row, 0) * row_bytes,
-                                         row | tap);
-        }
+        const int r0 = threadIdx.x / fused_part<T, STAGE>::PARTS;
+        fused_copy_rows<T, STAGE, ROWS>(tile, base, stride, col0, part, tap, [&](int i) {
+            return row_of(max(tap, 0), r0 + i * STRIDE);
+        });
     } else {
         T* t = (T*)tile;
         for (int e = threadIdx.x; e < ROWS * BK; e += FUSED_THREADS) {
@@ -507,17 +520,8 @@ template <typename T, int STAGE, int BM>
 static __device__ __forceinline__ void fused_stage_held(
     unsigned* tile, const T* base, int stride, int col0, fused_part<T, STAGE> part, int tap,
     const int (&held)[fused_held<STAGE, BM>]) {
-    constexpr int PARTS = fused_part<T, STAGE>::PARTS, STRIDE = FUSED_THREADS / PARTS;
-    constexpr int PITCH = fused_pitch<STAGE>;
-    const char* at = (const char*)(base + col0 + part.c);
-    const unsigned row_bytes = (unsigned)stride * (unsigned)sizeof(T);
-    const unsigned dst =
-        shared_address(tile + threadIdx.x / PARTS * PITCH + threadIdx.x % PARTS * 4);
-#pragma unroll
-    for (int i = 0; i < fused_held<STAGE, BM>; ++i)
-        copy_async16_unless_negative(dst + i * STRIDE * PITCH * 4,
-                                     at + (unsigned long long)(unsigned)max(held[i], 0) * row_bytes,
-                                     held[i] | tap);
+    fused_copy_rows<T, STAGE, BM>(tile, base, stride, col0, part, tap,
+                                  [&](int i) { return held[i]; });
 }
 
 // DYNAMIC_SLOTS: 0, the slots that fit in static shared memory (tiles of FUSED_BM sites); else

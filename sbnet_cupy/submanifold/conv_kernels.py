@@ -22,12 +22,13 @@ _TALL_CTAS_PER_SM = 2  # tall tiles where the sites make at least this many of t
 FUSED_TILES = (16, 32, 64, 96, 128)  # output channels a CTA (fused_config)
 MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config)
 _FUSED_SLOT_BYTES = 37888  # static shared memory for stages (FUSED_SLOT_BYTES, submanifold.cu)
+_ROW_PADDING = 16  # bytes after each staged row (mma_pitch, common.cuh: 4 words)
 
 
 def _fused_shared(stage, tile, slots, sites=_FUSED_SITES):
     """Dynamic shared memory (bytes) of the fused kernel's `slots` stages of `sites` sites and
-    `tile` channels, rows of `stage` bytes padded by 16 (mma_pitch, common.cuh)."""
-    return slots * (sites + tile) * (stage + 16)
+    `tile` channels, rows of `stage` bytes and their padding."""
+    return slots * (sites + tile) * (stage + _ROW_PADDING)
 
 
 def _static_slots(stage, tile):
