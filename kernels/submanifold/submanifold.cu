@@ -389,26 +389,26 @@ template <int THREADS> __global__ void tap_pairs(const PairArgs a) {
 // --- the fused convolution: gather and tensor-core matrix product in one kernel -------------
 //
 // out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
-// weight[:, k, ci] (then max(0, .) where a.relu: an eval model's ReLU, BatchNorm folded into
-// weight and bias, torch_bridge.submanifold.fuse_bn_relu), for a tile of BM output sites x BN output channels a CTA
-// (4 warps; BN 16, 32, 64, 96 or 128, the launch's choice by cout: narrow layers (and segmentation
-// U-Nets' 96 channels) do no MMA work on padding, wide ones gather each neighbour row once; BM 64,
-// or 128 where the rows are not sorted and the sites fill the GPU: a weight slice then serves twice
-// the rows, and each warp does twice the MMAs for its fragment loads). The reduction runs in stages
-// of STAGE bytes a row: the tile's rows (zeros for absent neighbours) and the weight's slice [BN,
-// STAGE bytes] staged in shared memory and multiplied with mma.sync (tensor_core_mma, common.cuh):
-// m16n8k16 for half and bfloat16, m16n8k8 TF32 for float; float32 accumulation. A stage holds
-// `width` channels of each of `per_stage` taps side by side: rows narrower than a stage (16 or 32
-// channels) pack several taps into it, so every barrier has whole k-steps of work; wider rows take
-// ceil(cin / width) stages a tap. All but one of the stages in shared memory are in flight
-// (cp.async where rows are whole 16-byte vectors): with few sites the grid is small and each CTA's
-// chain of loads is what takes the time. The neighbour rows of up to FUSED_TAPS taps are read once,
-// together; taps no row of the tile has are skipped, and where the launch gives an order of the
-// output rows sorted by their neighbour masks (tap_masks), with the map's columns in that order (so
-// that tiles read the map coalesced), a tile's rows have much the same taps. Where tiles are fewer
-// than the GPU has SMs, the taps are split over blockIdx.z: each split writes its float sums to
-// partial[z], and split_sum (common.cuh) adds them up in split order (deterministic, no atomics).
-// Both are programmatic dependent launches (common.cuh).
+// weight[:, k, ci] (then max(0, .) where a.relu: an eval model's ReLU, BatchNorm folded into weight
+// and bias, torch_bridge.submanifold.fuse_bn_relu), for a tile of BM output sites x BN output
+// channels a CTA (4 warps; BN 16, 32, 64, 96 or 128, the launch's choice by cout: narrow layers
+// (and segmentation U-Nets' 96 channels) do no MMA work on padding, wide ones gather each neighbour
+// row once; BM 64, or 128 where the rows are not sorted and the sites fill the GPU: a weight slice
+// then serves twice the rows, and each warp does twice the MMAs for its fragment loads). The
+// reduction runs in stages of STAGE bytes a row: the tile's rows (zeros for absent neighbours) and
+// the weight's slice [BN, STAGE bytes] staged in shared memory and multiplied with mma.sync
+// (tensor_core_mma, common.cuh): m16n8k16 for half and bfloat16, m16n8k8 TF32 for float; float32
+// accumulation. A stage holds `width` channels of each of `per_stage` taps side by side: rows
+// narrower than a stage (16 or 32 channels) pack several taps into it, so every barrier has whole
+// k-steps of work; wider rows take ceil(cin / width) stages a tap. All but one of the stages in
+// shared memory are in flight (cp.async where rows are whole 16-byte vectors): with few sites the
+// grid is small and each CTA's chain of loads is what takes the time. The neighbour rows of up to
+// FUSED_TAPS taps are read once, together; taps no row of the tile has are skipped, and where the
+// launch gives an order of the output rows sorted by their neighbour masks (tap_masks), with the
+// map's columns in that order (so that tiles read the map coalesced), a tile's rows have much the
+// same taps. Where tiles are fewer than the GPU has SMs, the taps are split over blockIdx.z: each
+// split writes its float sums to partial[z], and split_sum (common.cuh) adds them up in split order
+// (deterministic, no atomics). Both are programmatic dependent launches (common.cuh).
 
 #define FUSED_BM 64  // sites of a tile in static shared memory (BM 128 takes dynamic slots)
 #define FUSED_THREADS 128
