@@ -451,8 +451,8 @@ template <typename T, int STAGE> struct fused_part {
 };
 
 // The VEC copies of ROWS rows of STAGE bytes for a stage of tap `tap` (this thread's part's;
-// -1: zeros): the thread's part of rows threadIdx.x / PARTS + i * STRIDE, copied from source
-// row source(i) (-1: zeros) of base, columns from col0 + part.c.
+// -1: zeros): the thread's part of its i-th row r = threadIdx.x / PARTS + i * STRIDE, copied
+// from source row source(i, r) (-1: zeros) of base, columns from col0 + part.c.
 template <typename T, int STAGE, int ROWS, typename Source>
 static __device__ __forceinline__ void fused_copy_rows(unsigned* tile, const T* base, int stride,
                                                        int col0, fused_part<T, STAGE> part,
@@ -469,7 +469,7 @@ static __device__ __forceinline__ void fused_copy_rows(unsigned* tile, const T* 
     for (int i = 0; i < (ROWS + STRIDE - 1) / STRIDE; ++i) {
         const int r = threadIdx.x / PARTS + i * STRIDE;
         if (ROWS % STRIDE != 0 && r >= ROWS) break;
-        const int row = source(i);
+        const int row = source(i, r);
         // An unsigned 32 x 32 -> 64-bit product (max(row, 0)): one instruction, where a
         // signed or 64-bit one takes three or four. Negative row | tap: zeros.
         copy_async16_unless_negative(dst + i * STRIDE * PITCH * 4,
@@ -491,12 +491,9 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
                                                    RowOf row_of) {
     constexpr int BK = STAGE / sizeof(T), PITCH = fused_pitch<STAGE>;
     if (VEC) {
-        constexpr int STRIDE = FUSED_THREADS / fused_part<T, STAGE>::PARTS;
         const int tap = part.g < per_stage && col0 + part.c < cols ? tap_of(part.g) : -1;
-        const int r0 = threadIdx.x / fused_part<T, STAGE>::PARTS;
-        fused_copy_rows<T, STAGE, ROWS>(tile, base, stride, col0, part, tap, [&](int i) {
-            return row_of(max(tap, 0), r0 + i * STRIDE);
-        });
+        fused_copy_rows<T, STAGE, ROWS>(tile, base, stride, col0, part, tap,
+                                        [&](int, int r) { return row_of(max(tap, 0), r); });
     } else {
         T* t = (T*)tile;
         for (int e = threadIdx.x; e < ROWS * BK; e += FUSED_THREADS) {
@@ -521,7 +518,7 @@ static __device__ __forceinline__ void fused_stage_held(
     unsigned* tile, const T* base, int stride, int col0, fused_part<T, STAGE> part, int tap,
     const int (&held)[fused_held<STAGE, BM>]) {
     fused_copy_rows<T, STAGE, BM>(tile, base, stride, col0, part, tap,
-                                  [&](int i) { return held[i]; });
+                                  [&](int i, int) { return held[i]; });
 }
 
 // DYNAMIC_SLOTS: 0, the slots that fit in static shared memory (tiles of FUSED_BM sites); else

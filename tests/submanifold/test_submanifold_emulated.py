@@ -435,14 +435,16 @@ def test_fused_tall_tiles(rng, launched, monkeypatch, dtype, cin, cout, split):
     ("float32", cuda_emulation.SHARED_MEMORY_OPTIN, 96, (128, 96, 2), 2 * 160 * 144),
     ("float32", cuda_emulation.SHARED_MEMORY_OPTIN, 112, (128, 128, 2), 2 * 192 * 144),
     ("float32", 48 * 1024, 96, (64, 96), 0),
+    ("float16", cuda_emulation.SHARED_MEMORY_OPTIN, 96, (128, 96, 2), 2 * 160 * 144),
     ("float16", cuda_emulation.SHARED_MEMORY_OPTIN, 112, (64, 128), 0)],
-    ids=["tf32-dynamic-96", "tf32-dynamic-128", "tf32-static", "float16"])
+    ids=["tf32-dynamic-96", "tf32-dynamic-128", "tf32-static", "float16-dynamic-96",
+         "float16-static-128"])
 def test_wide_tiles_take_the_shared_memory_the_gpu_allows(rng, launched, monkeypatch, dtype,
                                                           optin, cout, config, shared):
-    """96-wide tiles (96 output channels) and 128-wide ones (112) in TF32 stage 128 bytes a row
-    through two slots of dynamic shared memory where a CTA may opt into them, and 64 bytes in
-    static memory where it may not (a GPU of 48 KiB a CTA); 16-bit types stage 64 bytes in
-    static memory. Each computes the definition."""
+    """96-wide tiles (96 output channels) in every dtype and 128-wide ones (112) in TF32 stage
+    128 bytes a row through two slots of dynamic shared memory where a CTA may opt into them,
+    and 64 bytes in static memory where it may not (a GPU of 48 KiB a CTA); 16-bit types'
+    128-wide tiles stage 64 bytes in static memory. Each computes the definition."""
     info = launch.device_info(0)._replace(shared_per_block_optin=optin)
     monkeypatch.setattr(launch, "device_info", lambda device: info)
     conv_kernels._fused_plan.cache_clear()
