@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 import torch_bridge as tb
 from sbnet_cupy.dilated.space_to_batch import dilated_conv_geometry
-from bench._common import events_ms, graph, read_csv, require_gpu, results_parser, write_csv
+from bench._common import (events_ms, graph, read_csv, require_gpu, results_parser, results_stem,
+                           write_csv)
 from torch_bridge.dilated import conv as dilated
 
 # (N, C_in, K, H = W, rate): the seed's runs (batch 128, 3 -> 128, scale 2), wider layers at
@@ -476,8 +477,8 @@ def main(argv=None):
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     device = torch.cuda.get_device_name()
-    slug = device.replace(" ", "_")
-    args.out.mkdir(parents=True, exist_ok=True)
+    stem = results_stem(args.out, "dilated", device)
+    reshapes_csv = f"{results_stem(args.out, 'dilated_reshapes', device)}.csv"
     started = time.time()
     copy_gbs = copy_bandwidth(repeats)
     print(f"{device}: copy {copy_gbs:.0f} GB/s", flush=True)
@@ -492,7 +493,7 @@ def main(argv=None):
                           f"{r['N']}x{r['C']}x{r['size']}^2 r{r['rate']} {r['dtype']} "
                           f"{r['layout']}: {r['MB']:7.1f} MB {r['us']:8.1f} us "
                           f"{r['GBs']:6.0f} GB/s {r['of_copy']:5.0%}", flush=True)
-        write_csv(reshape_rows, args.out / f"dilated_reshapes_{slug}.csv")
+        write_csv(reshape_rows, reshapes_csv)
 
     # Rounds over every configuration, each time's median across rounds: eager calls are
     # host-bound, and the host's speed drifts over a run by more than the routes differ.
@@ -508,11 +509,11 @@ def main(argv=None):
                 print(f"[{time.time() - started:4.0f}s] round {round_ + 1} {_label(r)} "
                       f"{precision} {r['pass_']:>15}: {times} ms", flush=True)
         rows = median_of_rounds(rounds[:round_ + 1], args.modes)
-        write_csv(rows, args.out / f"dilated_{slug}.csv")  # after every round
+        write_csv(rows, f"{stem}.csv")  # after every round
     command = "python -m bench.dilated " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_markdown(args.out / f"dilated_{slug}.md", device, run_stamp(command), copy_gbs, rows,
+    write_markdown(pathlib.Path(f"{stem}.md"), device, run_stamp(command), copy_gbs, rows,
                    reshape_rows, args.modes)
-    plot(rows, reshape_rows, args.modes, args.out / f"dilated_{slug}.png")
+    plot(rows, reshape_rows, args.modes, f"{stem}.png")
     print(f"done in {time.time() - started:.0f}s", flush=True)
     return 0
 

@@ -23,7 +23,7 @@ import sys
 import numpy
 
 import sbnet_cupy
-from bench._common import RESULTS, require_gpu
+from bench._common import RESULTS, require_gpu, results_stem
 
 
 def _events_ms(cupy, run, repeats, warmup=3):
@@ -159,15 +159,14 @@ def _row_text(r):
 
 
 def write_results(out, device, copy_gbs, op_rows, mask_rows, command):
-    out.mkdir(parents=True, exist_ok=True)
-    slug = device.replace(" ", "_")
-    with open(out / f"ops_{slug}.csv", "w", newline="") as f:
+    stem = results_stem(out, "ops", device)
+    with open(f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(op_rows[0]))
         writer.writeheader()
         writer.writerows(op_rows)
     lines = [f"# sbnet_cupy ops on {device}", "",
              f"{datetime.date.today()}, `{command}`. Copy bandwidth (1 GiB device-to-device, "
-             f"read + write): **{copy_gbs:.0f} GB/s**. Full table: `ops_{slug}.csv`.", "",
+             f"read + write): **{copy_gbs:.0f} GB/s**. Full table: `{stem.name}.csv`.", "",
              "## Fraction of copy bandwidth (min / median over C, block size, active fraction)",
              "", "| op | dtype | transpose | C>=32 min | median | max |",
              "|---|---|---|---|---|---|"]
@@ -180,7 +179,7 @@ def write_results(out, device, copy_gbs, op_rows, mask_rows, command):
     lines += ["", "## reduce_mask, 1x800x1408 mask, 16x16 blocks (eager, per call, events)", "",
               "| capacity | active blocks | us |", "|---|---|---|"]
     lines += [f"| {r['capacity']} | {r['blocks']} | {r['us']} |" for r in mask_rows]
-    (out / f"ops_{slug}.md").write_text("\n".join(lines) + "\n")
+    pathlib.Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None):

@@ -43,7 +43,8 @@ import torch
 
 import torch_bridge as tb
 from bench import masks
-from bench._common import RESULTS, allow_tf32, events_ms, graph, read_csv, require_gpu, write_csv
+from bench._common import (RESULTS, allow_tf32, events_ms, graph, read_csv, require_gpu,
+                           results_stem, write_csv)
 from sbnet_cupy.core import launch as _launch
 from sbnet_cupy.blocks import block_conv
 
@@ -441,8 +442,6 @@ def main(argv=None):
     require_gpu("bench.res_blocks")
     torch.backends.cudnn.benchmark = True
     device = torch.cuda.get_device_name()
-    slug = device.replace(" ", "_")
-    args.out.mkdir(parents=True, exist_ok=True)
     if "modes" in args.suite:
         rows, started = [], time.time()
         for stage, precision, units in itertools.product(args.stages, ("tf32", "fp16"), (1, 3)):
@@ -454,8 +453,9 @@ def main(argv=None):
                   f"compiled {r['sparse_compiled_ms']:.3f} / reduce-overhead "
                   f"{r['sparse_reduce_overhead_ms']:.3f} / CapacityGraphs "
                   f"{r['sparse_capacity_graphs_ms']:.3f} ms", flush=True)
-            write_csv(rows, args.out / f"res_blocks_modes_{slug}.csv")
-            (args.out / f"res_blocks_modes_{slug}.md").write_text(_modes_table(rows, device))
+            stem = results_stem(args.out, "res_blocks_modes", device)
+            write_csv(rows, f"{stem}.csv")
+            pathlib.Path(f"{stem}.md").write_text(_modes_table(rows, device))
         args.suite = [s for s in args.suite if s != "modes"]
         if not args.suite:
             return 0
@@ -467,13 +467,13 @@ def main(argv=None):
                                   numpy.random.default_rng(len(rows))))
             print("floor", {k: round(v, 2) if isinstance(v, float) else v
                             for k, v in rows[-1].items()}, flush=True)
-            write_csv(rows, args.out / f"res_blocks_floor_{slug}.csv")
+            write_csv(rows, f"{results_stem(args.out, 'res_blocks_floor', device)}.csv")
         args.suite = [s for s in args.suite if s != "floor"]
         if not args.suite:
             return 0
     todo = [r for r in suites(args.suite) if r[2] in args.stages]
     rows, started = [], time.time()
-    name = "res_blocks_" + "_".join(args.suite) + f"_{slug}"
+    name = results_stem(args.out, "res_blocks_" + "_".join(args.suite), device).name
     dependent = _launch.DEPENDENT_LAUNCH
     staging = block_conv.STAGING
     for i, (suite, test, stage, batch, precision, mask_kind, sparsity, bsize, method,

@@ -41,7 +41,7 @@ import numpy
 import sbnet_cupy
 from sbnet_cupy.core import launch as _launch
 from sbnet_cupy import pruned as skc
-from bench._common import read_csv, require_gpu, results_parser, write_csv
+from bench._common import read_csv, require_gpu, results_parser, results_stem, write_csv
 from bench.ops import _graph_ms
 
 SIZE = (256, 512)
@@ -350,12 +350,10 @@ def main(argv=None):
 
     torch.backends.cudnn.benchmark = True
     device = torch.cuda.get_device_name()
-    slug = device.replace(" ", "_")
     suffix = "_quick" if args.quick else "".join(
         f"_{s}" for s in args.sweeps if args.sweeps != list(SWEEPS)) + "".join(
         f"_n{b}" for b in args.batches if args.batches != [1, 8])
-    name = f"sparse_kernel_conv{suffix}_{slug}"
-    args.out.mkdir(parents=True, exist_ok=True)
+    name = results_stem(args.out, f"sparse_kernel_conv{suffix}", device).name
     command = "python -m bench.sparse_kernel_conv " + " ".join(
         argv if argv is not None else sys.argv[1:])
     started = time.time()

@@ -57,7 +57,8 @@ import torch
 import torch_bridge.submanifold as ours
 from bench import lidar, masks, res_blocks
 from sbnet_cupy.submanifold import conv_output_shape
-from bench._common import RESULTS, allow_tf32, events_ms, graph, require_gpu, write_csv
+from bench._common import (RESULTS, allow_tf32, events_ms, graph, require_gpu, results_stem,
+                           write_csv)
 
 PRECISIONS = {"tf32": (torch.float32, True), "fp16": (torch.float16, False)}
 TOLERANCE = {"tf32": 2e-2, "fp16": 2e-2, "float64": 1e-9}  # relative L2 error
@@ -544,9 +545,7 @@ def main(argv=None):
     repeats = args.repeats or (5 if args.quick else 20)
     torch.backends.cudnn.benchmark = True
     device = torch.cuda.get_device_name()
-    slug = device.replace(" ", "_")
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = "submanifold_quick" if args.quick else "submanifold"
+    stem = results_stem(args.out, "submanifold_quick" if args.quick else "submanifold", device)
     namespaces = anchors()
     triton = "none" if args.quick else args.triton
 
@@ -566,8 +565,8 @@ def main(argv=None):
     rows = []
 
     def save():
-        write_csv(rows, args.out / f"{name}_{slug}.csv")
-        (args.out / f"{name}_{slug}.md").write_text(table(rows, device, checks))
+        write_csv(rows, f"{stem}.csv")
+        pathlib.Path(f"{stem}.md").write_text(table(rows, device, checks))
 
     if 1 in args.workloads:
         stages = args.stages or (["conv-4"] if args.quick else list(res_blocks.STAGES))
@@ -595,7 +594,7 @@ def main(argv=None):
                                   for r in new), flush=True)
                 save()
                 torch.cuda.empty_cache()
-    plot(rows, args.out / f"{name}_{slug}.png")
+    plot(rows, f"{stem}.png")
     ours_failed = [f for f in FAILED if f[0].startswith("ours")]
     for impl, case, message in FAILED:
         print(f"failed: {impl} {case}: {message}")
