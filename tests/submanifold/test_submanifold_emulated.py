@@ -234,7 +234,7 @@ _GRAD_LAYERS = [
 
 @pytest.mark.parametrize("n_in, n_out, cin, cout, taps, dtype", [
     (*layer, dtype) for layer in _GRAD_LAYERS for dtype in ("float32", "float16", "bfloat16")]
-    + [(150, 1500, 96, 96, 5, "float16"), (60, 700, 136, 136, 3, "float32")])
+    + [(150, 1500, 96, 96, 2, "float16"), (60, 700, 136, 136, 2, "float32")])
 def test_grad_weight_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, taps):
     """dw[co, k, ci] = sum over o of dy[o, co] * features[map[k, o], ci]: tiles 16, 32 and 64
     channels wide (and part tiles), tiles of the columns across taps (rows narrower than a tile,
