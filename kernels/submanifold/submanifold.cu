@@ -331,6 +331,18 @@ template <typename Mask> __global__ void tap_masks(const MaskArgs a) {
     }
 }
 
+// Rulebook.fused_order's rows from an argsort of the masks: rows[0, j] = order[j] and rows[1 + k,
+// j] = map[k, order[j]]. A thread reads its row's index once and copies that row's column of the
+// map tap by tap: scattered reads, coalesced writes, no cast of the order between them.
+template <typename Index> __global__ void ordered_map(const OrderArgs a) {
+    const Index* order = (const Index*)a.order;
+    for (i64 j = subm_first(); j < a.n; j += subm_step()) {
+        const i64 i = order[j];
+        a.rows[j] = (int)i;
+        for (int k = 0; k < a.taps; ++k) a.rows[(k + 1) * a.n + j] = a.map[k * a.n + i];
+    }
+}
+
 // The sites that have each tap, in order: pairs[k, i] is the i-th output site o whose map[k, o]
 // is a row (not -1), totals[k] how many there are. grad_weight's kernel then multiplies only the
 // sites a tap has, where the map's rows are mostly -1 (LiDAR sites fill a third or so of their

@@ -454,6 +454,15 @@ MASK_ARGS = Record("MaskArgs", "submanifold", """
     int taps;
 """)
 
+# ordered_map: Rulebook.fused_order's rows from an argsort of tap_masks.
+ORDER_ARGS = Record("OrderArgs", "submanifold", """
+    const void* order;  // [n] of Index: a permutation of the map's rows
+    const int* map;     // [taps, n]
+    int* rows;          // [1 + taps, n]: order, then the map's columns in that order
+    i64 n;
+    int taps;
+""")
+
 # submanifold_fused: the fused convolution.
 FUSED_ARGS = Record("FusedArgs", "submanifold", """
     const void* features;  // [N_in, cin]

@@ -95,6 +95,26 @@ def _masks_plan(device):
                             (THREADS, 1, 1), 0, _records.MASK_ARGS)
 
 
+def ordered_map(backend, neighbors, order):
+    """Rulebook.fused_order's rows, int32 [1 + taps, n]: row 0 the permutation `order` (int64
+    [n]: an argsort of tap_masks), rows 1.. the columns of the int32 map neighbors [taps, n] in
+    that order (backend arrays)."""
+    taps, n = neighbors.shape
+    rows = backend.empty((1 + taps, n), neighbors, "int32")
+    if n:
+        device = backend.device(neighbors)
+        _order_plan(device).launch(backend.stream(device), backend.pointer(order),
+                                   backend.pointer(neighbors), backend.pointer(rows), n, taps,
+                                   grid=grid(n))
+    return rows
+
+
+@functools.lru_cache(maxsize=None)
+def _order_plan(device):
+    return _plan.KernelPlan(device, "submanifold", "ordered_map", ("long long",), (1, 1, 1),
+                            (THREADS, 1, 1), 0, _records.ORDER_ARGS)
+
+
 def fused_sorts(n_out, cin, cout):
     """Whether the fused kernel takes the output rows in Rulebook.fused_order's order: where
     SORT_ROWS is on and the layer's work (n_out x cin x cout) is large enough that the taps
@@ -435,7 +455,8 @@ def instantiations():
             + [_kernels.name_expression(kernel, _PAIR_THREADS)
                for kernel in ("tap_pair_counts", "tap_pairs")]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
-            + [_kernels.name_expression("tap_masks", "int")]
+            + [_kernels.name_expression("tap_masks", "int"),
+               _kernels.name_expression("ordered_map", "long long")]
             + [_kernels.name_expression("submanifold_gather", word)
                for word in _kernels.STORAGE_CTYPES.values()])
 

@@ -10,7 +10,7 @@ import numpy
 from ..core import checks as _checks
 from ..core.backend import CUPY
 from . import cuda_rulebook as _cuda, numpy_rulebook as _numpy
-from .conv_kernels import tap_masks
+from .conv_kernels import ordered_map, tap_masks
 from .validation import MAX_DIMS, check_grid, rulebook_geometry
 
 
@@ -75,14 +75,26 @@ class Rulebook:
         transposed), int32 [1 + taps, n] on the map's device: row 0 the rows sorted by their
         neighbour masks (the taps they have), so that a tile's rows have much the same taps and
         the kernel skips the others; rows 1.. the map's columns in that order, which tiles then
-        read coalesced. Computed on first use, kept while the map is the same object."""
+        read coalesced. Computed on first use, kept while the map is the same object. Where
+        neighbors_t is neighbors with its taps reversed (submanifold, odd kernel), one order is
+        the other with its map rows reversed: rows of one mask stay together, with no sort."""
         neighbors = self.neighbors_t if transposed else self.neighbors
-        cached = self._orders[transposed]
+        cached, other = self._orders[transposed], self._orders[not transposed]
         if cached is None or cached[0] is not neighbors:
-            cached = (neighbors, self._sorted_rows(neighbors))
+            if self._mirrored() and other is not None and other[0] is (
+                    self.neighbors if transposed else self.neighbors_t):
+                rows = other[1]
+                cached = (neighbors, rows[[0, *range(rows.shape[0] - 1, 0, -1)]])
+            else:
+                cached = (neighbors, self._sorted_rows(neighbors))
             self._orders = ((self._orders[0], cached) if transposed
                             else (cached, self._orders[1]))
         return cached[1]
+
+    def _mirrored(self):
+        """Whether neighbors_t is neighbors with its taps reversed: a submanifold rulebook of an
+        odd kernel, whose tap K-1-k is tap k backwards."""
+        return self.subm and all(k % 2 for k in self.kernel_size)
 
     @staticmethod
     def _sorted_rows(neighbors):
@@ -92,11 +104,7 @@ class Rulebook:
         import cupy
 
         with cupy.cuda.Device(neighbors.data.device_id):
-            order = cupy.argsort(tap_masks(CUPY, neighbors)).astype(cupy.int32)
-            rows = cupy.empty((1 + neighbors.shape[0], neighbors.shape[1]), cupy.int32)
-            rows[0] = order
-            cupy.take(neighbors, order, axis=1, out=rows[1:])
-            return rows
+            return ordered_map(CUPY, neighbors, cupy.argsort(tap_masks(CUPY, neighbors)))
 
     def __repr__(self):
         kind = "submanifold" if self.subm else "inverse" if self.inverted else "strided"

@@ -402,12 +402,60 @@ def test_fused_tall_tiles(rng, monkeypatch, dtype, cin, cout, rule):
     close(y, sm.rulebook_conv(x.astype(f64), rulebook, w.astype(f64), b.astype(f64)).get(), dtype)
 
 
+def masks_of(neighbors):
+    """The tap masks of a map's rows (int64, every tap)."""
+    bits = numpy.arange(neighbors.shape[0])[:, None]
+    return ((neighbors >= 0).astype(numpy.int64) << bits).sum(0)
+
+
+def assert_runs(values):
+    """Equal values of `values` stand together: each one in a single run."""
+    starts = values[numpy.flatnonzero(numpy.diff(values)) + 1]
+    assert len(numpy.unique(starts)) == len(starts) and values[0] not in starts
+
+
+def sort_by_masks(neighbors):
+    """Rulebook._sorted_rows in NumPy: a stable argsort of the rows' masks, the map's columns."""
+    order = numpy.argsort(masks_of(neighbors), kind="stable").astype(numpy.int32)
+    return numpy.concatenate([order[None], neighbors[:, order]])
+
+
+@pytest.mark.parametrize("kernel, first", [(3, False), (3, True), ((3, 1, 5), False),
+                                           ((2, 3, 3), False)])
+def test_fused_order_of_a_mirrored_map_reverses_the_other(rng, monkeypatch, kernel, first):
+    """A submanifold rulebook of an odd kernel sorts once: the other direction's order is the
+    sorted one with its map rows reversed (neighbors_t is neighbors with the taps reversed), a
+    permutation with the map's columns in its order and each mask in one run, whichever
+    direction comes first. An even kernel (no mirror) and a strided rulebook sort each map."""
+    sorts = []
+    monkeypatch.setattr(sm.Rulebook, "_sorted_rows",
+                        staticmethod(lambda neighbors: sorts.append(1) or sort_by_masks(neighbors)))
+    shape = (9, 10, 11)
+    coords = random_sites(rng, 2, shape, 900)
+    odd = all(k % 2 for k in numpy.broadcast_to(kernel, 3))
+    for rulebook, mirrored in ((sm.submanifold_rulebook(coords, shape, 2, kernel), odd),
+                               (sm.strided_rulebook(coords, shape, 2, 3, 2, 1), False)):
+        sorts.clear()
+        rows = {t: rulebook.fused_order(t) for t in (first, not first)}
+        assert len(sorts) == (1 if mirrored else 2)
+        for transposed, got in rows.items():
+            neighbors = rulebook.neighbors_t if transposed else rulebook.neighbors
+            assert got.dtype == numpy.int32 and got is rulebook.fused_order(transposed)
+            order = got[0]
+            numpy.testing.assert_array_equal(numpy.sort(order), numpy.arange(neighbors.shape[1]))
+            numpy.testing.assert_array_equal(got[1:], neighbors[:, order])
+            assert_runs(masks_of(neighbors)[order])
+        if mirrored:
+            numpy.testing.assert_array_equal(rows[True][0], rows[False][0])
+
+
 @requires_gpu
 def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
     """Rulebook.fused_order: a permutation of the output rows, their tap masks in ascending
-    order, and the map's columns in that order (int32), computed once for the map it was
-    computed for and again for a new one; inverse() swaps the two orders. The convolution in
-    that order equals the one without (SORT_ROWS off)."""
+    order (a submanifold rulebook's transposed map: its forward order, each mask in one run),
+    and the map's columns in that order (int32), computed once for the map it was computed for
+    and again for a new one; inverse() swaps the two orders. The convolution in that order
+    equals the one without (SORT_ROWS off)."""
     import cupy
 
     monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)  # every layer sorts
@@ -424,8 +472,12 @@ def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
             order = rows[0].get()
             numpy.testing.assert_array_equal(numpy.sort(order), numpy.arange(neighbors.shape[1]))
             numpy.testing.assert_array_equal(rows[1:].get(), neighbors[:, order])
-            masks = ((neighbors >= 0).astype(numpy.int64) << numpy.arange(27)[:, None]).sum(0)
-            assert numpy.all(numpy.diff(masks.astype(numpy.int32)[order]) >= 0)
+            masks = masks_of(neighbors)[order]
+            if transposed and rulebook.subm:
+                numpy.testing.assert_array_equal(order, rulebook.fused_order()[0].get())
+                assert_runs(masks)
+            else:
+                assert numpy.all(numpy.diff(masks) >= 0)
         assert rulebook.inverse().fused_order() is rulebook.fused_order(True)
         first = rulebook.fused_order()
         rulebook.neighbors = rulebook.neighbors.copy()

@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.skipif(not cuda_emulation.available(), reason="needs g
 ARGUMENTS = {"submanifold_fused": "FusedArgs", "submanifold_grad_weight": "GradWeightArgs",
              "tap_pair_counts": "PairArgs", "tap_pairs": "PairArgs",
              "split_sum": "SplitSumArgs",
-             "submanifold_gather": "GatherArgs", "tap_masks": "MaskArgs"}
+             "submanifold_gather": "GatherArgs", "tap_masks": "MaskArgs",
+             "ordered_map": "OrderArgs"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,8 @@ def kernels(emulation_dir):
 
 # The plans of the launches, which keep the kernels they were made with (emulated ones here).
 PLANS = (conv_kernels._fused_plan, conv_kernels._grad_weight_plan, conv_kernels._gather_plan,
-         conv_kernels._masks_plan, conv_kernels._pairs_plans, cuda_rulebook._rule_plan)
+         conv_kernels._masks_plan, conv_kernels._order_plan, conv_kernels._pairs_plans,
+         cuda_rulebook._rule_plan)
 
 
 @pytest.fixture
@@ -352,6 +354,19 @@ def test_tap_masks_equal_numpy(rng, launched, taps):
     bits = (neighbors[:32] >= 0).astype(numpy.uint64) << numpy.arange(min(taps, 32),
                                                                        dtype=numpy.uint64)[:, None]
     numpy.testing.assert_array_equal(masks.view(numpy.uint32), bits.sum(0).astype(numpy.uint32))
+
+
+@pytest.mark.parametrize("n", [0, 1, 700])
+def test_ordered_map_equals_numpy(rng, launched, n):
+    """Row 0 the permutation, rows 1.. the map's columns in its order, over a grid-stride loop
+    of several rounds (700 rows, 2 CTAs); absent neighbours (-1) copied as they are."""
+    taps = 27
+    neighbors = rng.integers(0, 5000, (taps, n)).astype(numpy.int32)
+    neighbors[rng.random((taps, n)) < 0.5] = -1
+    order = rng.permutation(n).astype(numpy.int64)
+    rows = conv_kernels.ordered_map(cuda_emulation.HostMemory(), neighbors, order)
+    assert rows.dtype == numpy.int32 and rows.shape == (1 + taps, n)
+    numpy.testing.assert_array_equal(rows, numpy.concatenate([order[None], neighbors[:, order]]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

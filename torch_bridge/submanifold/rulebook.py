@@ -11,7 +11,7 @@ import threading
 import torch
 
 from sbnet_cupy import submanifold as _core
-from sbnet_cupy.submanifold.conv_kernels import tap_masks
+from sbnet_cupy.submanifold.conv_kernels import ordered_map, tap_masks
 from sbnet_cupy.submanifold.cuda_rulebook import build_raw
 from sbnet_cupy.submanifold.numpy_rulebook import kernel_offsets
 from sbnet_cupy.submanifold.validation import ints, rulebook_geometry
@@ -82,12 +82,8 @@ class Rulebook(_core.Rulebook):
     def _sorted_rows(neighbors):
         """fused_order of a CUDA map: a stable argsort of its rows' tap_masks, and the map's
         columns in that order."""
-        order = torch.argsort(tap_masks(TORCH, neighbors), stable=True).to(torch.int32)
-        rows = torch.empty((1 + neighbors.shape[0], neighbors.shape[1]), dtype=torch.int32,
-                           device=neighbors.device)
-        rows[0] = order
-        torch.index_select(neighbors, 1, order, out=rows[1:])
-        return rows
+        return ordered_map(TORCH, neighbors,
+                           torch.argsort(tap_masks(TORCH, neighbors), stable=True))
 
     @property
     def in_indices(self):
