@@ -375,7 +375,7 @@ def test_fused_in_an_order_equals_definition(rng, launched, dtype, n_out, cin, c
     """Tiles that take the output rows in a given order (Rulebook.fused_order's permutation,
     the map's columns in that order beside it) write each row where it belongs: split taps,
     bias and part tiles too."""
-    n_in, taps = 90, 27
+    n_in, taps = 90, 9
     features = random_array(rng, (n_in, cin), numpy.float32)
     weight = random_array(rng, (cout, taps, cin), numpy.float32)
     bias = random_array(rng, (cout,), numpy.float32)
@@ -403,7 +403,7 @@ def test_fused_every_configuration(rng, launched, monkeypatch, stage, tile, slot
         pytest.skip("odd rows are staged 32 or 64 bytes at a time")
     monkeypatch.setattr(conv_kernels, "fused_config",
                         lambda vector, itemsize, cout: (stage, tile, slots))
-    n_in, n_out, cout, taps = 60, 70, 40, 27
+    n_in, n_out, cout, taps = 60, 70, 40, 9
     features = random_array(rng, (n_in, cin), numpy.float32).astype(numpy.float16)
     weight = random_array(rng, (cout, taps, cin), numpy.float32).astype(numpy.float16)
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
@@ -427,7 +427,7 @@ def test_fused_tall_tiles(rng, launched, monkeypatch, dtype, cin, cout, split):
     monkeypatch.setattr(conv_kernels, "fused_tall",
                         lambda device, plan, n_out, sorted_rows: plan.tall is not None)
     monkeypatch.setattr(conv_kernels, "fused_splits", lambda device, tiles, taps: split)
-    n_in, n_out, taps = 150, 300, 27
+    n_in, n_out, taps = 150, 300, 9
     features = random_array(rng, (n_in, cin), numpy.float32)
     weight = random_array(rng, (cout, taps, cin), numpy.float32)
     bias = random_array(rng, (cout,), numpy.float32)
