@@ -506,6 +506,22 @@ def test_fused_splits_fill_the_gpu(monkeypatch):
     assert sm.fused_splits(0, 1, 1) == 1
 
 
+@pytest.mark.parametrize("by_pairs, per_sm", [(False, 4), (True, 6)])
+def test_grad_weight_splits_fill_the_gpu(monkeypatch, by_pairs, per_sm):
+    """The weight's gradient splits its sites in multiples of 256 until its tiles make per_sm
+    CTAs an SM (6 by pairs, whose taps leave about half of the CTAs without sites), at most one a
+    part of 256 sites; every site in one split, none past n_out."""
+    monkeypatch.setattr(_launch, "device_info", lambda device: _launch.H100)  # 132 SMs
+    for tiles, n_out in (((27, 1), 100_000), ((54, 2), 30_000), ((8, 1), 700), ((600, 2), 5000),
+                         ((27, 1), 1)):
+        grid, split_sites = conv_kernels.grad_weight_grid(0, n_out, tiles, by_pairs)
+        parts = -(-n_out // 256)
+        splits = min(parts, max(1, -(-per_sm * 132 // (tiles[0] * tiles[1]))))
+        assert grid[:2] == tiles and split_sites % 256 == 0
+        assert split_sites == -(-parts // splits) * 256
+        assert grid[2] == -(-n_out // split_sites) and (grid[2] - 1) * split_sites < n_out
+
+
 # (taps, n_out): the fused kernel's grid (site tiles of 64, or of 128 where they make 264 CTAs or
 # more, one channel tile, tap splits) and taps a split, on an H100 (132 SMs: few tiles split
 # their taps up to 264 CTAs).
