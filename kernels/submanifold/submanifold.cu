@@ -334,7 +334,7 @@ template <typename Mask> __global__ void tap_masks(const MaskArgs a) {
 // Rulebook.fused_order's rows from an argsort of the masks: rows[0, j] = order[j] and rows[1 + k,
 // j] = map[k, order[j]]. A thread reads its row's index once and copies that row's column of the
 // map tap by tap: scattered reads, coalesced writes, no cast of the order between them.
-template <typename Index> __global__ void ordered_map(const OrderArgs a) {
+template <typename Index> __global__ void ordered_map(const MaskArgs a) {
     const Index* order = (const Index*)a.order;
     for (i64 j = subm_first(); j < a.n; j += subm_step()) {
         const i64 i = order[j];

@@ -446,19 +446,12 @@ GATHER_ARGS = Record("GatherArgs", "submanifold", """
     int taps, words;
 """)
 
-# tap_masks: the neighbour masks that Rulebook.fused_order sorts rows by.
+# tap_masks: the neighbour masks that Rulebook.fused_order sorts rows by; ordered_map: its rows.
 MASK_ARGS = Record("MaskArgs", "submanifold", """
-    const int* map;  // [taps, n]: a rulebook's map, -1 for absent neighbours
-    void* masks;     // [n] of Mask: bit k set where row r has tap k, for the Mask's first taps
-    i64 n;
-    int taps;
-""")
-
-# ordered_map: Rulebook.fused_order's rows from an argsort of tap_masks.
-ORDER_ARGS = Record("OrderArgs", "submanifold", """
-    const void* order;  // [n] of Index: a permutation of the map's rows
-    const int* map;     // [taps, n]
-    int* rows;          // [1 + taps, n]: order, then the map's columns in that order
+    const int* map;     // [taps, n]: a rulebook's map, -1 for absent neighbours
+    void* masks;        // [n] of Mask: bit k set where row r has tap k, for the Mask's first taps
+    const void* order;  // ordered_map: [n] of Index, a permutation of the map's rows
+    int* rows;          // ordered_map: [1 + taps, n], order, then the map's columns in its order
     i64 n;
     int taps;
 """)

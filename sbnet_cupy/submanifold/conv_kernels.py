@@ -85,7 +85,7 @@ def tap_masks(backend, neighbors):
     if n:
         device = backend.device(neighbors)
         _masks_plan(device).launch(backend.stream(device), backend.pointer(neighbors),
-                                   backend.pointer(masks), n, taps, grid=grid(n))
+                                   backend.pointer(masks), 0, 0, n, taps, grid=grid(n))
     return masks
 
 
@@ -103,8 +103,8 @@ def ordered_map(backend, neighbors, order):
     rows = backend.empty((1 + taps, n), neighbors, "int32")
     if n:
         device = backend.device(neighbors)
-        _order_plan(device).launch(backend.stream(device), backend.pointer(order),
-                                   backend.pointer(neighbors), backend.pointer(rows), n, taps,
+        _order_plan(device).launch(backend.stream(device), backend.pointer(neighbors), 0,
+                                   backend.pointer(order), backend.pointer(rows), n, taps,
                                    grid=grid(n))
     return rows
 
@@ -112,7 +112,7 @@ def ordered_map(backend, neighbors, order):
 @functools.lru_cache(maxsize=None)
 def _order_plan(device):
     return _plan.KernelPlan(device, "submanifold", "ordered_map", ("long long",), (1, 1, 1),
-                            (THREADS, 1, 1), 0, _records.ORDER_ARGS)
+                            (THREADS, 1, 1), 0, _records.MASK_ARGS)
 
 
 def fused_sorts(n_out, cin, cout):

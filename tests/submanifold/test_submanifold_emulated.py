@@ -23,7 +23,7 @@ ARGUMENTS = {"submanifold_fused": "FusedArgs", "submanifold_grad_weight": "GradW
              "tap_pair_counts": "PairArgs", "tap_pairs": "PairArgs",
              "split_sum": "SplitSumArgs",
              "submanifold_gather": "GatherArgs", "tap_masks": "MaskArgs",
-             "ordered_map": "OrderArgs"}
+             "ordered_map": "MaskArgs"}
 
 
 @pytest.fixture(scope="module")
