@@ -83,8 +83,7 @@ class Rulebook:
         if cached is None or cached[0] is not neighbors:
             if self._mirrored() and other is not None and other[0] is (
                     self.neighbors if transposed else self.neighbors_t):
-                rows = other[1]
-                cached = (neighbors, rows[[0, *range(rows.shape[0] - 1, 0, -1)]])
+                cached = (neighbors, self._mirrored_rows(other[1]))
             else:
                 cached = (neighbors, self._sorted_rows(neighbors))
             self._orders = ((self._orders[0], cached) if transposed
@@ -95,6 +94,13 @@ class Rulebook:
         """Whether neighbors_t is neighbors with its taps reversed: a submanifold rulebook of an
         odd kernel, whose tap K-1-k is tap k backwards."""
         return self.subm and all(k % 2 for k in self.kernel_size)
+
+    @staticmethod
+    def _mirrored_rows(rows):
+        """fused_order's rows with the map's rows (1..) reversed, on the device (no index array
+        from the host: a CUDA graph may be capturing)."""
+        xp = _checks.array_module(rows=rows)
+        return xp.concatenate((rows[:1], rows[:0:-1]))
 
     @staticmethod
     def _sorted_rows(neighbors):

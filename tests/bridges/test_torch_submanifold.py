@@ -201,6 +201,25 @@ def test_a_remembered_check_rejects_each_field_it_reads(rng):
 
 
 @requires_cuda
+def test_mirrored_order_captures_in_a_cuda_graph(rng):
+    """A submanifold rulebook's transposed order, made from its forward order with no sort,
+    runs on the device alone: a CUDA graph captures it, and its replay writes the forward
+    order with the map rows reversed, the transposed map's columns in that order."""
+    shape = (20, 22, 24)
+    indices = torch.from_numpy(random_sites(rng, 2, shape, 2000)).cuda()
+    rulebook = spconv.build_rulebook(indices, list(shape), 2, 3, subm=True)
+    rows = rulebook.fused_order()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mirrored = rulebook.fused_order(transposed=True)
+    mirrored.fill_(-7)  # poisoned: the replay writes every element
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(mirrored[0], rows[0])
+    assert torch.equal(mirrored[1:], rulebook.neighbors_t[:, rows[0].long()])
+
+
+@requires_cuda
 @pytest.mark.parametrize("algo", ["gemm", "fused", "fused-sorted"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_cuda_matches_cpu(rng, monkeypatch, dtype, algo):

@@ -79,6 +79,10 @@ class Rulebook(_core.Rulebook):
         self.transposed = transposed
 
     @staticmethod
+    def _mirrored_rows(rows):
+        return torch.cat((rows[:1], rows[1:].flip(0)))
+
+    @staticmethod
     def _sorted_rows(neighbors):
         """fused_order of a CUDA map: a stable argsort of its rows' tap_masks, and the map's
         columns in that order."""
