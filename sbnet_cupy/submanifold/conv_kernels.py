@@ -84,15 +84,18 @@ def tap_masks(backend, neighbors):
     masks = backend.empty((n,), neighbors, "int32")
     if n:
         device = backend.device(neighbors)
-        _masks_plan(device).launch(backend.stream(device), backend.pointer(neighbors),
-                                   backend.pointer(masks), 0, 0, n, taps, grid=grid(n))
+        _masks_plan(device, "tap_masks", "int").launch(
+            backend.stream(device), backend.pointer(neighbors), backend.pointer(masks), 0, 0, n,
+            taps, grid=grid(n))
     return masks
 
 
 @functools.lru_cache(maxsize=None)
-def _masks_plan(device):
-    return _plan.KernelPlan(device, "submanifold", "tap_masks", ("int",), (1, 1, 1),
-                            (THREADS, 1, 1), 0, _records.MASK_ARGS)
+def _masks_plan(device, kernel, ctype):
+    """The KernelPlan of a MaskArgs kernel (tap_masks<Mask>, ordered_map<Index>): a grid-stride
+    loop over the map's rows."""
+    return _plan.KernelPlan(device, "submanifold", kernel, (ctype,), (1, 1, 1), (THREADS, 1, 1),
+                            0, _records.MASK_ARGS)
 
 
 def ordered_map(backend, neighbors, order):
@@ -103,16 +106,10 @@ def ordered_map(backend, neighbors, order):
     rows = backend.empty((1 + taps, n), neighbors, "int32")
     if n:
         device = backend.device(neighbors)
-        _order_plan(device).launch(backend.stream(device), backend.pointer(neighbors), 0,
-                                   backend.pointer(order), backend.pointer(rows), n, taps,
-                                   grid=grid(n))
+        _masks_plan(device, "ordered_map", "long long").launch(
+            backend.stream(device), backend.pointer(neighbors), 0, backend.pointer(order),
+            backend.pointer(rows), n, taps, grid=grid(n))
     return rows
-
-
-@functools.lru_cache(maxsize=None)
-def _order_plan(device):
-    return _plan.KernelPlan(device, "submanifold", "ordered_map", ("long long",), (1, 1, 1),
-                            (THREADS, 1, 1), 0, _records.MASK_ARGS)
 
 
 def fused_sorts(n_out, cin, cout):

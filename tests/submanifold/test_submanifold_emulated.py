@@ -36,8 +36,7 @@ def kernels(emulation_dir):
 
 # The plans of the launches, which keep the kernels they were made with (emulated ones here).
 PLANS = (conv_kernels._fused_plan, conv_kernels._grad_weight_plan, conv_kernels._gather_plan,
-         conv_kernels._masks_plan, conv_kernels._order_plan, conv_kernels._pairs_plans,
-         cuda_rulebook._rule_plan)
+         conv_kernels._masks_plan, conv_kernels._pairs_plans, cuda_rulebook._rule_plan)
 
 
 @pytest.fixture
