@@ -40,7 +40,7 @@ pass. A strided convolution marks every candidate output site in a bitmap of the
 the set bits per word (one host sync for the total), writes the sites in bitmap order, which is
 sorted order, and writes both maps from its inputs' side: no hash table and no sort. The bitmap
 with its word ranks is the table of the output sites, which the next rulebook on them reuses
-(torch_bridge's modules pass it on; grids of more than 2**27 sites hash and sort instead). The
+(torch_bridge's modules pass it on; grids of more than 2**29 sites hash and sort instead). The
 rulebook is a dense [K, N_out] map (-1 for absent neighbours) rather than per-tap pair lists:
 building it needs no host sync for per-tap sizes, both convolution algorithms index it directly,
 and a tile of output sites reads its neighbours of one tap contiguously. The convolution

@@ -203,7 +203,7 @@ def strided_rulebook(coords, spatial_shape, batch_size, kernel_size, stride=1, p
     Args: as submanifold_rulebook's, with stride (>= 1) and padding (>= 0): ints or D ints.
     The CUDA path syncs with the host once, for the number of output sites (the check of the
     coordinates, unless check=False, is read in the same sync). It finds the output sites in a
-    bitmap of the output grid, in order, with no sort; a grid of more than 2**27 sites
+    bitmap of the output grid, in order, with no sort; a grid of more than 2**29 sites
     (batch included) hashes them instead, sorts them, and syncs once more with check.
     """
     shape, batch, geometry, out_shape = rulebook_geometry(
