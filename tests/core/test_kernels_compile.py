@@ -51,9 +51,9 @@ def one_per_kernel_and_types(names):
 def compile_with_nvrtc(source, filename, names, arch, fast=True):
     """(cubin, {name expression: lowered name}) of `names` in `source` for sm_`arch`."""
     program_class, nvrtc_version = _nvrtc_program_class_and_version()
-    fast = FAST_COMPILE if fast and nvrtc_version >= (13, 0) else ()
+    speed = FAST_COMPILE if fast and nvrtc_version >= (13, 0) else ()
     program = program_class(source, filename, (), (), name_expressions=names, method="cubin")
-    return program.compile(_kernels.COMPILE_OPTIONS + CUPY_OPTIONS + fast + (f"-arch=sm_{arch}",))
+    return program.compile(_kernels.COMPILE_OPTIONS + CUPY_OPTIONS + speed + (f"-arch=sm_{arch}",))
 
 
 # Every instantiation for sm_90; for sm_80, one per kernel and type arguments (the compile check
