@@ -1,9 +1,9 @@
 // The CUDA features that kernels/blocks/block_conv.cu and kernels/submanifold/submanifold.cu
 // use, emulated on the CPU so that CI (no GPU) runs the kernels' own code: one std::thread a
 // CUDA thread, the CTAs of a grid one after another; __syncthreads, __syncwarp and bar.sync as
-// barriers; ldmatrix, mma.sync, __ballot_sync and __reduce_or_sync by exchanging the lanes'
-// registers within a warp, in PTX's fragment layouts; cp.async copies made at their wait_group;
-// a misaligned cp.async or ldmatrix address reported as the GPU's fault would be.
+// barriers; ldmatrix, mma.sync, __ballot_sync, __reduce_or_sync and __shfl_up_sync by exchanging
+// the lanes' registers within a warp, in PTX's fragment layouts; cp.async copies made at their
+// wait_group; a misaligned cp.async or ldmatrix address reported as the GPU's fault would be.
 // tests/cuda_emulation.py builds kernels/core/common.cuh and the kernel file without their inline
 // PTX: this file's first part goes before common.cuh, its second part (what needs common.cuh's
 // types) after it. It checks what a kernel computes, never how fast or how it schedules: races
@@ -79,6 +79,16 @@ static inline unsigned __reduce_or_sync(unsigned, unsigned value) {
     for (int l = 0; l < 32; ++l) all |= w.a[l][0];
     w.bar.arrive_and_wait();
     return all;
+}
+// The value of lane - delta (the caller's own below delta), as shfl.sync.up: int values.
+static inline int __shfl_up_sync(unsigned, int value, unsigned delta) {
+    Warp& w = my_warp();
+    const int lane = my_lane();
+    w.a[lane][0] = (unsigned)value;
+    w.bar.arrive_and_wait();
+    const int got = (int)w.a[lane >= (int)delta ? lane - delta : lane][0];
+    w.bar.arrive_and_wait();
+    return got;
 }
 static inline void __syncwarp() { my_warp().bar.arrive_and_wait(); }
 static inline int __popc(unsigned v) { return __builtin_popcount(v); }

@@ -51,52 +51,76 @@ static __device__ int subm_lookup(const RuleArgs& a, i64 key) {
 }
 
 // Row of `key` in the table (hash table or bitmap), or -1. A bitmap's sites have rows below
-// n_out: those a bounded build had no room for (see emit_sites) are absent.
+// n_out: those a bounded build had no room for (see emit_sites) are absent. The bit's word and
+// its rank are read together: one latency, where most lookups find a site.
 static __device__ int subm_find(const RuleArgs& a, i64 key) {
     if (!a.bits) return subm_lookup(a, key);
     const unsigned word = a.bits[key >> 5], below = (1u << (key & 31)) - 1u;
+    const int rank = a.ranks[key >> 5];
     if (!((word >> (key & 31)) & 1u)) return -1;
-    const int row = a.ranks[key >> 5] + __popc(word & below);
+    const int row = rank + __popc(word & below);
     return row < a.n_out ? row : -1;
 }
 
-// Key (in query_shape) of the site that tap k connects site `row` of `coords` to, or -1:
-// forward, the input o * stride - padding + k * dilation of output o; transposed, the output
-// (i + padding - k * dilation) / stride that input i feeds, where it divides.
+// What tap k adds to a site's coordinates along each axis: forward, k * dilation - padding (to
+// o * stride); transposed, padding - k * dilation (to i, before the division by stride). Worked
+// out once a tap, where it took a division an axis at every pair.
+template <int DIMS> struct subm_tap {
+    i64 offset[DIMS];
+};
+
 template <int DIMS>
-static __device__ i64 subm_connect(const RuleArgs& a, i64 row, int k, bool transposed) {
-    const int* site = a.coords + row * (1 + DIMS);
-    if (site[0] < 0 || site[0] >= a.batch) return -1;  // unchecked coords: never a bad key
-    int tap[DIMS];
+static __device__ __forceinline__ subm_tap<DIMS> subm_tap_of(const RuleArgs& a, int k,
+                                                              bool transposed) {
+    subm_tap<DIMS> t;
 #pragma unroll
     for (int d = DIMS - 1; d >= 0; --d) {
-        tap[d] = k % a.kernel[d];
-        k /= a.kernel[d];
+        const int rest = k / a.kernel[d];
+        const i64 shift = (i64)(k - rest * a.kernel[d]) * a.dilation[d];
+        t.offset[d] = transposed ? a.padding[d] - shift : shift - a.padding[d];
+        k = rest;
     }
+    return t;
+}
+
+// Key (in query_shape) of the site that `tap` connects site `row` of `coords` to, or -1:
+// forward, the input o * stride - padding + k * dilation of output o; transposed, the output
+// (i + padding - k * dilation) / stride that input i feeds, where it divides. The division is
+// 32-bit: a numerator below query_shape x stride is below 2^32 (coordinates and padding are
+// int32).
+template <int DIMS>
+static __device__ i64 subm_connect(const RuleArgs& a, i64 row, const subm_tap<DIMS>& tap,
+                                   bool transposed) {
+    const int* site = a.coords + row * (1 + DIMS);
+    if (site[0] < 0 || site[0] >= a.batch) return -1;  // unchecked coords: never a bad key
     i64 key = site[0];
 #pragma unroll
     for (int d = 0; d < DIMS; ++d) {
         i64 q;
         if (transposed) {
-            const i64 num = (i64)site[1 + d] + a.padding[d] - (i64)tap[d] * a.dilation[d];
-            if (num < 0 || num % a.stride[d] != 0) return -1;
-            q = num / a.stride[d];
+            const i64 num = site[1 + d] + tap.offset[d];
+            if (num < 0 || num >= (i64)a.query_shape[d] * a.stride[d]) return -1;
+            const unsigned stride = a.stride[d], whole = (unsigned)num / stride;
+            if (whole * stride != (unsigned)num) return -1;
+            q = whole;
         } else {
-            q = (i64)site[1 + d] * a.stride[d] - a.padding[d] + (i64)tap[d] * a.dilation[d];
+            q = (i64)site[1 + d] * a.stride[d] + tap.offset[d];
+            if (q < 0 || q >= a.query_shape[d]) return -1;
         }
-        if (q < 0 || q >= a.query_shape[d]) return -1;
         key = key * a.query_shape[d] + q;
     }
     return key;
 }
 
-// site[0 .. DIMS] = the batch index and coordinates of `key` in a grid of query_shape.
-template <int DIMS>
-static __device__ __forceinline__ void subm_decode(const RuleArgs& a, i64 key, int* site) {
+// site[0 .. DIMS] = the batch index and coordinates of `key` in a grid of query_shape; Key:
+// unsigned for a bitmap's keys (below 2^31), whose divisions then take 32 bits.
+template <int DIMS, typename Key>
+static __device__ __forceinline__ void subm_decode(const RuleArgs& a, Key key, int* site) {
 #pragma unroll
     for (int d = DIMS - 1; d >= 0; --d) {
-        site[1 + d] = (int)(key % a.query_shape[d]);
-        key /= a.query_shape[d];
+        const Key rest = key / (Key)a.query_shape[d];
+        site[1 + d] = (int)(key - rest * (Key)a.query_shape[d]);
+        key = rest;
     }
     site[0] = (int)key;
 }
@@ -106,10 +130,16 @@ static __device__ __forceinline__ i64 subm_first() {
 }
 static __device__ __forceinline__ i64 subm_step() { return (i64)gridDim.x * blockDim.x; }
 
-// f(t, r, k) for every pair t = k * n + r of site r < n and tap k < taps, grid-stride.
-template <typename F>
-static __device__ __forceinline__ void for_each_site_tap(const RuleArgs& a, F f) {
-    for (i64 t = subm_first(); t < a.n * a.taps; t += subm_step()) f(t, t % a.n, (int)(t / a.n));
+// f(r, tap) for every site r < n and tap k < taps (tap: subm_tap_of k): taps along blockIdx.y
+// (site_tap_grid, cuda_rulebook.py), sites along x, both grid-stride, so a thread works out its
+// tap's offsets once and consecutive threads take consecutive sites of one tap.
+template <int DIMS, typename F>
+static __device__ __forceinline__ void for_each_site_tap(const RuleArgs& a, bool transposed,
+                                                         F f) {
+    for (int k = blockIdx.y; k < a.taps; k += gridDim.y) {
+        const subm_tap<DIMS> tap = subm_tap_of<DIMS>(a, k, transposed);
+        for (i64 r = subm_first(); r < a.n; r += subm_step()) f(r, k, tap);
+    }
 }
 
 // An empty table (every key SUBM_EMPTY), flags and counter zero (DIMS plays no part).
@@ -154,8 +184,8 @@ template <int DIMS> __global__ void insert_keys(const RuleArgs a) {
 
 // Every output site that (input r, tap k) feeds, for all r < n, k < taps (repeats expected).
 template <int DIMS> __global__ void insert_targets(const RuleArgs a) {
-    for_each_site_tap(a, [&](i64, i64 r, int k) {
-        const i64 key = subm_connect<DIMS>(a, r, k, a.transposed);
+    for_each_site_tap<DIMS>(a, a.transposed, [&](i64 r, int, const subm_tap<DIMS>& tap) {
+        const i64 key = subm_connect<DIMS>(a, r, tap, a.transposed);
         if (key >= 0) subm_insert(a, key, 0, false);
     });
 }
@@ -176,32 +206,36 @@ template <int DIMS> __global__ void decode_keys(const RuleArgs a) {
     }
 }
 
-// Row (in the table) of the site tap k connects site r of coords to, or -1.
+// Row (in the table) of the site `tap` connects site r of coords to, or -1.
 template <int DIMS>
-static __device__ __forceinline__ int subm_neighbour(const RuleArgs& a, i64 r, int k,
-                                                     bool transposed) {
-    const i64 key = subm_connect<DIMS>(a, r, k, transposed);
+static __device__ __forceinline__ int subm_neighbour(const RuleArgs& a, i64 r,
+                                                     const subm_tap<DIMS>& tap, bool transposed) {
+    const i64 key = subm_connect<DIMS>(a, r, tap, transposed);
     return key < 0 ? -1 : subm_find(a, key);
 }
 
 // out_map[k, r] = row (in the table) of the site tap k connects site r of coords to, or -1.
 template <int DIMS> __global__ void query_map(const RuleArgs a) {
-    for_each_site_tap(a, [&](i64 t, i64 r, int k) {
-        a.out_map[t] = subm_neighbour<DIMS>(a, r, k, a.transposed);
+    for_each_site_tap<DIMS>(a, a.transposed, [&](i64 r, int k, const subm_tap<DIMS>& tap) {
+        a.out_map[k * a.n + r] = subm_neighbour<DIMS>(a, r, tap, a.transposed);
     });
 }
 
 // Both maps of a submanifold rulebook on the table's own sites, in one pass: out_map[k, r] =
 // the row tap k of site r reads, out_map_t[k, r] = the row site r feeds through tap k. With an
-// odd kernel along every axis (symmetric) the two are the same lookups with the taps reversed.
+// odd kernel along every axis (symmetric) the two are the same lookups with the taps reversed;
+// otherwise the site r feeds is the one the tap's opposite offset reaches (stride 1).
 template <int DIMS> __global__ void query_subm(const RuleArgs a) {
-    for_each_site_tap(a, [&](i64 t, i64 r, int k) {
-        const int row = subm_neighbour<DIMS>(a, r, k, false);
-        a.out_map[t] = row;
+    for_each_site_tap<DIMS>(a, false, [&](i64 r, int k, const subm_tap<DIMS>& tap) {
+        const int row = subm_neighbour<DIMS>(a, r, tap, false);
+        a.out_map[k * a.n + r] = row;
         if (a.symmetric) {
             a.out_map_t[(i64)(a.taps - 1 - k) * a.n + r] = row;
         } else {
-            a.out_map_t[t] = subm_neighbour<DIMS>(a, r, k, true);
+            subm_tap<DIMS> opposite;
+#pragma unroll
+            for (int d = 0; d < DIMS; ++d) opposite.offset[d] = -tap.offset[d];
+            a.out_map_t[k * a.n + r] = subm_neighbour<DIMS>(a, r, opposite, false);
         }
     });
 }
@@ -213,27 +247,36 @@ template <int DIMS> __global__ void query_subm(const RuleArgs a) {
 
 // bits |= every output site that (input r, tap k) feeds, for all r < n, k < taps.
 template <int DIMS> __global__ void mark_targets(const RuleArgs a) {
-    for_each_site_tap(a, [&](i64, i64 r, int k) {
-        const i64 key = subm_connect<DIMS>(a, r, k, true);
+    for_each_site_tap<DIMS>(a, true, [&](i64 r, int, const subm_tap<DIMS>& tap) {
+        const i64 key = subm_connect<DIMS>(a, r, tap, true);
         if (key >= 0) atomicOr(a.bits + (key >> 5), 1u << (key & 31));
     });
 }
 
 // Exclusive prefix sum of v over the CTA (RANK_THREADS threads, all of them calling); the
-// CTA's total in *total. `scratch` is RANK_THREADS ints of shared memory.
-static __device__ int rank_scan(int v, int* scratch, int* total) {
-    scratch[threadIdx.x] = v;
-    __syncthreads();
-    for (int offset = 1; offset < RANK_THREADS; offset <<= 1) {
-        const int before = threadIdx.x >= offset ? scratch[threadIdx.x - offset] : 0;
-        __syncthreads();
-        scratch[threadIdx.x] += before;
-        __syncthreads();
+// CTA's total in *total. Each warp scans by shuffles and `warp_sums` (RANK_THREADS / 32 ints of
+// shared memory) carries the warps' totals: one barrier where a scan through shared memory took
+// two a step.
+static __device__ int rank_scan(int v, int* warp_sums, int* total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int inclusive = v;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const int before = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += before;
     }
-    const int inclusive = scratch[threadIdx.x];
-    *total = scratch[RANK_THREADS - 1];
-    __syncthreads();  // scratch is free again
-    return inclusive - v;
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    int before = 0, all = 0;
+#pragma unroll
+    for (int w = 0; w < RANK_THREADS / 32; ++w) {
+        const int sum = warp_sums[w];
+        before += w < warp ? sum : 0;
+        all += sum;
+    }
+    *total = all;
+    __syncthreads();  // warp_sums is free again
+    return before + inclusive - v;
 }
 
 // CTA g (of groups = gridDim.x) writes ranks[w] = set bits of its words before w and
@@ -241,7 +284,7 @@ static __device__ int rank_scan(int v, int* scratch, int* total) {
 // exclusive offsets with the grand total in group[groups]. Deterministic: no order of atomics
 // enters a result. DIMS plays no part.
 template <int DIMS> __global__ void __launch_bounds__(RANK_THREADS) rank_words(const RuleArgs a) {
-    __shared__ int scratch[RANK_THREADS];
+    __shared__ int warp_sums[RANK_THREADS / 32];
     __shared__ bool last;
     const i64 first = (i64)blockIdx.x * RANK_WORDS + threadIdx.x * RANK_PER_THREAD;
     int counts[RANK_PER_THREAD], mine = 0;
@@ -251,7 +294,7 @@ template <int DIMS> __global__ void __launch_bounds__(RANK_THREADS) rank_words(c
         mine += counts[j];
     }
     int total;
-    int rank = rank_scan(mine, scratch, &total);
+    int rank = rank_scan(mine, warp_sums, &total);
 #pragma unroll
     for (int j = 0; j < RANK_PER_THREAD; ++j) {
         if (first + j < a.words) a.ranks[first + j] = rank;
@@ -269,7 +312,7 @@ template <int DIMS> __global__ void __launch_bounds__(RANK_THREADS) rank_words(c
     for (int base = 0; base < (int)gridDim.x; base += RANK_THREADS) {
         const int g = base + threadIdx.x;
         const int v = g < (int)gridDim.x ? ((volatile int*)a.group)[g] : 0;
-        const int before = rank_scan(v, scratch, &total);
+        const int before = rank_scan(v, warp_sums, &total);
         if (g < (int)gridDim.x) a.group[g] = carry + before;
         carry += total;
     }
@@ -286,7 +329,8 @@ template <int DIMS> __global__ void emit_sites(const RuleArgs a) {
         int row = a.ranks[w] + a.group[w / RANK_WORDS];
         a.ranks[w] = row;
         for (; word && row < a.n_out; word &= word - 1u, ++row) {
-            subm_decode<DIMS>(a, w * 32 + (__ffs(word) - 1), a.out_map + (i64)row * (1 + DIMS));
+            subm_decode<DIMS>(a, (unsigned)(w * 32 + (__ffs(word) - 1)),
+                              a.out_map + (i64)row * (1 + DIMS));
         }
     }
 }
@@ -296,9 +340,9 @@ template <int DIMS> __global__ void emit_sites(const RuleArgs a) {
 // of each pair is unique, so the scatter has no conflicts for distinct inputs. subm_find
 // leaves out the sites emit_sites had no room for.
 template <int DIMS> __global__ void scatter_strided(const RuleArgs a) {
-    for_each_site_tap(a, [&](i64 t, i64 r, int k) {
-        const int row = subm_neighbour<DIMS>(a, r, k, true);
-        a.out_map_t[t] = row;
+    for_each_site_tap<DIMS>(a, true, [&](i64 r, int k, const subm_tap<DIMS>& tap) {
+        const int row = subm_neighbour<DIMS>(a, r, tap, true);
+        a.out_map_t[k * a.n + r] = row;
         if (row >= 0) a.out_map[(i64)k * a.n_out + row] = (int)r;
     });
 }

@@ -33,6 +33,10 @@ _BOUNDED_BITMAP_MAX_BITS = 1 << 31
 RULE_KERNELS = ("clear_table", "insert_coords", "insert_keys", "insert_targets",
                 "compact_table", "decode_keys", "query_map", "query_subm", "mark_targets",
                 "rank_words", "emit_sites", "scatter_strided")
+# Those over every (site, tap) pair: taps along the grid's y (site_tap_grid).
+_SITE_TAP_KERNELS = frozenset({"insert_targets", "query_map", "query_subm", "mark_targets",
+                               "scatter_strided"})
+_MAX_GRID_Y = 65535
 
 
 def table_capacity(n):
@@ -43,6 +47,12 @@ def table_capacity(n):
 def grid(items):
     """The grid of a grid-stride loop over `items` items, THREADS a CTA."""
     return (max(1, min(-(-items // THREADS), _MAX_BLOCKS)), 1, 1)
+
+
+def site_tap_grid(n, taps):
+    """The grid of a kernel over n sites x `taps` taps (for_each_site_tap): sites along x,
+    taps along y, each a grid-stride loop past the grid's limits."""
+    return (max(1, min(-(-n // THREADS), _MAX_BLOCKS // taps or 1)), min(taps, _MAX_GRID_Y), 1)
 
 
 class HashTable:
@@ -103,19 +113,25 @@ def _rule(kernel, device, stream, items, dims, table=None, *, coords=0, keys=0, 
           taps=1, transposed=False, symmetric=False, coords_shape=(), query_shape=(),
           geometry=_NO_GEOMETRY, groups=None):
     """One launch of rulebook kernel<dims> of kernels/submanifold/submanifold.cu on raw addresses,
-    over `items` threads' work (n defaults to items); `table`: a _Table, or None. groups:
-    rank_words' CTAs (of _RANK_THREADS), else a grid-stride loop of THREADS a CTA. n_out
-    defaults to the table's rows."""
+    over `items` threads' work (n defaults to items; n x taps for the kernels over site and tap
+    pairs); `table`: a _Table, or None. groups: rank_words' CTAs (of _RANK_THREADS), else a
+    grid-stride loop of THREADS a CTA. n_out defaults to the table's rows."""
     if items == 0:
         return
-    table = table or _NO_TABLE
+    table, n = table or _NO_TABLE, items if n is None else n
     plan = _rule_plan(device, kernel, dims, THREADS if groups is None else _RANK_THREADS)
+    if groups is not None:
+        launch_grid = (groups, 1, 1)
+    elif kernel in _SITE_TAP_KERNELS:
+        launch_grid = site_tap_grid(n, taps)
+    else:
+        launch_grid = grid(items)
     plan.launch(stream, coords, keys, table.keys, table.vals, table.bits, table.ranks, flags,
                 counter, out_map, out_map_t, out_keys, group, table.mask,
-                items if n is None else n, table.words, table.rows if n_out is None else n_out,
+                n, table.words, table.rows if n_out is None else n_out,
                 batch, taps, int(transposed),
                 int(symmetric), *_shape_fields(coords_shape, query_shape, geometry),
-                grid=grid(items) if groups is None else (groups, 1, 1))
+                grid=launch_grid)
 
 
 # --- on any backend's arrays ----------------------------------------------------------------
