@@ -50,10 +50,12 @@ static __device__ int subm_lookup(const RuleArgs& a, i64 key) {
     return -1;
 }
 
-// Row of `key` in the table (hash table or bitmap), or -1. A bitmap's sites have rows below
-// n_out: those a bounded build had no room for (see emit_sites) are absent. The bit's word and
-// its rank are read together: one latency, where most lookups find a site.
+// Row of `key` in the table (hash table or bitmap), or -1 (also for key -1: no site). A
+// bitmap's sites have rows below n_out: those a bounded build had no room for (see emit_sites)
+// are absent. The bit's word and its rank are read together: one latency, where most lookups
+// find a site.
 static __device__ int subm_find(const RuleArgs& a, i64 key) {
+    if (key < 0) return -1;
     if (!a.bits) return subm_lookup(a, key);
     const unsigned word = a.bits[key >> 5], below = (1u << (key & 31)) - 1u;
     const int rank = a.ranks[key >> 5];
@@ -62,54 +64,28 @@ static __device__ int subm_find(const RuleArgs& a, i64 key) {
     return row < a.n_out ? row : -1;
 }
 
-// What tap k adds to a site's coordinates along each axis: forward, k * dilation - padding (to
-// o * stride); transposed, padding - k * dilation (to i, before the division by stride). Worked
-// out once a tap, where it took a division an axis at every pair.
-template <int DIMS> struct subm_tap {
-    i64 offset[DIMS];
-};
-
-template <int DIMS>
-static __device__ __forceinline__ subm_tap<DIMS> subm_tap_of(const RuleArgs& a, int k,
-                                                              bool transposed) {
-    subm_tap<DIMS> t;
-#pragma unroll
-    for (int d = DIMS - 1; d >= 0; --d) {
-        const int rest = k / a.kernel[d];
-        const i64 shift = (i64)(k - rest * a.kernel[d]) * a.dilation[d];
-        t.offset[d] = transposed ? a.padding[d] - shift : shift - a.padding[d];
-        k = rest;
-    }
-    return t;
+// What tap t of axis d adds to a coordinate: forward, t * dilation - padding (to o * stride);
+// transposed, padding - t * dilation (to i, before the division by stride).
+static __device__ __forceinline__ i64 subm_offset(const RuleArgs& a, int d, int t,
+                                                  bool transposed) {
+    const i64 shift = (i64)t * a.dilation[d];
+    return transposed ? a.padding[d] - shift : shift - a.padding[d];
 }
 
-// Key (in query_shape) of the site that `tap` connects site `row` of `coords` to, or -1:
-// forward, the input o * stride - padding + k * dilation of output o; transposed, the output
-// (i + padding - k * dilation) / stride that input i feeds, where it divides. The division is
-// 32-bit: a numerator below query_shape x stride is below 2^32 (coordinates and padding are
-// int32).
-template <int DIMS>
-static __device__ i64 subm_connect(const RuleArgs& a, i64 row, const subm_tap<DIMS>& tap,
-                                   bool transposed) {
-    const int* site = a.coords + row * (1 + DIMS);
-    if (site[0] < 0 || site[0] >= a.batch) return -1;  // unchecked coords: never a bad key
-    i64 key = site[0];
-#pragma unroll
-    for (int d = 0; d < DIMS; ++d) {
-        i64 q;
-        if (transposed) {
-            const i64 num = site[1 + d] + tap.offset[d];
-            if (num < 0 || num >= (i64)a.query_shape[d] * a.stride[d]) return -1;
-            const unsigned stride = a.stride[d], whole = (unsigned)num / stride;
-            if (whole * stride != (unsigned)num) return -1;
-            q = whole;
-        } else {
-            q = (i64)site[1 + d] * a.stride[d] + tap.offset[d];
-            if (q < 0 || q >= a.query_shape[d]) return -1;
-        }
-        key = key * a.query_shape[d] + q;
+// The coordinate along axis d of query_shape that `offset` takes coordinate c to, or -1:
+// forward, c * stride + offset; transposed, (c + offset) / stride, where it divides. The
+// division is 32-bit: a numerator below query_shape x stride is below 2^32 (coordinates and
+// padding are int32).
+static __device__ __forceinline__ i64 subm_axis(const RuleArgs& a, int d, int c, i64 offset,
+                                                bool transposed) {
+    if (transposed) {
+        const i64 num = c + offset;
+        if (num < 0 || num >= (i64)a.query_shape[d] * a.stride[d]) return -1;
+        const unsigned stride = a.stride[d], q = (unsigned)num / stride;
+        return q * stride == (unsigned)num ? (i64)q : -1;
     }
-    return key;
+    const i64 q = (i64)c * a.stride[d] + offset;
+    return q >= 0 && q < a.query_shape[d] ? q : -1;
 }
 
 // site[0 .. DIMS] = the batch index and coordinates of `key` in a grid of query_shape; Key:
@@ -130,15 +106,43 @@ static __device__ __forceinline__ i64 subm_first() {
 }
 static __device__ __forceinline__ i64 subm_step() { return (i64)gridDim.x * blockDim.x; }
 
-// f(r, tap) for every site r < n and tap k < taps (tap: subm_tap_of k): taps along blockIdx.y
-// (site_tap_grid, cuda_rulebook.py), sites along x, both grid-stride, so a thread works out its
-// tap's offsets once and consecutive threads take consecutive sites of one tap.
+// f(r, k, key) for every site r < n of coords and tap k < taps, key (in query_shape) that of the
+// site tap k connects r to, or -1: forward, the input o * stride - padding + k * dilation of
+// output o; transposed, the output (i + padding - k * dilation) / stride that input i feeds,
+// where it divides. A thread takes a site and a row of taps (those along the last axis, whose
+// keys are consecutive: one bitmap word), with the site read and its other axes worked out once;
+// rows along blockIdx.y (site_tap_grid, cuda_rulebook.py), sites along x, both grid-stride.
 template <int DIMS, typename F>
 static __device__ __forceinline__ void for_each_site_tap(const RuleArgs& a, bool transposed,
                                                          F f) {
-    for (int k = blockIdx.y; k < a.taps; k += gridDim.y) {
-        const subm_tap<DIMS> tap = subm_tap_of<DIMS>(a, k, transposed);
-        for (i64 r = subm_first(); r < a.n; r += subm_step()) f(r, k, tap);
+    constexpr int last = DIMS - 1;
+    const int row_taps = a.kernel[last];
+    for (int g = blockIdx.y; g < a.taps / row_taps; g += gridDim.y) {
+        i64 offset[DIMS];  // the row's offsets along the other axes
+        int rest = g;
+#pragma unroll
+        for (int d = last - 1; d >= 0; --d) {
+            const int above = rest / a.kernel[d];
+            offset[d] = subm_offset(a, d, rest - above * a.kernel[d], transposed);
+            rest = above;
+        }
+        for (i64 r = subm_first(); r < a.n; r += subm_step()) {
+            const int* site = a.coords + r * (1 + DIMS);
+            // unchecked coords: never a bad key
+            i64 outer = site[0] >= 0 && site[0] < a.batch ? site[0] : -1;
+#pragma unroll
+            for (int d = 0; d < last; ++d) {
+                const i64 q = outer < 0 ? -1 : subm_axis(a, d, site[1 + d], offset[d], transposed);
+                outer = q < 0 ? -1 : outer * a.query_shape[d] + q;
+            }
+            const int c = site[1 + last];
+            for (int t = 0; t < row_taps; ++t) {
+                const i64 q = outer < 0 ? -1 : subm_axis(a, last, c, subm_offset(a, last, t,
+                                                                                 transposed),
+                                                         transposed);
+                f(r, g * row_taps + t, q < 0 ? -1 : outer * a.query_shape[last] + q);
+            }
+        }
     }
 }
 
@@ -184,8 +188,7 @@ template <int DIMS> __global__ void insert_keys(const RuleArgs a) {
 
 // Every output site that (input r, tap k) feeds, for all r < n, k < taps (repeats expected).
 template <int DIMS> __global__ void insert_targets(const RuleArgs a) {
-    for_each_site_tap<DIMS>(a, a.transposed, [&](i64 r, int, const subm_tap<DIMS>& tap) {
-        const i64 key = subm_connect<DIMS>(a, r, tap, a.transposed);
+    for_each_site_tap<DIMS>(a, a.transposed, [&](i64, int, i64 key) {
         if (key >= 0) subm_insert(a, key, 0, false);
     });
 }
@@ -206,37 +209,26 @@ template <int DIMS> __global__ void decode_keys(const RuleArgs a) {
     }
 }
 
-// Row (in the table) of the site `tap` connects site r of coords to, or -1.
-template <int DIMS>
-static __device__ __forceinline__ int subm_neighbour(const RuleArgs& a, i64 r,
-                                                     const subm_tap<DIMS>& tap, bool transposed) {
-    const i64 key = subm_connect<DIMS>(a, r, tap, transposed);
-    return key < 0 ? -1 : subm_find(a, key);
-}
-
 // out_map[k, r] = row (in the table) of the site tap k connects site r of coords to, or -1.
 template <int DIMS> __global__ void query_map(const RuleArgs a) {
-    for_each_site_tap<DIMS>(a, a.transposed, [&](i64 r, int k, const subm_tap<DIMS>& tap) {
-        a.out_map[k * a.n + r] = subm_neighbour<DIMS>(a, r, tap, a.transposed);
+    for_each_site_tap<DIMS>(a, a.transposed, [&](i64 r, int k, i64 key) {
+        a.out_map[k * a.n + r] = subm_find(a, key);
     });
 }
 
 // Both maps of a submanifold rulebook on the table's own sites, in one pass: out_map[k, r] =
 // the row tap k of site r reads, out_map_t[k, r] = the row site r feeds through tap k. With an
 // odd kernel along every axis (symmetric) the two are the same lookups with the taps reversed;
-// otherwise the site r feeds is the one the tap's opposite offset reaches (stride 1).
+// otherwise a second pass finds the sites r feeds (the transposed connection, stride 1).
 template <int DIMS> __global__ void query_subm(const RuleArgs a) {
-    for_each_site_tap<DIMS>(a, false, [&](i64 r, int k, const subm_tap<DIMS>& tap) {
-        const int row = subm_neighbour<DIMS>(a, r, tap, false);
+    for_each_site_tap<DIMS>(a, false, [&](i64 r, int k, i64 key) {
+        const int row = subm_find(a, key);
         a.out_map[k * a.n + r] = row;
-        if (a.symmetric) {
-            a.out_map_t[(i64)(a.taps - 1 - k) * a.n + r] = row;
-        } else {
-            subm_tap<DIMS> opposite;
-#pragma unroll
-            for (int d = 0; d < DIMS; ++d) opposite.offset[d] = -tap.offset[d];
-            a.out_map_t[k * a.n + r] = subm_neighbour<DIMS>(a, r, opposite, false);
-        }
+        if (a.symmetric) a.out_map_t[(i64)(a.taps - 1 - k) * a.n + r] = row;
+    });
+    if (a.symmetric) return;
+    for_each_site_tap<DIMS>(a, true, [&](i64 r, int k, i64 key) {
+        a.out_map_t[k * a.n + r] = subm_find(a, key);
     });
 }
 
@@ -245,12 +237,21 @@ template <int DIMS> __global__ void query_subm(const RuleArgs a) {
 // (one sync reads the total); emit_sites writes the sites in key order, that is sorted by
 // (batch, coordinates), with no sort; scatter_strided writes both maps from the inputs' side.
 
-// bits |= every output site that (input r, tap k) feeds, for all r < n, k < taps.
+// bits |= every output site that (input r, tap k) feeds, for all r < n, k < taps. A row of
+// taps feeds consecutive keys: a thread ORs its bits of one word together, one atomic a word.
 template <int DIMS> __global__ void mark_targets(const RuleArgs a) {
-    for_each_site_tap<DIMS>(a, true, [&](i64 r, int, const subm_tap<DIMS>& tap) {
-        const i64 key = subm_connect<DIMS>(a, r, tap, true);
-        if (key >= 0) atomicOr(a.bits + (key >> 5), 1u << (key & 31));
+    i64 word = -1;
+    unsigned bits = 0;
+    for_each_site_tap<DIMS>(a, true, [&](i64, int, i64 key) {
+        if (key < 0) return;
+        if (key >> 5 != word) {
+            if (bits) atomicOr(a.bits + word, bits);
+            word = key >> 5;
+            bits = 0;
+        }
+        bits |= 1u << (key & 31);
     });
+    if (bits) atomicOr(a.bits + word, bits);
 }
 
 // Exclusive prefix sum of v over the CTA (RANK_THREADS threads, all of them calling); the
@@ -340,8 +341,8 @@ template <int DIMS> __global__ void emit_sites(const RuleArgs a) {
 // of each pair is unique, so the scatter has no conflicts for distinct inputs. subm_find
 // leaves out the sites emit_sites had no room for.
 template <int DIMS> __global__ void scatter_strided(const RuleArgs a) {
-    for_each_site_tap<DIMS>(a, true, [&](i64 r, int k, const subm_tap<DIMS>& tap) {
-        const int row = subm_neighbour<DIMS>(a, r, tap, true);
+    for_each_site_tap<DIMS>(a, true, [&](i64 r, int k, i64 key) {
+        const int row = subm_find(a, key);
         a.out_map_t[k * a.n + r] = row;
         if (row >= 0) a.out_map[(i64)k * a.n_out + row] = (int)r;
     });

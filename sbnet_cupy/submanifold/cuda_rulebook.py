@@ -33,7 +33,7 @@ _BOUNDED_BITMAP_MAX_BITS = 1 << 31
 RULE_KERNELS = ("clear_table", "insert_coords", "insert_keys", "insert_targets",
                 "compact_table", "decode_keys", "query_map", "query_subm", "mark_targets",
                 "rank_words", "emit_sites", "scatter_strided")
-# Those over every (site, tap) pair: taps along the grid's y (site_tap_grid).
+# Those over every (site, tap) pair: rows of taps along the grid's y (site_tap_grid).
 _SITE_TAP_KERNELS = frozenset({"insert_targets", "query_map", "query_subm", "mark_targets",
                                "scatter_strided"})
 _MAX_GRID_Y = 65535
@@ -49,10 +49,11 @@ def grid(items):
     return (max(1, min(-(-items // THREADS), _MAX_BLOCKS)), 1, 1)
 
 
-def site_tap_grid(n, taps):
-    """The grid of a kernel over n sites x `taps` taps (for_each_site_tap): sites along x,
-    taps along y, each a grid-stride loop past the grid's limits."""
-    return (max(1, min(-(-n // THREADS), _MAX_BLOCKS // taps or 1)), min(taps, _MAX_GRID_Y), 1)
+def site_tap_grid(n, rows):
+    """The grid of a kernel over n sites x `rows` rows of taps (for_each_site_tap: the taps
+    along the kernel's last axis are a row, one thread's): sites along x, rows along y, each a
+    grid-stride loop past the grid's limits."""
+    return (max(1, min(-(-n // THREADS), _MAX_BLOCKS // rows or 1)), min(rows, _MAX_GRID_Y), 1)
 
 
 class HashTable:
@@ -123,7 +124,7 @@ def _rule(kernel, device, stream, items, dims, table=None, *, coords=0, keys=0, 
     if groups is not None:
         launch_grid = (groups, 1, 1)
     elif kernel in _SITE_TAP_KERNELS:
-        launch_grid = site_tap_grid(n, taps)
+        launch_grid = site_tap_grid(n, taps // geometry[0][-1])
     else:
         launch_grid = grid(items)
     plan.launch(stream, coords, keys, table.keys, table.vals, table.bits, table.ranks, flags,
