@@ -1,7 +1,7 @@
 // The CUDA features that kernels/blocks/block_conv.cu and kernels/submanifold/submanifold.cu
 // use, emulated on the CPU so that CI (no GPU) runs the kernels' own code: one std::thread a
 // CUDA thread, the CTAs of a grid one after another; __syncthreads, __syncwarp and bar.sync as
-// barriers; ldmatrix, mma.sync, __ballot_sync, __reduce_or_sync and __shfl_up_sync by exchanging
+// barriers; ldmatrix, mma.sync, __ballot_sync, __reduce_or_sync and the shuffles by exchanging
 // the lanes' registers within a warp, in PTX's fragment layouts; cp.async copies made at their
 // wait_group; a misaligned cp.async or ldmatrix address reported as the GPU's fault would be.
 // tests/cuda_emulation.py builds kernels/core/common.cuh and the kernel file without their inline
@@ -80,15 +80,23 @@ static inline unsigned __reduce_or_sync(unsigned, unsigned value) {
     w.bar.arrive_and_wait();
     return all;
 }
-// The value of lane - delta (the caller's own below delta), as shfl.sync.up: int values.
-static inline int __shfl_up_sync(unsigned, int value, unsigned delta) {
+// The 32-bit value of lane `source` (__shfl_sync), or of lane - delta (the caller's own below
+// delta: __shfl_up_sync).
+template <typename T> static inline T shuffle_from(T value, int source) {
+    static_assert(sizeof(T) == 4, "32-bit values");
     Warp& w = my_warp();
-    const int lane = my_lane();
-    w.a[lane][0] = (unsigned)value;
+    std::memcpy(&w.a[my_lane()][0], &value, 4);
     w.bar.arrive_and_wait();
-    const int got = (int)w.a[lane >= (int)delta ? lane - delta : lane][0];
+    T got;
+    std::memcpy(&got, &w.a[source][0], 4);
     w.bar.arrive_and_wait();
     return got;
+}
+template <typename T> static inline T __shfl_sync(unsigned, T value, int source) {
+    return shuffle_from(value, source % 32);
+}
+template <typename T> static inline T __shfl_up_sync(unsigned, T value, unsigned delta) {
+    return shuffle_from(value, my_lane() >= (int)delta ? my_lane() - (int)delta : my_lane());
 }
 static inline void __syncwarp() { my_warp().bar.arrive_and_wait(); }
 static inline int __popc(unsigned v) { return __builtin_popcount(v); }

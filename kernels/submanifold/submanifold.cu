@@ -280,10 +280,10 @@ static __device__ int rank_scan(int v, int* warp_sums, int* total) {
     return before + inclusive - v;
 }
 
-// CTA g (of groups = gridDim.x) writes ranks[w] = set bits of its words before w and
-// group[g] = its total; the last CTA to finish (counter, zero at launch) turns group into
-// exclusive offsets with the grand total in group[groups]. Deterministic: no order of atomics
-// enters a result. DIMS plays no part.
+// CTA g (of groups = gridDim.x) writes ranks[w] = set bits of its words before w (for the words
+// with a set bit: no lookup or emit_sites reads another's) and group[g] = its total; the last CTA
+// to finish (counter, zero at launch) turns group into exclusive offsets with the grand total in
+// group[groups]. Deterministic: no order of atomics enters a result. DIMS plays no part.
 template <int DIMS> __global__ void __launch_bounds__(RANK_THREADS) rank_words(const RuleArgs a) {
     __shared__ int warp_sums[RANK_THREADS / 32];
     __shared__ bool last;
@@ -298,7 +298,7 @@ template <int DIMS> __global__ void __launch_bounds__(RANK_THREADS) rank_words(c
     int rank = rank_scan(mine, warp_sums, &total);
 #pragma unroll
     for (int j = 0; j < RANK_PER_THREAD; ++j) {
-        if (first + j < a.words) a.ranks[first + j] = rank;
+        if (counts[j]) a.ranks[first + j] = rank;
         rank += counts[j];
     }
     if (threadIdx.x == 0) {
@@ -320,18 +320,32 @@ template <int DIMS> __global__ void __launch_bounds__(RANK_THREADS) rank_words(c
     if (threadIdx.x == 0) a.group[gridDim.x] = carry;
 }
 
-// Coordinates (out_map, [n_out, 1 + DIMS]) of every set bit, at its rank: key order. Turns
-// ranks into global ones (group's offsets added), for subm_find. Sites ranked n_out or later
-// are left out: a build bounded by a capacity (a CUDA graph's) had no room for them, which its
-// count (group[groups]) above n_out tells.
+// Coordinates (out_map, [n_out, 1 + DIMS]) of every set bit, at its rank: key order. Turns the
+// ranks of the words with a set bit into global ones (group's offsets added), for subm_find;
+// the others, most words of a sparse grid, are neither read nor written. A warp takes 32 words
+// and then each of those with a set bit in turn, lane l its bit l: a word's sites are decoded
+// side by side, where one thread's chain of them was the kernel's time, and their rows written
+// by consecutive lanes. Sites ranked n_out or later are left out: a build bounded by a capacity
+// (a CUDA graph's) had no room for them, which its count (group[groups]) above n_out tells.
 template <int DIMS> __global__ void emit_sites(const RuleArgs a) {
-    for (i64 w = subm_first(); w < a.words; w += subm_step()) {
-        unsigned word = a.bits[w];
-        int row = a.ranks[w] + a.group[w / RANK_WORDS];
-        a.ranks[w] = row;
-        for (; word && row < a.n_out; word &= word - 1u, ++row) {
-            subm_decode<DIMS>(a, (unsigned)(w * 32 + (__ffs(word) - 1)),
-                              a.out_map + (i64)row * (1 + DIMS));
+    const int lane = threadIdx.x % 32;
+    for (i64 first = subm_first() - lane; first < a.words; first += subm_step()) {
+        const i64 mine = first + lane;
+        const unsigned word = mine < a.words ? a.bits[mine] : 0u;
+        int rank = 0;
+        if (word) {
+            rank = a.ranks[mine] + a.group[mine / RANK_WORDS];
+            a.ranks[mine] = rank;
+        }
+        for (unsigned left = __ballot_sync(0xffffffffu, word != 0); left; left &= left - 1u) {
+            const int j = __ffs(left) - 1;
+            const unsigned bits = __shfl_sync(0xffffffffu, word, j);
+            const int below = __popc(bits & ((1u << lane) - 1u));
+            const int row = __shfl_sync(0xffffffffu, rank, j) + below;
+            if ((bits >> lane) & 1u && row < a.n_out) {
+                subm_decode<DIMS>(a, (unsigned)((first + j) * 32 + lane),
+                                  a.out_map + (i64)row * (1 + DIMS));
+            }
         }
     }
 }

@@ -101,11 +101,16 @@ def test_rulebook_equals_numpy(rng, launched, case, subm):
 
 def test_adversarial_collisions(rng, launched):
     """200 keys that all start probing at the same slot of the hash table (a submanifold
-    rulebook: a strided one on this grid takes the hash-and-sort path, CuPy's sort)."""
+    rulebook: a strided one on this grid takes the hash-and-sort path, CuPy's sort). They fill
+    the table's first 200 slots: the test's slot_numpy is the kernels' slot."""
     shape, n = (1000, 999, 998), 200
-    keys = colliding_keys(rng, n, submanifold.table_capacity(n), int(numpy.prod(shape)))
+    capacity = submanifold.table_capacity(n)
+    keys = colliding_keys(rng, n, capacity, int(numpy.prod(shape)))
     coords = numpy.stack(numpy.unravel_index(keys, (1, *shape)), axis=1).astype(numpy.int32)
-    _assert_same(*_rulebooks(coords, shape, 1, 3, 1, 1, 1, True), True)
+    built, host = _rulebooks(coords, shape, 1, 3, 1, 1, 1, True)
+    _assert_same(built, host, True)
+    table_keys = built.in_table.owner[:2 * capacity].view(numpy.int64)
+    numpy.testing.assert_array_equal(numpy.flatnonzero(table_keys != -1), numpy.arange(n))
 
 
 @pytest.mark.parametrize("out_shape, fraction", [((1, 31), 0.5), ((33, 1000), 0.3)],
