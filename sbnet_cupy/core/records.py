@@ -421,8 +421,7 @@ RULE_ARGS = Record("RuleArgs", "submanifold", f"""
     i64* table_keys;      // [mask + 1], SUBM_EMPTY where free
     int* table_vals;      // [mask + 1], the row each key came from
     unsigned* bits;       // [words], or null: the table is the hash table
-    int* ranks;           // [words]: rank_words writes per-group ranks, emit_sites global
-                          // ones (of the words with a set bit; no kernel reads others)
+    int* ranks;           // [words]: per-group ranks (rank_words), then global (emit_sites)
     int* flags;           // [1], OR of the SUBM_* flags
     int* counter;         // compact_table: keys appended; rank_words: groups done
     int* out_map;         // [taps, n] maps; decode_keys, emit_sites: coords [n, 1 + DIMS]
