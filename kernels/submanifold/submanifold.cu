@@ -281,7 +281,7 @@ static __device__ int rank_scan(int v, int* warp_sums, int* total) {
 }
 
 // CTA g (of groups = gridDim.x) writes ranks[w] = set bits of its words before w (for the words
-// with a set bit: no lookup or emit_sites reads another's) and group[g] = its total; the last CTA
+// with a set bit: no lookup or emit_sites uses another's) and group[g] = its total; the last CTA
 // to finish (counter, zero at launch) turns group into exclusive offsets with the grand total in
 // group[groups]. Deterministic: no order of atomics enters a result. DIMS plays no part.
 template <int DIMS> __global__ void __launch_bounds__(RANK_THREADS) rank_words(const RuleArgs a) {
