@@ -42,10 +42,12 @@ PLANS = (conv_kernels._fused_plan, conv_kernels._grad_weight_plan, conv_kernels.
 @pytest.fixture
 def launched(monkeypatch, kernels):
     """Launches go to the emulated kernels on a GPU of 2 SMs (few sites then split the taps
-    over CTAs), grid-stride loops over 2 CTAs at most (fewer threads to start); device memory
-    is NumPy's (build_raw's memsets and reads of device ints go to it); the plans made for it
-    are dropped after the test."""
+    over CTAs), grid-stride loops over 2 CTAs at most (fewer threads to start), and over 2 rows
+    of taps along the grid's y (so the rulebook kernels' loop over rows runs too); device
+    memory is NumPy's (build_raw's memsets and reads of device ints go to it); the plans made
+    for it are dropped after the test."""
     monkeypatch.setattr(cuda_rulebook, "_MAX_BLOCKS", 2)
+    monkeypatch.setattr(cuda_rulebook, "_MAX_GRID_Y", 2)
     monkeypatch.setattr(cuda_rulebook, "_device_call", lambda device, fn, *args: fn(*args))
     monkeypatch.setattr(cuda_rulebook, "_memset",
                         lambda address, value, size, stream: ctypes.memset(address, value, size))
