@@ -36,9 +36,9 @@ dw = (dy.T @ g).reshape(weight.shape).
 The CUDA rulebook (kernels/submanifold/submanifold.cu) keeps the coordinates in an open-addressing
 hash table (linearised int64 keys, linear probing, at most `capacity` probes, so a full table
 reports failure instead of hanging), and looks up both maps of a submanifold convolution in one
-kernel. A strided convolution marks every candidate output site in a bitmap of the output grid, counts
-the set bits per word (one host sync for the total), writes the sites in bitmap order, which is
-sorted order, and writes both maps from its inputs' side: no hash table and no sort. The bitmap
+kernel. A strided convolution marks every candidate output site in a bitmap of the output grid,
+counts the set bits per word (one host sync for the total), writes the sites in bitmap order, which
+is sorted order, and writes both maps from its inputs' side: no hash table and no sort. The bitmap
 with its word ranks is the table of the output sites, which the next rulebook on them reuses
 (torch_bridge's modules pass it on; grids of more than 2**29 sites hash and sort instead). The
 rulebook is a dense [K, N_out] map (-1 for absent neighbours) rather than per-tap pair lists:
