@@ -153,6 +153,7 @@ static inline void copy_async16(unsigned dst, const void* src, bool valid) {
     if (valid) check_aligned(src, "cp.async: global address not 16-byte aligned");
     open_group.push_back({dst, src, valid});
 }
+template <bool L1 = false>
 static inline void copy_async16_unless_negative(unsigned dst, const void* src, int flag) {
     copy_async16(dst, src, flag >= 0);
 }

@@ -286,14 +286,25 @@ static __device__ __forceinline__ void copy_async16(unsigned* dst, const void* s
 }
 // copy_async16 with zeros where `flag` is negative: the copy's predicate is the sign test itself
 // (cp.async's ignore-src form), one instruction where turning a bool into a source size takes
-// three, in loops that issue little else.
+// three, in loops that issue little else. L1: through the L1 cache (cp.async.ca), for rows the
+// CTA reads again soon (a tile's neighbour rows, which nearby sites share across taps); else
+// L2 only.
+template <bool L1 = false>
 static __device__ __forceinline__ void copy_async16_unless_negative(unsigned dst, const void* src,
                                                                     int flag) {
-    asm volatile(
-        "{\n .reg .pred ignore;\n setp.lt.s32 ignore, %2, 0;\n"
-        " cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}" ::"r"(dst),
-        "l"(src), "r"(flag)
-        : "memory");
+    if constexpr (L1) {
+        asm volatile(
+            "{\n .reg .pred ignore;\n setp.lt.s32 ignore, %2, 0;\n"
+            " cp.async.ca.shared.global [%0], [%1], 16, ignore;\n}" ::"r"(dst),
+            "l"(src), "r"(flag)
+            : "memory");
+    } else {
+        asm volatile(
+            "{\n .reg .pred ignore;\n setp.lt.s32 ignore, %2, 0;\n"
+            " cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}" ::"r"(dst),
+            "l"(src), "r"(flag)
+            : "memory");
+    }
 }
 
 // Four (x4) or two (x2) 8 x 4-word matrices of shared memory into registers: lane l gives the

@@ -523,8 +523,9 @@ template <typename T, int STAGE> struct fused_part {
 
 // The VEC copies of ROWS rows of STAGE bytes for a stage of tap `tap` (this thread's part's;
 // -1: zeros): the thread's part of its i-th row r = threadIdx.x / PARTS + i * STRIDE, copied
-// from source row source(i, r) (-1: zeros) of base, columns from col0 + part.c.
-template <typename T, int STAGE, int ROWS, typename Source>
+// from source row source(i, r) (-1: zeros) of base, columns from col0 + part.c; through L1 where
+// L1 (copy_async16_unless_negative): the features' rows, which a tile's sites share across taps.
+template <typename T, int STAGE, int ROWS, bool L1, typename Source>
 static __device__ __forceinline__ void fused_copy_rows(unsigned* tile, const T* base, int stride,
                                                        int col0, fused_part<T, STAGE> part,
                                                        int tap, Source source) {
@@ -543,9 +544,9 @@ static __device__ __forceinline__ void fused_copy_rows(unsigned* tile, const T* 
         const int row = source(i, r);
         // An unsigned 32 x 32 -> 64-bit product (max(row, 0)): one instruction, where a
         // signed or 64-bit one takes three or four. Negative row | tap: zeros.
-        copy_async16_unless_negative(dst + i * STRIDE * PITCH * 4,
-                                     at + (unsigned long long)(unsigned)max(row, 0) * row_bytes,
-                                     row | tap);
+        copy_async16_unless_negative<L1>(
+            dst + i * STRIDE * PITCH * 4,
+            at + (unsigned long long)(unsigned)max(row, 0) * row_bytes, row | tap);
     }
 }
 
@@ -554,8 +555,9 @@ static __device__ __forceinline__ void fused_copy_rows(unsigned* tile, const T* 
 // e / width >= per_stage, and past `cols`. VEC: width and cols are whole 16-byte vectors and
 // rows 16-byte aligned, so each 16-byte part of a row is one thread's cp.async (landed after
 // the caller's wait), and a thread's parts (`part`) are of one tap, looked up once; otherwise
-// the stores are the thread's own. Selects, not branches: the stage loop is latency-bound.
-template <typename T, bool VEC, int STAGE, int ROWS, typename TapOf, typename RowOf>
+// the stores are the thread's own. Selects, not branches: the stage loop is latency-bound. L1:
+// as fused_copy_rows.
+template <typename T, bool VEC, int STAGE, int ROWS, bool L1, typename TapOf, typename RowOf>
 static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base, int stride,
                                                    int width, int per_stage, int cols, int col0,
                                                    fused_part<T, STAGE> part, TapOf tap_of,
@@ -563,8 +565,8 @@ static __device__ __forceinline__ void fused_stage(unsigned* tile, const T* base
     constexpr int BK = STAGE / sizeof(T), PITCH = fused_pitch<STAGE>;
     if (VEC) {
         const int tap = part.g < per_stage && col0 + part.c < cols ? tap_of(part.g) : -1;
-        fused_copy_rows<T, STAGE, ROWS>(tile, base, stride, col0, part, tap,
-                                        [&](int, int r) { return row_of(max(tap, 0), r); });
+        fused_copy_rows<T, STAGE, ROWS, L1>(tile, base, stride, col0, part, tap,
+                                            [&](int, int r) { return row_of(max(tap, 0), r); });
     } else {
         T* t = (T*)tile;
         for (int e = threadIdx.x; e < ROWS * BK; e += FUSED_THREADS) {
@@ -583,13 +585,13 @@ template <int STAGE, int BM> constexpr int fused_held = BM * (STAGE / 16) / FUSE
 
 // fused_stage's VEC copies of the tile's BM feature rows for a stage of tap `tap` (this thread's
 // part's; -1: zeros), from the source rows held[i] of the thread's rows, which the kernel read
-// from shared memory a stage ahead, so that no copy waits on that read.
-template <typename T, int STAGE, int BM>
+// from shared memory a stage ahead, so that no copy waits on that read. L1: as fused_copy_rows.
+template <typename T, int STAGE, int BM, bool L1>
 static __device__ __forceinline__ void fused_stage_held(
     unsigned* tile, const T* base, int stride, int col0, fused_part<T, STAGE> part, int tap,
     const int (&held)[fused_held<STAGE, BM>]) {
-    fused_copy_rows<T, STAGE, BM>(tile, base, stride, col0, part, tap,
-                                  [&](int i, int) { return held[i]; });
+    fused_copy_rows<T, STAGE, BM, L1>(tile, base, stride, col0, part, tap,
+                                      [&](int i, int) { return held[i]; });
 }
 
 // DYNAMIC_SLOTS: 0, the slots that fit in static shared memory (tiles of FUSED_BM sites); else
@@ -604,6 +606,10 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     constexpr int BK = STAGE / sizeof(T), PITCH = tile_t::PITCH, SLOTS = tile_t::SLOTS;
     constexpr int SLOT_WORDS = tile_t::SLOT_WORDS, MT = tile_t::MT, NT = tile_t::NT;
     static_assert(FUSED_TAPS <= 32, "the taps of a group are the bits of one word");
+    // The features' rows through L1 in 16-bit tiles of 32 channels or more, where nearby sites'
+    // rows come back across taps; 16-wide tiles (a backbone's first level, its sites in the
+    // voxeliser's order) and TF32 ones measured no faster that way (bench/README).
+    constexpr bool FEATURES_L1 = sizeof(T) == 2 && BN >= 32;
     __shared__ __align__(16) unsigned static_slots[DYNAMIC_SLOTS ? 4 : SLOTS * SLOT_WORDS];
     extern __shared__ __align__(16) unsigned submanifold_smem[];
     unsigned* const slots = DYNAMIC_SLOTS ? submanifold_smem : static_slots;
@@ -700,14 +706,14 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
             };
             // Rows in units of cin: neighbour rows of the features, a tap's weights.
             if constexpr (HOLD) {
-                fused_stage_held<T, STAGE, BM>(slot, features, a.cin, col0, part, held_tap,
-                                               held);
+                fused_stage_held<T, STAGE, BM, FEATURES_L1>(slot, features, a.cin, col0, part,
+                                                            held_tap, held);
             } else {
-                fused_stage<T, VEC, STAGE, BM>(slot, features, a.cin, width, per_stage, a.cin,
-                                               col0, part, tap_of,
-                                               [&](int tap, int r) { return rows[tap][r]; });
+                fused_stage<T, VEC, STAGE, BM, FEATURES_L1>(
+                    slot, features, a.cin, width, per_stage, a.cin, col0, part, tap_of,
+                    [&](int tap, int r) { return rows[tap][r]; });
             }
-            fused_stage<T, VEC, STAGE, BN>(
+            fused_stage<T, VEC, STAGE, BN, false>(
                 slot + BM * PITCH, weight, a.cin, width, per_stage, a.cin, col0, part,
                 tap_of, [&](int tap, int r) {
                     return n0 + r < a.cout ? (n0 + r) * a.taps + k0 + tap : -1;
