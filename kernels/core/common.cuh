@@ -292,19 +292,18 @@ static __device__ __forceinline__ void copy_async16(unsigned* dst, const void* s
 template <bool L1 = false>
 static __device__ __forceinline__ void copy_async16_unless_negative(unsigned dst, const void* src,
                                                                     int flag) {
+    // The two differ in the cache operator alone, which asm takes as a literal.
+#define SBNET_COPY_UNLESS_NEGATIVE(CACHE)                                                         \
+    asm volatile("{\n .reg .pred ignore;\n setp.lt.s32 ignore, %2, 0;\n"                        \
+                 " cp.async." CACHE ".shared.global [%0], [%1], 16, ignore;\n}" ::"r"(dst),      \
+                 "l"(src), "r"(flag)                                                              \
+                 : "memory")
     if constexpr (L1) {
-        asm volatile(
-            "{\n .reg .pred ignore;\n setp.lt.s32 ignore, %2, 0;\n"
-            " cp.async.ca.shared.global [%0], [%1], 16, ignore;\n}" ::"r"(dst),
-            "l"(src), "r"(flag)
-            : "memory");
+        SBNET_COPY_UNLESS_NEGATIVE("ca");
     } else {
-        asm volatile(
-            "{\n .reg .pred ignore;\n setp.lt.s32 ignore, %2, 0;\n"
-            " cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}" ::"r"(dst),
-            "l"(src), "r"(flag)
-            : "memory");
+        SBNET_COPY_UNLESS_NEGATIVE("cg");
     }
+#undef SBNET_COPY_UNLESS_NEGATIVE
 }
 
 // Four (x4) or two (x2) 8 x 4-word matrices of shared memory into registers: lane l gives the
