@@ -5,7 +5,7 @@ row is a MODE (with --model, --scale, --batch) or MODE:MODEL:SCALE:BATCH; severa
 one process. Prints ``KERNEL mode model scale batch name us`` for each instantiation and ``TOTAL
 mode model scale batch kernels_us all_us`` (medians over the profiled calls; the fused class is
 the fused kernel with its split sums and, in training steps, the weight's gradient kernels; the
-rulebook kernels are bench.detectors' rulebook class).
+rulebook kernels are bench.detectors' rulebook class; --kernels all lists every kernel).
 
     python -m bench.conv_time eval-fp16 --model VoxelResBackBone8x --scale waymo --batch 2
     python -m bench.conv_time eval-fp16:MinkUNet:semkitti:2 train-amp:UNetV2:kitti:4
@@ -23,7 +23,8 @@ from bench._common import allow_tf32, require_gpu
 MODES = detectors.MODES
 KERNELS = {"fused": lambda name: name.startswith(("submanifold_fused", "split_sum",
                                                   "submanifold_grad_weight", "tap_pair")),
-           "rulebook": detectors.CLASSES["ours"][0][1].search}
+           "rulebook": detectors.CLASSES["ours"][0][1].search,
+           "all": lambda name: True}
 
 
 def parse_row(text, model, scale, batch):

@@ -1,6 +1,6 @@
 """bench.conv_time's choice of kernels (CPU: the profiler's kernel times faked): the fused
-convolution's instantiations, split sums and weight's gradient, or the rulebook kernels, each
-summed apart from the rest of the call's kernels; several rows in one process."""
+convolution's instantiations, split sums and weight's gradient, the rulebook kernels, or all,
+each summed apart from the rest of the call's kernels; several rows in one process."""
 
 import pytest
 
@@ -35,7 +35,10 @@ class _Features:
 @pytest.mark.parametrize("kernels, want", [
     ("fused", {"submanifold_fused<half_t,true,128,64,0,64>": 250.0, "split_sum<float>": 10.0,
                "submanifold_grad_weight<half_t,64,32>": 125.0}),
-    ("rulebook", {"query_subm<3>": 40.0, "emit_sites<3>": 20.0})])
+    ("rulebook", {"query_subm<3>": 40.0, "emit_sites<3>": 20.0}),
+    ("all", {"submanifold_fused<half_t,true,128,64,0,64>": 250.0, "split_sum<float>": 10.0,
+             "submanifold_grad_weight<half_t,64,32>": 125.0, "query_subm<3>": 40.0,
+             "emit_sites<3>": 20.0, "at::native::batch_norm_kernel<float>": 500.0})])
 def test_kernels_are_summed_by_class(faked, capsys, kernels, want):
     conv_time.main(["eval-fp16", "--kernels", kernels, "--calls", "3"])
     lines = capsys.readouterr().out.splitlines()
