@@ -1,8 +1,10 @@
 """torch_bridge.submanifold.fuse_bn_relu and the convolution's relu: a fused eval model gives the
 unfused model's outputs (CPU float64, CUDA in every dtype and algorithm, split taps included),
-the op's ReLU and its gradient against torch.relu of the plain op, and what is left unfused."""
+the op's ReLU and its gradient against torch.relu of the plain op, what is left unfused, and a
+residual block's folded BatchNorms, checked each call."""
 
 import copy
+import io
 
 import pytest
 from conftest import HAS_GPU, require
@@ -20,7 +22,8 @@ def _bn(channels, **kwargs):
 
 
 class _Block(spconv.SparseModule):
-    """A residual block whose own forward calls its BatchNorm and ReLU: fuse leaves them."""
+    """A residual block whose own forward calls its BatchNorm and ReLU (OpenPCDet's order:
+    conv1, bn1, relu): fuse folds bn1 into conv1 and leaves the ReLU."""
 
     def __init__(self, channels):
         super().__init__()
@@ -31,6 +34,14 @@ class _Block(spconv.SparseModule):
     def forward(self, x):
         y = self.conv1(x)
         return y.replace_feature(self.relu(self.bn1(y.features)) + x.features)
+
+
+class _PreActivation(_Block):
+    """Registered as _Block, but its forward normalises the sum, not conv1's output."""
+
+    def forward(self, x):
+        y = self.conv1(x)
+        return y.replace_feature(self.relu(self.bn1(y.features + x.features)))
 
 
 def _model():
@@ -95,12 +106,57 @@ def test_what_is_fused_and_what_is_left():
                      ["SubMConv3d", "BatchNorm1d", "ReLU"]]
     relu = [seq[0].sbnet_relu for seq in fused if isinstance(seq, spconv.SparseSequential)]
     assert relu == [True, True, True, False, True, True, True, False]
-    assert isinstance(fused[3].bn1, spconv.fuse.ChannelAffine)  # its forward calls it
+    assert isinstance(fused[3].bn1, spconv.fuse.FoldedBatchNorm)  # its forward calls it
+    assert fused[3].conv1.bias is not None and isinstance(fused[3].relu, torch.nn.ReLU)
+    assert not [key for key in fused.state_dict() if key.startswith("3.bn1")]
     assert all(seq[0].bias is not None for seq in list(fused)[:3])  # folded shift: a bias
     assert "relu" in repr(fused[0][0])
     # Fusing again changes nothing.
     again = spconv.fuse_bn_relu(copy.deepcopy(fused))
     assert repr(again) == repr(fused)
+
+
+def test_block_batchnorm_left_as_an_affine_without_blocks(rng):
+    model = _randomised(_model(), 2).double()
+    fused = spconv.fuse_bn_relu(copy.deepcopy(model), blocks=False)
+    assert isinstance(fused[3].bn1, spconv.fuse.ChannelAffine)
+    assert torch.equal(fused[3].conv1.bias, model[3].conv1.bias)
+    x = sparse_input(rng, 2, (9, 10, 11), 300, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x).features, model(x).features, rtol=1e-10,
+                                   atol=1e-10)
+
+
+def test_block_folded_against_its_forward_raises(rng):
+    """A block whose forward gives the BatchNorm registered after conv1 something else than
+    conv1's output: the fold would be wrong, so the call raises instead of answering."""
+    block = _randomised(_PreActivation(4), 5).double()
+    fused = spconv.fuse_bn_relu(copy.deepcopy(block))
+    assert isinstance(fused.bn1, spconv.fuse.FoldedBatchNorm)
+    x = sparse_input(rng, 1, (6, 7, 5), 40, 4)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="conv1.*blocks=False"):
+        fused(x)
+    with torch.no_grad():
+        torch.testing.assert_close(spconv.fuse_bn_relu(copy.deepcopy(block), blocks=False)(x)
+                                   .features, block(x).features)
+
+
+def test_folded_block_copies_and_pickles(rng):
+    """A fused model's copies (deepcopy, torch.save / load) check against their own
+    convolutions, and give the unfused outputs."""
+    model, fused = _fused_pair(seed=6)
+    x = sparse_input(rng, 2, (9, 10, 11), 300, 4)
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        want = model(x).features
+        for copied in (copy.deepcopy(fused), loaded):
+            torch.testing.assert_close(copied(x).features, want, rtol=1e-10, atol=1e-10)
+            copied[3].conv1.weight.add_(1.0)  # its own conv: the block's output changes
+            assert not torch.allclose(copied(x).features, want)
+        torch.testing.assert_close(fused(x).features, want, rtol=1e-10, atol=1e-10)
 
 
 def test_fuse_refuses_training_batchnorm_and_other_models():

@@ -1,9 +1,13 @@
 """fuse_bn_relu: an eval model's BatchNorm1d folded into the sparse convolution before it, and
 the ReLU after them taken in the convolution's own call (the fused kernel's epilogue), where a
 SparseSequential holds them in that order: two module calls and two passes over the features
-fewer a layer, the same outputs up to rounding. The BatchNorms it cannot fold (those a residual
-block's forward calls) become a per-channel multiply-add (ChannelAffine): one kernel and a
+fewer a layer, the same outputs up to rounding. In a residual block (a module whose own forward
+calls its convolutions and BatchNorms) each BatchNorm registered right after a convolution is
+folded into it too, and checked each call to be given that convolution's output. The
+BatchNorms it cannot fold become a per-channel multiply-add (ChannelAffine): one kernel and a
 short call, where torch's eval batch_norm launches two and checks much more a call."""
+
+import weakref
 
 import torch
 
@@ -14,7 +18,7 @@ from .modules import SparseBatchNorm, SparseReLU, SparseSequential
 _RELUS = (torch.nn.ReLU, SparseReLU)
 
 
-def fuse_bn_relu(model):
+def fuse_bn_relu(model, blocks=True):
     """Fuses, in place, the BatchNorm1d and ReLU modules that follow a sparse convolution in a
     SparseSequential into it, and returns model:
 
@@ -24,19 +28,27 @@ def fuse_bn_relu(model):
     - a ReLU (or SparseReLU) right after the convolution, or after that BatchNorm, becomes the
       convolution's `sbnet_relu`;
     - the fused modules leave the sequential (the others keep their names);
+    - with `blocks`, in any other module (a residual block whose forward calls conv1, bn1,
+      ...), a BatchNorm1d registered right after a convolution is folded into it: the order
+      OpenPCDet's, mmdetection3d's and Pointcept's blocks register them in, which mmcv's
+      fuse_conv_bn also relies on. It becomes a FoldedBatchNorm, which raises RuntimeError
+      where the forward calls it on anything but that convolution's latest output;
     - every other BatchNorm1d (or SparseBatchNorm) with running statistics, wherever it is,
       becomes a ChannelAffine of the same scale and shift (in the BatchNorm's dtype), which its
       callers call as before.
 
     For inference: the BatchNorms fused must be in eval mode (ValueError otherwise), since
     training would update statistics that are no longer there. Modules a forward of its own
-    calls (a residual block's bn1 and relu) and BatchNorms without running statistics stay as
-    they are. Run it after model.half() or before: either way the fold is computed in float32.
+    calls (a residual block's relu) and BatchNorms without running statistics stay as they are.
+    Run it after model.half() or before: either way the fold is computed in float32.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for sequential in [m for m in model.modules() if isinstance(m, SparseSequential)]:
         _fuse_in(sequential)
+    if blocks:
+        for block in [m for m in model.modules() if not isinstance(m, SparseSequential)]:
+            _fold_in_block(block)
     for parent in list(model.modules()):
         for name, child in list(parent._modules.items()):
             if type(child) in (torch.nn.BatchNorm1d, SparseBatchNorm) and _has_statistics(child):
@@ -67,6 +79,49 @@ class ChannelAffine(torch.nn.Module):
 
     def extra_repr(self):
         return f"{self.scale.shape[0]}"
+
+
+class FoldedBatchNorm(torch.nn.Module):
+    """A BatchNorm that fuse_bn_relu folded into the convolution registered before it in a
+    block: passes its input (features, or a SparseConvTensor) through, after checking that it
+    is that convolution's latest output. Any other input means the block's forward does not
+    normalise that output with it, so the fold would give wrong results: RuntimeError."""
+
+    def __init__(self, conv_name, conv):
+        super().__init__()
+        self.conv_name = conv_name
+        self._latest = None
+        conv.register_forward_hook(self._record)
+
+    def _record(self, conv, inputs, output):
+        self._latest = weakref.ref(output.features)
+
+    def forward(self, x):
+        features = x.features if isinstance(x, SparseConvTensor) else x
+        if self._latest is None or self._latest() is not features:
+            raise RuntimeError(
+                f"fuse_bn_relu folded this BatchNorm into {self.conv_name}, the convolution "
+                f"registered before it, but the forward called it on another tensor; fuse "
+                f"this model with fuse_bn_relu(model, blocks=False)")
+        return x
+
+    def __getstate__(self):  # the weak reference neither pickles nor belongs to a copy
+        state = self.__dict__.copy()
+        state["_latest"] = None
+        return state
+
+    def extra_repr(self):
+        return f"into {self.conv_name}"
+
+
+def _fold_in_block(block):
+    """Folds each BatchNorm registered right after a convolution among block's children into
+    that convolution, which leaves a FoldedBatchNorm in the BatchNorm's place."""
+    children = list(block._modules.items())
+    for (conv_name, conv), (name, bn) in zip(children, children[1:]):
+        if isinstance(conv, SparseConvolution) and not conv.sbnet_relu and _foldable(bn, conv):
+            _fold(conv, bn)
+            block._modules[name] = FoldedBatchNorm(conv_name, conv)
 
 
 def _fuse_in(sequential):
