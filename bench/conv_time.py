@@ -73,8 +73,8 @@ def time_row(mode, model, scale, batch, selected, calls):
         call()
     by_kernel, chosen, total = collections.defaultdict(list), [], []
     for _ in range(calls):
-        times = {name.split("(")[0].replace("void ", "").replace(" ", ""): 1e3 * ms
-                 for name, ms in detectors.kernel_ms(call).items()}
+        times = {name.split("(")[0].replace("void ", "").replace(" ", "") or "(unnamed)":
+                 1e3 * ms for name, ms in detectors.kernel_ms(call).items()}
         mine = {k: v for k, v in times.items() if selected(k)}
         for name, us in mine.items():
             by_kernel[name].append(us)
