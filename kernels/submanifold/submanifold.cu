@@ -112,12 +112,14 @@ static __device__ __forceinline__ i64 subm_step() { return (i64)gridDim.x * bloc
 // where it divides. A thread takes a site and a row of taps (those along the last axis, whose
 // keys are consecutive: one bitmap word), with the site read and its other axes worked out once;
 // rows along blockIdx.y (site_tap_grid, cuda_rulebook.py), sites along x, both grid-stride.
-template <int DIMS, typename F>
+// HALF: the taps up to the centre alone (k <= taps / 2, an odd kernel along every axis).
+template <int DIMS, bool HALF = false, typename F>
 static __device__ __forceinline__ void for_each_site_tap(const RuleArgs& a, bool transposed,
                                                          F f) {
     constexpr int last = DIMS - 1;
-    const int row_taps = a.kernel[last];
-    for (int g = blockIdx.y; g < a.taps / row_taps; g += gridDim.y) {
+    const int row_taps = a.kernel[last], rows = a.taps / row_taps;
+    for (int g = blockIdx.y; g < (HALF ? rows / 2 + 1 : rows); g += gridDim.y) {
+        const int row_end = HALF && g == rows / 2 ? row_taps / 2 + 1 : row_taps;
         i64 offset[DIMS];  // the row's offsets along the other axes
         int rest = g;
 #pragma unroll
@@ -136,7 +138,7 @@ static __device__ __forceinline__ void for_each_site_tap(const RuleArgs& a, bool
                 outer = q < 0 ? -1 : outer * a.query_shape[d] + q;
             }
             const int c = site[1 + last];
-            for (int t = 0; t < row_taps; ++t) {
+            for (int t = 0; t < row_end; ++t) {
                 const i64 q = outer < 0 ? -1 : subm_axis(a, last, c, subm_offset(a, last, t,
                                                                                  transposed),
                                                          transposed);
@@ -218,15 +220,28 @@ template <int DIMS> __global__ void query_map(const RuleArgs a) {
 
 // Both maps of a submanifold rulebook on the table's own sites, in one pass: out_map[k, r] =
 // the row tap k of site r reads, out_map_t[k, r] = the row site r feeds through tap k. With an
-// odd kernel along every axis (symmetric) the two are the same lookups with the taps reversed;
-// otherwise a second pass finds the sites r feeds (the transposed connection, stride 1).
+// odd kernel along every axis (symmetric) the two are the same lookups with the taps reversed,
+// and site r reading row s through tap k is row s reading r through the mirrored tap: the taps
+// up to the centre are looked up, each pair found written for both sites, and the rest of the
+// maps (out_map's taps past the centre, out_map_t's before it) were set to -1 (build_raw).
+// Otherwise a second pass finds the sites r feeds (the transposed connection, stride 1).
 template <int DIMS> __global__ void query_subm(const RuleArgs a) {
+    if (a.symmetric) {
+        for_each_site_tap<DIMS, true>(a, false, [&](i64 r, int k, i64 key) {
+            const int row = subm_find(a, key);
+            const i64 mirrored = a.taps - 1 - k;
+            a.out_map[k * a.n + r] = row;
+            a.out_map_t[mirrored * a.n + r] = row;
+            if (row >= 0 && mirrored != k) {
+                a.out_map[mirrored * a.n + row] = (int)r;
+                a.out_map_t[k * a.n + row] = (int)r;
+            }
+        });
+        return;
+    }
     for_each_site_tap<DIMS>(a, false, [&](i64 r, int k, i64 key) {
-        const int row = subm_find(a, key);
-        a.out_map[k * a.n + r] = row;
-        if (a.symmetric) a.out_map_t[(i64)(a.taps - 1 - k) * a.n + r] = row;
+        a.out_map[k * a.n + r] = subm_find(a, key);
     });
-    if (a.symmetric) return;
     for_each_site_tap<DIMS>(a, true, [&](i64 r, int k, i64 key) {
         a.out_map_t[k * a.n + r] = subm_find(a, key);
     });

@@ -124,7 +124,9 @@ def _rule(kernel, device, stream, items, dims, table=None, *, coords=0, keys=0, 
     if groups is not None:
         launch_grid = (groups, 1, 1)
     elif kernel in _SITE_TAP_KERNELS:
-        launch_grid = site_tap_grid(n, taps // geometry[0][-1])
+        rows = taps // geometry[0][-1]
+        launch_grid = site_tap_grid(n, rows // 2 + 1 if kernel == "query_subm" and symmetric
+                                    else rows)
     else:
         launch_grid = grid(items)
     plan.launch(stream, coords, keys, table.keys, table.vals, table.bits, table.ranks, flags,
@@ -155,8 +157,8 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
     Returns a Built, or None for a strided rulebook whose output grid has more than
     _BITMAP_MAX_BITS sites (_BOUNDED_BITMAP_MAX_BITS with a capacity or bounded; the caller
     takes the hash-and-sort path). Host work: a submanifold rulebook is 1 launch and 2
-    allocations with a table to reuse, 3 launches and 3 allocations without, plus one sync with
-    check; a strided one is 4 launches, 2 memsets, 4 allocations and one sync (for its number
+    allocations with a table to reuse, 3 launches and 3 allocations without, 2 memsets more with
+    an odd kernel, plus one sync with check; a strided one is 4 launches, 2 memsets, 4 allocations and one sync (for its number
     of output sites; the check's flags are read in it), plus 2
     launches and an allocation with check and no checked table to reuse.
     """
@@ -181,10 +183,15 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
     if out_shape is None:
         (neighbors, neighbors_ptr), (neighbors_t, neighbors_t_ptr) = empty((taps, n)), empty(
             (taps, n))
+        symmetric = all(k % 2 for k in geometry[0])
+        if symmetric and n:  # the taps query_subm writes only where it finds a pair: -1 first
+            half = 4 * n * (taps // 2)
+            _device_call(device, _memset, neighbors_ptr + 4 * n * (taps // 2 + 1), 255, half,
+                         stream)
+            _device_call(device, _memset, neighbors_t_ptr, 255, half, stream)
         _rule("query_subm", device, stream, n * taps, dims, table, coords=coords_ptr,
               out_map=neighbors_ptr, out_map_t=neighbors_t_ptr, n=n, batch=batch, taps=taps,
-              symmetric=all(k % 2 for k in geometry[0]), coords_shape=shape, query_shape=shape,
-              geometry=geometry)
+              symmetric=symmetric, coords_shape=shape, query_shape=shape, geometry=geometry)
         if flags:
             _raise_flags(_read_ints(device, stream, (flags,))[0], backend, coords, shape, batch)
         return Built(neighbors, neighbors_t, None, table, table, None)
