@@ -156,11 +156,11 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
 
     Returns a Built, or None for a strided rulebook whose output grid has more than
     _BITMAP_MAX_BITS sites (_BOUNDED_BITMAP_MAX_BITS with a capacity or bounded; the caller
-    takes the hash-and-sort path). Host work: a submanifold rulebook is 1 launch and 2
-    allocations with a table to reuse, 3 launches and 3 allocations without, 2 memsets more with
-    an odd kernel, plus one sync with check; a strided one is 4 launches, 2 memsets, 4 allocations and one sync (for its number
-    of output sites; the check's flags are read in it), plus 2
-    launches and an allocation with check and no checked table to reuse.
+    takes the hash-and-sort path). Host work: a submanifold rulebook is 1 launch and 1
+    allocation with a table to reuse, 3 launches and 2 allocations without, a memset more with
+    an odd kernel, plus one sync with check; a strided one is 4 launches, 2 memsets, 4
+    allocations and one sync (for its number of output sites; the check's flags are read in
+    it), plus 2 launches and an allocation with check and no checked table to reuse.
     """
     n = int(coords.shape[0])
     dims, taps = len(shape), math.prod(geometry[0])
@@ -181,14 +181,16 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
         table, flags = _build_table(empty, device, stream, coords_ptr, n, shape, batch, check)
         flags = flags if check else 0
     if out_shape is None:
-        (neighbors, neighbors_ptr), (neighbors_t, neighbors_t_ptr) = empty((taps, n)), empty(
-            (taps, n))
+        # Both maps in one allocation, neighbors_t right after neighbors: the taps query_subm
+        # writes only where it finds a pair (neighbors' past the centre, neighbors_t's before
+        # it) are then one range, set to -1 by one memset.
+        maps, maps_ptr = empty((2, taps, n))
+        neighbors, neighbors_t = maps[0], maps[1]
+        neighbors_ptr, neighbors_t_ptr = maps_ptr, maps_ptr + 4 * taps * n
         symmetric = all(k % 2 for k in geometry[0])
-        if symmetric and n:  # the taps query_subm writes only where it finds a pair: -1 first
-            half = 4 * n * (taps // 2)
-            _device_call(device, _memset, neighbors_ptr + 4 * n * (taps // 2 + 1), 255, half,
-                         stream)
-            _device_call(device, _memset, neighbors_t_ptr, 255, half, stream)
+        if symmetric and taps > 1:
+            _device_call(device, _memset, maps_ptr + 4 * n * (taps // 2 + 1), 255,
+                         8 * n * (taps // 2), stream)
         _rule("query_subm", device, stream, n * taps, dims, table, coords=coords_ptr,
               out_map=neighbors_ptr, out_map_t=neighbors_t_ptr, n=n, batch=batch, taps=taps,
               symmetric=symmetric, coords_shape=shape, query_shape=shape, geometry=geometry)
