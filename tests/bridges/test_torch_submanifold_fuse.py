@@ -165,6 +165,8 @@ def test_fuse_refuses_training_batchnorm_and_other_models():
         spconv.fuse_bn_relu(model)
     with pytest.raises(TypeError, match="model"):
         spconv.fuse_bn_relu("a model")
+    with pytest.raises(TypeError, match="blocks"):
+        spconv.fuse_bn_relu(model.eval(), blocks="no")
 
 
 @pytest.mark.parametrize("kernel", [3, 1])

@@ -44,6 +44,8 @@ def fuse_bn_relu(model, blocks=True):
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(blocks, bool):
+        raise TypeError(f"blocks must be a bool, got {type(blocks).__name__}")
     for sequential in [m for m in model.modules() if isinstance(m, SparseSequential)]:
         _fuse_in(sequential)
     if blocks:
