@@ -4,6 +4,8 @@ capacities captured again), follow in-place parameter changes, reject bad indice
 path does; and padding rows, which dense() and the global pools drop (CPU too)."""
 
 
+import re
+
 import pytest
 from conftest import HAS_GPU, require
 from test_submanifold import random_sites
@@ -261,3 +263,29 @@ def test_site_faults_check_the_real_rows_alone(rng):
     assert faults(outside) == (True, False)
     # Without `real` (the eager check) the padding rows are rows outside the grid.
     assert bool(_site_faults(indices, SHAPE, 2, limits)[0].any())
+
+
+@pytest.mark.parametrize("shape, dtype", [((40, 1 << 20, 1 << 9), torch.int64),
+                                          ((40, (1 << 21) - 1, 1 << 4), torch.int32)])
+def test_site_faults_keys_fit_the_grid(shape, dtype):
+    """The check's keys are int32 where the grid's sites (and a key past them a row) fit, int64
+    where not: sites whose int64 keys differ by a multiple of 2^32 (equal in int32) are
+    distinct, a repeated site far into the grid is found and named; a row outside the grid,
+    whose int32 key would wrap around, repeats none."""
+    from torch_bridge.submanifold.rulebook import _check_sites, _site_faults
+
+    far = [0, shape[0] - 1, shape[1] - 2, shape[2] - 3]
+    step = (1 << 32) // (shape[1] * shape[2])  # rows d0 apart of keys 2^32 apart
+    second = 1 + step if 1 + step < shape[0] else 2  # (none in a grid of int32 keys)
+    indices = torch.tensor([[0, 1, 5, 7], [0, second, 5, 7], far, [0, 0, 0, 1]],
+                           dtype=torch.int32)
+    limits = torch.tensor([1, *shape])
+    outside, ordered, repeated = _site_faults(indices, shape, 1, limits)
+    assert ordered.dtype == dtype
+    assert not outside.any() and not repeated.any()
+    _check_sites(indices, shape, 1)
+    with pytest.raises(ValueError, match=re.escape(f"duplicate rows, e.g. {tuple(far)}")):
+        _check_sites(torch.cat([indices, indices[2:3]]), shape, 1)
+    wrapped = torch.cat([indices, torch.tensor([[0, 1 << 30, 5, 7]], dtype=torch.int32)])
+    outside, _, repeated = _site_faults(wrapped, shape, 1, limits)
+    assert outside.tolist() == [False] * 4 + [True] and not repeated.any()

@@ -212,7 +212,7 @@ def transposed_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=
 
 
 def _linear(batch, coords, shape):
-    """int64 keys (b * S0 + c0) * S1 + c1 ... of coords [N, D] in batch x shape."""
+    """Keys (b * S0 + c0) * S1 + c1 ... of coords [N, D] in batch x shape, in their dtype."""
     keys = batch
     for axis, size in enumerate(shape):
         keys = keys * size + coords[:, axis]
@@ -234,13 +234,17 @@ def _site_faults(indices, shape, batch, limits, real=None):
     (outside, bool [N]: rows outside the grid; ordered: the rows' keys sorted; repeated, bool
     [N - 1]: where ordered repeats a key). limits: int [1 + D], [batch, *shape] on the device.
     real: bool [N], the rows to check (SparseGraphs' others are padding), or None: all. A row
-    outside or not real gets a key of its own past the grid's, so that it repeats none."""
+    outside or not real gets a key of its own past the grid's, so that it repeats none. The
+    keys are int32 where they all fit (half the sort's passes of int64 keys), int64 where not.
+    A row outside may wrap around in int32: its key is replaced."""
     outside = ((indices < 0) | (indices >= limits)).any(1)
     if real is not None:
         outside &= real
     kept = ~outside if real is None else real & ~outside
-    keys = _linear(indices[:, 0].long(), indices[:, 1:].long(), shape)
-    past = batch * math.prod(shape) + torch.arange(keys.shape[0], device=keys.device)
+    sites = batch * math.prod(shape)
+    indices = indices.long() if sites + indices.shape[0] > 2**31 - 1 else indices.int()
+    keys = _linear(indices[:, 0], indices[:, 1:], shape)
+    past = sites + torch.arange(keys.shape[0], device=keys.device, dtype=keys.dtype)
     ordered = torch.sort(torch.where(kept, keys, past)).values
     return outside, ordered, ordered[1:] == ordered[:-1]
 
