@@ -176,6 +176,38 @@ template <int DIMS> __global__ void insert_coords(const RuleArgs a) {
     }
 }
 
+// SparseGraphs' check of its input, rows r < n of coords: as insert_coords, with no values, but
+// rows of -1 alone (the graph's padding) are counted in *counter instead of raising SUBM_OUTSIDE;
+// the caller compares the count with the padding it wrote, so that a real row of -1 is found too.
+// Whole warps a step (lanes past n idle), so that a warp counts its padding rows in one atomic.
+template <int DIMS> __global__ void check_sites(const RuleArgs a) {
+    const int lane = threadIdx.x % 32;
+    for (i64 first = subm_first() - lane; first < a.n; first += subm_step()) {
+        const i64 r = first + lane;
+        bool inside = false, padding = false;
+        i64 key = 0;
+        if (r < a.n) {
+            const int* site = a.coords + r * (1 + DIMS);
+            inside = site[0] >= 0 && site[0] < a.batch;
+            padding = site[0] == -1;
+            key = site[0];
+#pragma unroll
+            for (int d = 0; d < DIMS; ++d) {
+                inside = inside && site[1 + d] >= 0 && site[1 + d] < a.shape[d];
+                padding = padding && site[1 + d] == -1;
+                key = key * a.shape[d] + site[1 + d];
+            }
+        }
+        const unsigned pads = __ballot_sync(0xffffffffu, padding);
+        if (inside) {
+            subm_insert(a, key, 0, true);
+        } else if (r < a.n && !padding) {
+            atomicOr(a.flags, SUBM_OUTSIDE);
+        }
+        if (lane == 0 && pads) atomicAdd(a.counter, __popc(pads));
+    }
+}
+
 // Key keys_in[r], value r (DIMS plays no part); negative keys raise SUBM_OUTSIDE.
 template <int DIMS> __global__ void insert_keys(const RuleArgs a) {
     for (i64 r = subm_first(); r < a.n; r += subm_step()) {

@@ -32,7 +32,7 @@ _BOUNDED_BITMAP_MAX_BITS = 1 << 31
 # The rulebook kernels, each built for DIMS = 1..MAX_DIMS.
 RULE_KERNELS = ("clear_table", "insert_coords", "insert_keys", "insert_targets",
                 "compact_table", "decode_keys", "query_map", "query_subm", "mark_targets",
-                "rank_words", "emit_sites", "scatter_strided")
+                "rank_words", "emit_sites", "scatter_strided", "check_sites")
 # Those over every (site, tap) pair: rows of taps along the grid's y (site_tap_grid).
 _SITE_TAP_KERNELS = frozenset({"insert_targets", "query_map", "query_subm", "mark_targets",
                                "scatter_strided"})
@@ -246,6 +246,27 @@ def _build_table(empty, device, stream, coords_ptr, n, shape, batch, checked):
     _rule("insert_coords", device, stream, n, len(shape), table, coords=coords_ptr,
           flags=flags, batch=batch, coords_shape=shape)
     return table, flags
+
+
+def site_faults(backend, coords, shape, batch):
+    """What a check of C-contiguous int32 coords [n, 1 + D] (a backend's array) on grid batch x
+    shape finds, with no host sync (a CUDA graph captures it): an int32 array [2] on the device,
+    the flags an insert of the rows raises (outside the grid, repeated) and how many rows are
+    -1 alone, which raise none (SparseGraphs' padding: the caller compares the count with its
+    own). One allocation, a clear and an insert into a hash table (kept until the launches are
+    queued: the backend's allocator reuses memory in stream order)."""
+    n = int(coords.shape[0])
+    capacity = table_capacity(n)
+    owner = backend.empty((2 * capacity + 2,), coords, "int32")
+    keys = backend.pointer(owner)
+    flags = keys + 8 * capacity
+    table = _Table(owner, keys, 0, 0, 0, capacity - 1, 0, 0, shape, batch, True)
+    device = backend.device(coords)
+    stream = backend.stream(device)
+    _rule("clear_table", device, stream, capacity, 1, table, flags=flags, counter=flags + 4)
+    _rule("check_sites", device, stream, n, len(shape), table, coords=backend.pointer(coords),
+          flags=flags, counter=flags + 4, batch=batch, coords_shape=shape)
+    return owner[2 * capacity:]
 
 
 def _raise_flags(raised, backend, coords, shape, batch):

@@ -51,6 +51,9 @@ class Rulebook:
         # Device tables (_Table) of in_coords and out_coords that a later rulebook on the same
         # sites may reuse; torch_bridge's build_rulebook sets them, sbnet_cupy's keep none.
         self._tables = (None, None)
+        # Whether torch_bridge's build_rulebook checked the input sites, so that a build that
+        # must check may share this rulebook (its _same_rulebook).
+        self._checked = False
         self.tap_pairs = None
         # (map, order) of neighbors and of neighbors_t once fused_order computed them.
         self._orders = (None, None)

@@ -127,6 +127,52 @@ def test_network_shares_rulebooks_and_inverts(rng, monkeypatch):
     torch.testing.assert_close(clone(x).features, net(x).features)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_layers_of_other_keys_share_a_rulebook_of_the_same_sites_and_geometry(rng, device):
+    """CenterPoint's conv_input ("subm1") and first residual blocks ("res1") ask for the same
+    submanifold rulebook under two keys: the second gets the first's; other geometries, other
+    sites and a check that the first did not make get their own."""
+    x = sparse_input(rng, 2, (12, 11, 10), 80, 4, device=device)
+    first = spconv.SubMConv3d(4, 8, 3, indice_key="subm1").double().to(device)
+    second = spconv.SubMConv3d(8, 8, 3, indice_key="res1").double().to(device)
+    dilated = spconv.SubMConv3d(8, 8, 3, dilation=2, indice_key="res2").double().to(device)
+    y = first(x)
+    z = second(y)
+    assert z.indice_dict["res1"] is z.indice_dict["subm1"]
+    w = dilated(z)
+    assert w.indice_dict["res2"] is not w.indice_dict["subm1"]
+    assert w.indice_dict["res2"].dilation == [2, 2, 2]
+    # The shared rulebook gives what a rulebook of its own gives.
+    alone = second(spconv.SparseConvTensor(y.features, y.indices.clone(), y.spatial_shape, 2))
+    assert "subm1" not in alone.indice_dict
+    torch.testing.assert_close(z.features, alone.features, rtol=0, atol=0)
+    torch.testing.assert_close(z.features, at_sites(dense_reference(y, second, 1, 1),
+                                                    x.indices).to(device))
+    # A build that checks shares only a checked rulebook.
+    unchecked = spconv.build_rulebook(x.indices, x.spatial_shape, 2, 3, subm=True,
+                                      check=False)
+    checked = spconv.build_rulebook(x.indices, x.spatial_shape, 2, 3, subm=True,
+                                    reuse=[unchecked])
+    assert checked is not unchecked
+    assert spconv.build_rulebook(x.indices, x.spatial_shape, 2, 3, subm=True,
+                                 reuse=[unchecked, checked]) is checked
+    assert spconv.build_rulebook(x.indices, x.spatial_shape, 2, 3, subm=True, check=False,
+                                 reuse=[unchecked]) is unchecked
+    # Strided: the same geometry on the same sites, or not.
+    down = spconv.build_rulebook(x.indices, x.spatial_shape, 2, 3, 2, 1, reuse=[checked])
+    assert down is not checked and down.out_indices.shape[0] > 0
+    assert spconv.build_rulebook(x.indices, x.spatial_shape, 2, 3, 2, 1, reuse=[down]) is down
+    for other in ((3, 2, 0), (3, 1, 1), (2, 2, 1), (3, 2, 1, 2)):
+        assert spconv.build_rulebook(x.indices, x.spatial_shape, 2, *other,
+                                     reuse=[down]) is not down
+    assert spconv.build_rulebook(x.indices.clone(), x.spatial_shape, 2, 3, 2, 1,
+                                 reuse=[down]) is not down
+    assert spconv.build_rulebook(x.indices, [13, 11, 10], 2, 3, 2, 1, reuse=[down]) is not down
+    assert spconv.build_rulebook(x.indices, x.spatial_shape, 3, 3, 2, 1, reuse=[down]) is not down
+    assert spconv.build_rulebook(down.out_indices, down.out_shape, 2, 3, 2, 1,
+                                 reuse=[down.inverse()]) is not down
+
+
 def test_dense_and_replace_feature(rng):
     x = sparse_input(rng, 3, (4, 5), 12, 2)
     dense = x.dense()

@@ -108,11 +108,12 @@ def test_in_place_parameter_changes_reach_the_graphs(rng):
 @pytest.mark.parametrize("bad, message", [
     (lambda i: i.__setitem__(7, i[3].clone()), "duplicate rows"),
     (lambda i: i.__setitem__((7, 2), SHAPE[1]), "row 7 .* is outside"),
-    (lambda i: i.__setitem__((7, 0), -1), "row 7 .* is outside")])
+    (lambda i: i.__setitem__((7, 0), -1), "row 7 .* is outside"),
+    (lambda i: i.__setitem__(7, -1), "row 7 .* is outside")])
 def test_bad_indices_raise_as_eager(rng, bad, message):
-    """A duplicate row, one outside the grid, one of batch -1 (what padding rows are): the
-    ValueError of the eager path, after a good frame captured the bucket; check=False
-    trusts them."""
+    """A duplicate row, one outside the grid, one of batch -1, one of -1 alone (what padding
+    rows are): the ValueError of the eager path, after a good frame captured the bucket;
+    check=False trusts them."""
     net = _model("VoxelBackBone8x")
     graphed = spconv.SparseGraphs(net)
     x = _frame(rng, 2000)
@@ -239,32 +240,6 @@ def test_outputs_cut_to_their_sites_and_copied(rng):
     assert torch.equal(gdense, dense) and gdense.data_ptr() != dense.data_ptr()
 
 
-def test_site_faults_check_the_real_rows_alone(rng):
-    """SparseGraphs' in-graph check (rulebook._site_faults with `real`): padding rows (-1, the
-    same site each) are neither outside nor repeated; a real row outside the grid or repeating
-    another real one is."""
-    from torch_bridge.submanifold.rulebook import _site_faults
-
-    x = _frame(rng, 50, device="cpu")
-    indices = torch.cat([x.indices, torch.full((6, 4), -1, dtype=torch.int32)])
-    real = torch.arange(56) < 50
-    limits = torch.tensor([2, *SHAPE])
-
-    def faults(rows):
-        outside, _, repeated = _site_faults(rows, SHAPE, 2, limits, real)
-        return bool(outside.any()), bool(repeated.any())
-
-    assert faults(indices) == (False, False)
-    repeated = indices.clone()
-    repeated[7] = repeated[3]
-    assert faults(repeated) == (False, True)
-    outside = indices.clone()
-    outside[7, 2] = SHAPE[1]
-    assert faults(outside) == (True, False)
-    # Without `real` (the eager check) the padding rows are rows outside the grid.
-    assert bool(_site_faults(indices, SHAPE, 2, limits)[0].any())
-
-
 @pytest.mark.parametrize("shape, dtype", [((40, 1 << 20, 1 << 9), torch.int64),
                                           ((40, (1 << 21) - 1, 1 << 4), torch.int32)])
 def test_site_faults_keys_fit_the_grid(shape, dtype):
@@ -279,13 +254,12 @@ def test_site_faults_keys_fit_the_grid(shape, dtype):
     second = 1 + step if 1 + step < shape[0] else 2  # (none in a grid of int32 keys)
     indices = torch.tensor([[0, 1, 5, 7], [0, second, 5, 7], far, [0, 0, 0, 1]],
                            dtype=torch.int32)
-    limits = torch.tensor([1, *shape])
-    outside, ordered, repeated = _site_faults(indices, shape, 1, limits)
+    outside, ordered, repeated = _site_faults(indices, shape, 1)
     assert ordered.dtype == dtype
     assert not outside.any() and not repeated.any()
     _check_sites(indices, shape, 1)
     with pytest.raises(ValueError, match=re.escape(f"duplicate rows, e.g. {tuple(far)}")):
         _check_sites(torch.cat([indices, indices[2:3]]), shape, 1)
     wrapped = torch.cat([indices, torch.tensor([[0, 1 << 30, 5, 7]], dtype=torch.int32)])
-    outside, _, repeated = _site_faults(wrapped, shape, 1, limits)
+    outside, _, repeated = _site_faults(wrapped, shape, 1)
     assert outside.tolist() == [False] * 4 + [True] and not repeated.any()

@@ -181,6 +181,34 @@ def test_padding_rows_left_out_of_a_submanifold_build(rng, launched):
     assert (built.neighbors[:, 60:] == -1).all() and (built.neighbors_t[:, 60:] == -1).all()
 
 
+@pytest.mark.parametrize("padding", [0, 1, 37, 300])
+def test_site_faults_count_padding_and_flag_the_rest(rng, launched, padding):
+    """cuda_rulebook.site_faults (SparseGraphs' in-graph check): no flags and the padding rows
+    counted for distinct sites inside the grid; a repeated site, a site outside the grid (each
+    axis, each side, and the batch) and a real row of -1 (counted with the padding) found."""
+    coords = random_sites(rng, 3, (6, 7, 5), 250)
+    n = coords.shape[0]
+
+    def faults(rows):
+        got = cuda_rulebook.site_faults(cuda_emulation.HostMemory(), _padded(rows, len(rows)
+                                                                             + padding),
+                                        (6, 7, 5), 3)
+        return int(got[0]), int(got[1])
+
+    assert faults(coords) == (0, padding)
+    assert faults(coords[:0]) == (0, padding)
+    repeated = coords.copy()
+    repeated[n - 1] = repeated[n // 2]
+    assert faults(repeated) == (cuda_rulebook._FLAG_DUPLICATE, padding)
+    for axis, value in [(0, 3), (0, -1), (1, 6), (2, -1), (3, 5), (3, -2)]:
+        outside = coords.copy()
+        outside[n // 3, axis] = value
+        assert faults(outside) == (cuda_rulebook._FLAG_OUTSIDE, padding), (axis, value)
+    minus_one = coords.copy()
+    minus_one[7] = -1
+    assert faults(minus_one) == (0, padding + 1)
+
+
 @pytest.mark.parametrize("bad, message", [
     ([[0, 1, 1], [0, 2, 3], [0, 1, 1]], "duplicate rows, e.g. \\(0, 1, 1\\)"),
     ([[0, 1, 1], [0, 4, 0]], "row 1 = \\(0, 4, 0\\) is outside"),

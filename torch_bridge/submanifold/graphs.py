@@ -7,9 +7,12 @@ import math
 
 import torch
 
+from sbnet_cupy.submanifold.cuda_rulebook import site_faults
+
+from ..backend import TORCH
 from ..capacity_graphs import capacity_bucket
 from .core import SparseConvTensor
-from .rulebook import _check_sites, _site_faults, bounded
+from .rulebook import _check_sites, bounded
 
 # Capacity of a strided layer's output: its recorded count scaled to a full input bucket, times
 # this, so that other frames of the bucket rarely overflow it.
@@ -96,7 +99,8 @@ class SparseGraphs:
     parameters' memory: in-place changes (load_state_dict) reach them; after replacing a
     parameter tensor, make a new SparseGraphs. Under torch.autocast, each autocast state has
     its graphs. check: whether a call raises ValueError for indices outside the grid or
-    repeated (a sort in the graph); without, such rows give undefined outputs, as in spconv.
+    repeated (a hash table's insert in the graph); without, such rows give undefined outputs,
+    as in spconv.
     """
 
     def __init__(self, fn, *, ratio=1.0625, minimum=1024, check=True):
@@ -166,31 +170,33 @@ class SparseGraphs:
             graph.capacities = capacities
             with bounded(capacities):
                 self.fn(padded)
+            if self.check:  # its kernels loaded before the capture, as fn's are
+                site_faults(TORCH, graph.indices, tuple(padded.spatial_shape), padded.batch_size)
         torch.cuda.current_stream(device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         # The stats' constants, copied from the host before the capture (which cannot), and
         # kept with the graph, whose replays read their memory.
-        graph.constants = limits, capacities_t = (
-            torch.tensor([x.batch_size, *x.spatial_shape], device=device),
-            torch.tensor(capacities, dtype=torch.int32, device=device))
+        graph.constants = capacities_t = torch.tensor(capacities, dtype=torch.int32,
+                                                      device=device)
         graph.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph.graph, pool=self.pool), bounded(capacities) as bounds:
             graph.outputs = self.fn(padded)
-            graph.stats = self._stats(graph, padded, limits, bounds.counts, capacities_t)
+            graph.stats = self._stats(graph, padded, bounds.counts, capacities_t)
         return graph
 
-    def _stats(self, graph, padded, limits, counts, capacities):
-        """_Graph.stats, computed in the graph: limits, the grid's [batch, *shape]; counts,
-        the strided layers' numbers of sites and capacities their capacities (int32)."""
+    def _stats(self, graph, padded, counts, capacities):
+        """_Graph.stats, computed in the graph: counts, the strided layers' numbers of sites,
+        and capacities their capacities (int32)."""
         zero = graph.rows.new_zeros(())
         bad = zero
         if self.check:
-            indices = graph.indices
-            real = torch.arange(indices.shape[0], device=indices.device) < graph.rows
-            outside, _, repeated = _site_faults(indices, padded.spatial_shape,
-                                                padded.batch_size, limits, real)
-            bad = outside.any() | repeated.any()
+            # A hash table's insert of the input's rows: its flags, and its count of rows of -1
+            # alone, which must be the padding rows load wrote (a real row of -1 is outside).
+            faults = site_faults(TORCH, graph.indices, tuple(padded.spatial_shape),
+                                 padded.batch_size)
+            padding = graph.indices.shape[0] - graph.rows
+            bad = (faults[0] != 0) | (faults[1].long() != padding)
         overflowed = (torch.cat(counts) > capacities).any() if counts else zero
         sparse = [(o.indices[:, 0] >= 0).sum() for o in _sparse_outputs(graph.outputs)]
         return torch.stack([bad.long(), overflowed.long(), *(s.long() for s in sparse)])

@@ -109,18 +109,45 @@ def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, pa
     reuse: Rulebooks (a SparseConvTensor's indice_dict.values()) whose tables of these very
     indices (the same tensor object, as a layer's output carries them) this build may reuse
     instead of building its own: a submanifold rulebook on a strided one's output sites then
-    costs one kernel launch. The modules pass it."""
+    costs one kernel launch. A Rulebook in reuse of these very indices and of this geometry
+    is returned as it is (one checked, where this build would check): layers of different
+    indice_keys on the same sites (CenterPoint's conv_input and first residual blocks) then
+    share one rulebook, as they would share its maps. The modules pass it."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
     shape = [int(s) for s in spatial_shape]
     indices = _contiguous(indices)
+    shape_t, batch, geometry, out_shape = rulebook_geometry(
+        indices, shape, batch_size, kernel_size, stride, padding, dilation, subm)
+    same = _same_rulebook(reuse, indices, shape_t, batch, geometry, subm, check)
+    if same is not None:
+        return same
+    rulebook = _built_rulebook(indices, shape_t, batch, geometry, out_shape, subm, check, reuse)
+    rulebook._checked = bool(check)
+    return rulebook
+
+
+def _same_rulebook(reuse, indices, shape, batch, geometry, subm, check):
+    """The Rulebook in reuse built by build_rulebook on `indices` (this tensor object) with
+    this grid and geometry (rulebook_geometry's) and, if check, a check; None if none is."""
+    for rulebook in reuse:
+        if (isinstance(rulebook, Rulebook) and rulebook.in_coords is indices
+                and rulebook.subm == bool(subm) and not rulebook.inverted
+                and not rulebook.transposed and (rulebook._checked or not check)
+                and rulebook.batch_size == batch and rulebook.in_shape == list(shape)
+                and [rulebook.kernel_size, rulebook.stride, rulebook.padding,
+                     rulebook.dilation] == [list(g) for g in geometry]):
+            return rulebook
+    return None
+
+
+def _built_rulebook(indices, shape, batch, geometry, out_shape, subm, check, reuse):
+    """build_rulebook's new Rulebook, from rulebook_geometry's checked arguments."""
     if indices.is_cuda:
-        shape_t, batch, geometry, out_shape = rulebook_geometry(
-            indices, shape, batch_size, kernel_size, stride, padding, dilation, subm)
         bounds = None if subm else getattr(_BOUNDED, "bounds", None)
         capacity = None if bounds is None else bounds.capacity()
-        built = build_raw(TORCH, indices, shape_t, batch, geometry, out_shape, check,
-                          _reusable_table(reuse, indices, shape_t, batch, check), capacity,
+        built = build_raw(TORCH, indices, shape, batch, geometry, out_shape, check,
+                          _reusable_table(reuse, indices, shape, batch, check), capacity,
                           bounds is not None)
         if bounds is not None:
             if built is None:
@@ -131,20 +158,18 @@ def build_rulebook(indices, spatial_shape, batch_size, kernel_size, stride=1, pa
                                  else built.out_coords.shape[0])
         if built is not None:
             rulebook = Rulebook(built.neighbors, built.neighbors_t, indices,
-                                indices if subm else built.out_coords, list(shape_t),
-                                list(out_shape or shape_t), batch, *map(list, geometry), subm)
+                                indices if subm else built.out_coords, list(shape),
+                                list(out_shape or shape), batch, *map(list, geometry), subm)
             rulebook._tables = (built.in_table, built.out_table)
             return rulebook
         import cupy  # a strided output grid too large for a bitmap: CuPy's hash and sort
 
         device = indices.get_device()
         with cupy.cuda.Device(device), cupy.cuda.ExternalStream(TORCH.stream(device)):
-            result = _build(cupy.from_dlpack(indices), shape, batch_size, kernel_size, stride,
-                            padding, dilation, subm, check)
+            result = _build(cupy.from_dlpack(indices), shape, batch, *geometry, subm, check)
         convert = torch.from_dlpack
     else:
-        result = _build(indices.numpy(), shape, batch_size, kernel_size, stride, padding,
-                        dilation, subm, check)
+        result = _build(indices.numpy(), shape, batch, *geometry, subm, check)
         convert = torch.from_numpy
     out_indices = indices if subm else convert(result.out_coords)
     rulebook = Rulebook(convert(result.neighbors), convert(result.neighbors_t), indices,
@@ -229,31 +254,26 @@ def _decode(keys, shape):
     return torch.stack(columns[::-1], dim=1).int()
 
 
-def _site_faults(indices, shape, batch, limits, real=None):
-    """What _check_sites raises for, on the device with no host sync (a CUDA graph runs it):
-    (outside, bool [N]: rows outside the grid; ordered: the rows' keys sorted; repeated, bool
-    [N - 1]: where ordered repeats a key). limits: int [1 + D], [batch, *shape] on the device.
-    real: bool [N], the rows to check (SparseGraphs' others are padding), or None: all. A row
-    outside or not real gets a key of its own past the grid's, so that it repeats none. The
-    keys are int32 where they all fit (half the sort's passes of int64 keys), int64 where not.
-    A row outside may wrap around in int32: its key is replaced."""
+def _site_faults(indices, shape, batch):
+    """What _check_sites raises for, on the device: (outside, bool [N]: rows outside the grid;
+    ordered: the rows' keys sorted; repeated, bool [N - 1]: where ordered repeats a key). A row
+    outside gets a key of its own past the grid's, so that it repeats none. The keys are int32
+    where they all fit (half the sort's passes of int64 keys), int64 where not. A row outside
+    may wrap around in int32: its key is replaced."""
+    limits = torch.tensor([batch, *shape], device=indices.device)
     outside = ((indices < 0) | (indices >= limits)).any(1)
-    if real is not None:
-        outside &= real
-    kept = ~outside if real is None else real & ~outside
     sites = batch * math.prod(shape)
     indices = indices.long() if sites + indices.shape[0] > 2**31 - 1 else indices.int()
     keys = _linear(indices[:, 0], indices[:, 1:], shape)
     past = sites + torch.arange(keys.shape[0], device=keys.device, dtype=keys.dtype)
-    ordered = torch.sort(torch.where(kept, keys, past)).values
+    ordered = torch.sort(torch.where(outside, past, keys)).values
     return outside, ordered, ordered[1:] == ordered[:-1]
 
 
 def _check_sites(indices, shape, batch):
     """ValueError naming indices for rows outside batch x shape or repeated (a host sync on
     CUDA)."""
-    limits = torch.tensor([batch, *shape], device=indices.device)
-    outside, ordered, repeated = _site_faults(indices, shape, batch, limits)
+    outside, ordered, repeated = _site_faults(indices, shape, batch)
     if outside.any():
         row = int(outside.nonzero()[0, 0])
         raise ValueError(f"indices row {row} = {tuple(indices[row].tolist())} is outside "
