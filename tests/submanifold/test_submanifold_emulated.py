@@ -181,18 +181,19 @@ def test_padding_rows_left_out_of_a_submanifold_build(rng, launched):
     assert (built.neighbors[:, 60:] == -1).all() and (built.neighbors_t[:, 60:] == -1).all()
 
 
+@pytest.mark.parametrize("shape", [(6, 7, 5), (40,), (5, 4, 3, 6)], ids=["3d", "1d", "4d"])
 @pytest.mark.parametrize("padding", [0, 1, 37, 300])
-def test_site_faults_count_padding_and_flag_the_rest(rng, launched, padding):
+def test_site_faults_count_padding_and_flag_the_rest(rng, launched, padding, shape):
     """cuda_rulebook.site_faults (SparseGraphs' in-graph check): no flags and the padding rows
     counted for distinct sites inside the grid; a repeated site, a site outside the grid (each
     axis, each side, and the batch) and a real row of -1 (counted with the padding) found."""
-    coords = random_sites(rng, 3, (6, 7, 5), 250)
+    coords = random_sites(rng, 3, shape, 100)
     n = coords.shape[0]
 
     def faults(rows):
         got = cuda_rulebook.site_faults(cuda_emulation.HostMemory(), _padded(rows, len(rows)
                                                                              + padding),
-                                        (6, 7, 5), 3)
+                                        shape, 3)
         return int(got[0]), int(got[1])
 
     assert faults(coords) == (0, padding)
@@ -200,7 +201,8 @@ def test_site_faults_count_padding_and_flag_the_rest(rng, launched, padding):
     repeated = coords.copy()
     repeated[n - 1] = repeated[n // 2]
     assert faults(repeated) == (cuda_rulebook._FLAG_DUPLICATE, padding)
-    for axis, value in [(0, 3), (0, -1), (1, 6), (2, -1), (3, 5), (3, -2)]:
+    for axis, value in [(0, 3), (0, -1), *((1 + d, shape[d]) for d in range(len(shape))),
+                        *((1 + d, -1 - d) for d in range(len(shape)))]:
         outside = coords.copy()
         outside[n // 3, axis] = value
         assert faults(outside) == (cuda_rulebook._FLAG_OUTSIDE, padding), (axis, value)
