@@ -885,6 +885,10 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
     const char* a_src = (const char*)(features + (a_col < col_end ? a_col % a.cin : 0));
     const unsigned row_bytes = (unsigned)a.cin * (unsigned)sizeof(T);
     constexpr int B_PARTS = BN / E;
+    // dy's copies a thread makes a stage, and dy's rows from the tile's first output channel.
+    constexpr int B_COPIES = (BK * B_PARTS + GRAD_THREADS - 1) / GRAD_THREADS;
+    const char* const dy_cols = (const char*)(dy + n0);
+    const unsigned dy_row_bytes = (unsigned)a.cout * (unsigned)sizeof(T);
 
     // dy (and the map) may be the previous kernel's output: launched as its dependent.
     wait_for_previous_kernel();
@@ -933,12 +937,20 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
                     a_src + (unsigned long long)(unsigned)max(row, 0) * row_bytes, row);
             }
             const unsigned b_base = shared_address(base) + BK * A_PITCH * (unsigned)sizeof(T);
-            for (int e = threadIdx.x; e < BK * B_PARTS; e += GRAD_THREADS) {
+            // Unrolled (a loop from threadIdx.x is not), with a row's address one unsigned
+            // 32 x 32 -> 64-bit product, as the features' rows: sites are below 2^31.
+#pragma unroll
+            for (int j = 0; j < B_COPIES; ++j) {
+                const int e = threadIdx.x + j * GRAD_THREADS;
+                if (BK * B_PARTS % GRAD_THREADS != 0 && e >= BK * B_PARTS) break;
                 const int r = e / B_PARTS, col = e % B_PARTS * E, s = i * BK + r;
                 const bool valid = s < n_sites && n0 + col < a.cout;
-                const i64 o = by_pairs ? rows[chunk + s] : c0 + s;  // -1 past n_sites
+                const int o = by_pairs ? rows[chunk + s] : (int)(c0 + s);  // -1 past n_sites
                 copy_async16(b_base + (r * B_PITCH + col) * (unsigned)sizeof(T),
-                             dy + (valid ? o * a.cout + n0 + col : 0), valid);
+                             dy_cols + (valid ? (unsigned long long)(unsigned)o * dy_row_bytes +
+                                                    col * sizeof(T)
+                                              : 0),
+                             valid);
             }
         };
         auto consume = [&](int, int slot) {
