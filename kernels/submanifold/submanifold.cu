@@ -157,18 +157,24 @@ template <int DIMS> __global__ void clear_table(const RuleArgs a) {
     }
 }
 
+// Whether a coords row `site` lies inside batch x shape, and its linear key there.
+template <int DIMS>
+static __device__ __forceinline__ bool subm_site_key(const RuleArgs& a, const int* site, i64& key) {
+    bool inside = site[0] >= 0 && site[0] < a.batch;
+    key = site[0];
+#pragma unroll
+    for (int d = 0; d < DIMS; ++d) {
+        inside = inside && site[1 + d] >= 0 && site[1 + d] < a.shape[d];
+        key = key * a.shape[d] + site[1 + d];
+    }
+    return inside;
+}
+
 // Row r of coords, value r; rows outside batch x shape raise SUBM_OUTSIDE and are left out.
 template <int DIMS> __global__ void insert_coords(const RuleArgs a) {
     for (i64 r = subm_first(); r < a.n; r += subm_step()) {
-        const int* site = a.coords + r * (1 + DIMS);
-        bool inside = site[0] >= 0 && site[0] < a.batch;
-        i64 key = site[0];
-#pragma unroll
-        for (int d = 0; d < DIMS; ++d) {
-            inside = inside && site[1 + d] >= 0 && site[1 + d] < a.shape[d];
-            key = key * a.shape[d] + site[1 + d];
-        }
-        if (inside) {
+        i64 key;
+        if (subm_site_key<DIMS>(a, a.coords + r * (1 + DIMS), key)) {
             subm_insert(a, key, (int)r, true);
         } else {
             atomicOr(a.flags, SUBM_OUTSIDE);
@@ -176,9 +182,9 @@ template <int DIMS> __global__ void insert_coords(const RuleArgs a) {
     }
 }
 
-// SparseGraphs' check of its input, rows r < n of coords: as insert_coords, with no values, but
-// rows of -1 alone (the graph's padding) are counted in *counter instead of raising SUBM_OUTSIDE;
-// the caller compares the count with the padding it wrote, so that a real row of -1 is found too.
+// SparseGraphs' check of its input, rows r < n of coords: as insert_coords, but rows of -1 alone
+// (the graph's padding) are counted in *counter instead of raising SUBM_OUTSIDE; the caller
+// compares the count with the padding it wrote, so that a real row of -1 is found too.
 // Whole warps a step (lanes past n idle), so that a warp counts its padding rows in one atomic.
 template <int DIMS> __global__ void check_sites(const RuleArgs a) {
     const int lane = threadIdx.x % 32;
@@ -188,19 +194,14 @@ template <int DIMS> __global__ void check_sites(const RuleArgs a) {
         i64 key = 0;
         if (r < a.n) {
             const int* site = a.coords + r * (1 + DIMS);
-            inside = site[0] >= 0 && site[0] < a.batch;
-            padding = site[0] == -1;
-            key = site[0];
+            inside = subm_site_key<DIMS>(a, site, key);
+            padding = true;
 #pragma unroll
-            for (int d = 0; d < DIMS; ++d) {
-                inside = inside && site[1 + d] >= 0 && site[1 + d] < a.shape[d];
-                padding = padding && site[1 + d] == -1;
-                key = key * a.shape[d] + site[1 + d];
-            }
+            for (int d = 0; d <= DIMS; ++d) padding = padding && site[d] == -1;
         }
         const unsigned pads = __ballot_sync(0xffffffffu, padding);
         if (inside) {
-            subm_insert(a, key, 0, true);
+            subm_insert(a, key, (int)r, true);
         } else if (r < a.n && !padding) {
             atomicOr(a.flags, SUBM_OUTSIDE);
         }

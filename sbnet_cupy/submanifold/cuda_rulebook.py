@@ -171,11 +171,7 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
         return None
     device = backend.device(coords)
     stream, coords_ptr = backend.stream(device), backend.pointer(coords)
-
-    def empty(shape):
-        a = backend.empty(shape, coords, "int32")
-        return a, backend.pointer(a)
-
+    empty = functools.partial(_int32_array, backend, coords)
     flags = 0  # address of the flags to read back, where coords are inserted and checked
     if (table is None and out_shape is None) or (check and not (table and table.checked)):
         table, flags = _build_table(empty, device, stream, coords_ptr, n, shape, batch, check)
@@ -234,17 +230,25 @@ def build_raw(backend, coords, shape, batch, geometry, out_shape, check, table=N
     return Built(neighbors, neighbors_t, out_coords, table, out_table, owner[total:total + 1])
 
 
-def _build_table(empty, device, stream, coords_ptr, n, shape, batch, checked):
-    """(_Table, address of its flags) of n coords: one allocation (keys, vals, flags and
-    counter), a clear and an insert; the flags are not read here."""
+def _int32_array(backend, like, shape):
+    """(an int32 array of `shape` on like's device, its address)."""
+    a = backend.empty(shape, like, "int32")
+    return a, backend.pointer(a)
+
+
+def _build_table(empty, device, stream, coords_ptr, n, shape, batch, checked,
+                 insert="insert_coords"):
+    """(_Table, address of its flags and counter) of n coords: one allocation (keys, vals,
+    flags and counter), a clear and an insert by kernel `insert` (insert_coords, or
+    check_sites, which counts rows of -1 alone); the flags are not read here."""
     capacity = table_capacity(n)
     owner, keys = empty((3 * capacity + 2,))
     vals = keys + 8 * capacity
     flags = vals + 4 * capacity
     table = _Table(owner, keys, vals, 0, 0, capacity - 1, 0, 0, shape, batch, checked)
     _rule("clear_table", device, stream, capacity, 1, table, flags=flags, counter=flags + 4)
-    _rule("insert_coords", device, stream, n, len(shape), table, coords=coords_ptr,
-          flags=flags, batch=batch, coords_shape=shape)
+    _rule(insert, device, stream, n, len(shape), table, coords=coords_ptr, flags=flags,
+          counter=flags + 4, batch=batch, coords_shape=shape)
     return table, flags
 
 
@@ -253,20 +257,13 @@ def site_faults(backend, coords, shape, batch):
     shape finds, with no host sync (a CUDA graph captures it): an int32 array [2] on the device,
     the flags an insert of the rows raises (outside the grid, repeated) and how many rows are
     -1 alone, which raise none (SparseGraphs' padding: the caller compares the count with its
-    own). One allocation, a clear and an insert into a hash table (kept until the launches are
+    own). _build_table's work with check_sites (the table is kept until the launches are
     queued: the backend's allocator reuses memory in stream order)."""
-    n = int(coords.shape[0])
-    capacity = table_capacity(n)
-    owner = backend.empty((2 * capacity + 2,), coords, "int32")
-    keys = backend.pointer(owner)
-    flags = keys + 8 * capacity
-    table = _Table(owner, keys, 0, 0, 0, capacity - 1, 0, 0, shape, batch, True)
     device = backend.device(coords)
-    stream = backend.stream(device)
-    _rule("clear_table", device, stream, capacity, 1, table, flags=flags, counter=flags + 4)
-    _rule("check_sites", device, stream, n, len(shape), table, coords=backend.pointer(coords),
-          flags=flags, counter=flags + 4, batch=batch, coords_shape=shape)
-    return owner[2 * capacity:]
+    table, _flags = _build_table(functools.partial(_int32_array, backend, coords), device,
+                                 backend.stream(device), backend.pointer(coords),
+                                 int(coords.shape[0]), shape, batch, True, "check_sites")
+    return table.owner[-2:]
 
 
 def _raise_flags(raised, backend, coords, shape, batch):
