@@ -182,9 +182,10 @@ template <int DIMS> __global__ void insert_coords(const RuleArgs a) {
     }
 }
 
-// SparseGraphs' check of its input, rows r < n of coords: as insert_coords, but rows of -1 alone
-// (the graph's padding) are counted in *counter instead of raising SUBM_OUTSIDE; the caller
-// compares the count with the padding it wrote, so that a real row of -1 is found too.
+// SparseGraphs' check of its input, rows r < n of coords: as insert_coords (into a table that may
+// keep no values), but rows of -1 alone (the graph's padding) are counted in *counter instead of
+// raising SUBM_OUTSIDE; the caller compares the count with the padding it wrote, so that a real
+// row of -1 is found too.
 // Whole warps a step (lanes past n idle), so that a warp counts its padding rows in one atomic.
 template <int DIMS> __global__ void check_sites(const RuleArgs a) {
     const int lane = threadIdx.x % 32;

@@ -238,13 +238,15 @@ def _int32_array(backend, like, shape):
 
 def _build_table(empty, device, stream, coords_ptr, n, shape, batch, checked,
                  insert="insert_coords"):
-    """(_Table, address of its flags and counter) of n coords: one allocation (keys, vals,
-    flags and counter), a clear and an insert by kernel `insert` (insert_coords, or
-    check_sites, which counts rows of -1 alone); the flags are not read here."""
+    """(_Table, address of its flags and counter) of n coords: one allocation (keys, the rows
+    as values, flags and counter), a clear and an insert by kernel `insert`: insert_coords, or
+    check_sites, which counts rows of -1 alone and keeps no values (a check looks nothing up);
+    the flags are not read here."""
     capacity = table_capacity(n)
-    owner, keys = empty((3 * capacity + 2,))
-    vals = keys + 8 * capacity
-    flags = vals + 4 * capacity
+    values = insert != "check_sites"
+    owner, keys = empty(((2 + values) * capacity + 2,))
+    vals = keys + 8 * capacity if values else 0
+    flags = keys + (8 + 4 * values) * capacity
     table = _Table(owner, keys, vals, 0, 0, capacity - 1, 0, 0, shape, batch, checked)
     _rule("clear_table", device, stream, capacity, 1, table, flags=flags, counter=flags + 4)
     _rule(insert, device, stream, n, len(shape), table, coords=coords_ptr, flags=flags,
