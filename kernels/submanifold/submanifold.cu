@@ -808,13 +808,14 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
 // rows [n_out, taps x cin], written whole and read again. Here the gathered rows never leave shared
 // memory. A CTA takes BM columns (k, ci) of the taps x cin (the MMA's rows) x BN output channels
 // (its columns) over the sites of its split (blockIdx.z), whose map it reads a chunk at a time (all
-// of a thread's loads in flight at once): every site, or, given the sites that have each tap
-// (a.pairs, tap_pairs), those of its tap alone (then a tile's columns are of one tap,
-// a.tiles_per_tap of them a tap), and reduces over the sites in stages of 4096 / BM bytes of rows,
-// one row a site (two k-steps of the MMA in 64-column tiles, one in 128-column ones): the features'
-// rows through the map, dy's as they lie (or through the pairs). Wide layers take 128 x 128 tiles,
-// which read each pair's two rows once where 64 x 64 tiles read them twice or more: by pairs, the
-// rows are gathered from all over memory and their bytes are the time. Both tiles stay site-major
+// of a thread's loads in flight at once): every site (64-column tiles), or, in 128 x 128 tiles,
+// given the sites that have each tap (a.pairs, tap_pairs), those of its tap alone (then a tile's
+// columns are of one tap, a.tiles_per_tap of them a tap), and reduces over the sites in stages of
+// 4096 / BM bytes of rows, one row a site (two k-steps of the MMA in 64-column tiles, one in
+// 128-column ones): the features' rows through the map, dy's as they lie (or through the pairs).
+// Wide layers take 128 x 128 tiles, which read each pair's two rows once where 64 x 64 tiles read
+// them twice or more: by pairs, the rows are gathered from all over memory and their bytes are the
+// time. Both tiles stay site-major
 // in shared memory ([site][column], as cp.async copies them), so the fragments come through
 // transposing ldmatrix (16-bit types) or word loads rounded to TF32 (float). Each split writes
 // float sums, in out itself or in its part of a partial buffer that split_sum adds up in split
@@ -825,8 +826,10 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
 #define GRAD_SLOT_BYTES 36864  // static shared memory for stages, beside the chunk's map
 #define GRAD_MAP_ENTRIES 2304  // map entries a CTA holds at once (a chunk of sites of its taps)
 
-// Sites a stage of a BM-column tile holds (4096 / BM bytes of a column).
-template <typename T, int BM> constexpr int grad_stage_sites = 4096 / BM / sizeof(T);
+// Sites a stage of a BM x BN tile holds: 4096 / BM bytes of a column, twice that in tiles of 16
+// channels, whose stage would otherwise be 4 MMAs a warp for a stage's fixed work.
+template <typename T, int BM, int BN>
+constexpr int grad_stage_sites = 4096 / BM / sizeof(T) * (BN == 16 ? 2 : 1);
 // Taps a tile's BM columns may touch: rows of at least 16 bytes, not aligned to the tile.
 template <typename T, int BM> constexpr int grad_tile_taps = BM / (16 / sizeof(T)) + 1;
 // Elements a staged row of `cols` columns takes: 8 of padding, so that the 8 rows of an ldmatrix
@@ -837,7 +840,7 @@ template <typename T, int BM, int BN>
 __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const GradWeightArgs a) {
     static_assert((BM == 64 && (BN == 16 || BN == 32 || BN == 64)) || (BM == 128 && BN == 128),
                   "tiles of 64 columns x 16, 32 or 64 channels, or 128 x 128");
-    constexpr int BK = grad_stage_sites<T, BM>, ENTRIES = GRAD_MAP_ENTRIES;
+    constexpr int BK = grad_stage_sites<T, BM, BN>, ENTRIES = GRAD_MAP_ENTRIES;
     constexpr int TILE_TAPS = grad_tile_taps<T, BM>, E = 16 / sizeof(T);  // a 16-byte part
     static_assert(ENTRIES % (2 * GRAD_THREADS) == 0 && ENTRIES / 2 % BK == 0 &&
                   ENTRIES >= TILE_TAPS * BK, "whole loads a thread, whole stages a chunk");
@@ -858,11 +861,13 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
     const mma_place<tile_t::WARPS_M> th(threadIdx.x);
     const int lane = th.lane, wm = th.wm * tile_t::WM, wn = th.wn * tile_t::WN;
     const int cols = a.taps * a.cin;  // dw's columns after its output channel
-    const bool by_pairs = a.pairs != nullptr;
+    // 128 x 128 tiles multiply by pairs (a.pairs), 64-column ones every site (grad_weight_config):
+    // compile-time, so that a 64-column tile's stage has no pairs' branches and reads.
+    constexpr bool by_pairs = BM == 128;
     const int n0 = blockIdx.y * BN;
     // The tile's first column, its first tap and how many, the end of its columns.
     int m0, tap_lo, tile_taps, col_end;
-    if (by_pairs) {
+    if constexpr (by_pairs) {
         tap_lo = blockIdx.x / a.tiles_per_tap;
         m0 = tap_lo * a.cin + blockIdx.x % a.tiles_per_tap * BM;
         tile_taps = 1;
@@ -902,7 +907,7 @@ __global__ void __launch_bounds__(GRAD_THREADS) submanifold_grad_weight(const Gr
     for (i64 c0 = site_begin; c0 < site_end; c0 += chunk) {
         const int n_sites = (int)min((i64)chunk, site_end - c0);
         int found[ENTRIES / GRAD_THREADS];
-        if (by_pairs) {  // found: the input rows, then the sites (read first)
+        if constexpr (by_pairs) {  // found: the input rows, then the sites (read first)
             constexpr int HALF = ENTRIES / 2 / GRAD_THREADS;
 #pragma unroll
             for (int j = 0; j < HALF; ++j) {
