@@ -779,21 +779,49 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
     T* out = (T*)a.out;
     const T* bias = (const T*)a.bias;
     float* partial = a.partial ? a.partial + (i64)blockIdx.z * a.n_out * a.cout : nullptr;
+    // Each thread's accumulators are column pairs (co, co + 1) of rows; a pair is one vector
+    // store where cout is even (and the output aligned to it). The bias is read once, before
+    // any store: a load after a store to out waits its whole latency, as they may alias.
+    const bool paired = a.cout % 2 == 0 && (partial || (size_t)out % (2 * sizeof(T)) == 0);
+    float bias_of[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int co = n0 + wn + nt * 8 + th.t * 2;
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+            bias_of[nt][e] = bias && !partial && co + e < a.cout ? to_acc(bias[co + e]) : 0.0f;
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int half = 0; half < 2; ++half) {
+            const i64 o = out_rows[wm + mt * 16 + th.g + half * 8];
+            if (o < 0) continue;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const i64 o = out_rows[wm + mt * 16 + th.g + (i >> 1) * 8];
-                const int co = n0 + wn + nt * 8 + th.t * 2 + (i & 1);
-                if (o >= 0 && co < a.cout) {
-                    if (partial) {
-                        partial[o * a.cout + co] = acc[mt][nt][i];
+            for (int nt = 0; nt < NT; ++nt) {
+                const int co = n0 + wn + nt * 8 + th.t * 2;
+                if (co >= a.cout) continue;
+                float v[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    v[e] = acc[mt][nt][2 * half + e] + bias_of[nt][e];
+                    if (!partial && a.relu) v[e] = fmaxf(v[e], 0.0f);
+                }
+                if (partial) {
+                    float* at = partial + o * a.cout + co;
+                    if (paired) {
+                        *reinterpret_cast<vec_t<float, 2>*>(at) = {{v[0], v[1]}};
                     } else {
-                        const float b = bias ? to_acc(bias[co]) : 0.0f;
-                        const float v = acc[mt][nt][i] + b;
-                        out[o * a.cout + co] = from_acc<T>(a.relu ? fmaxf(v, 0.0f) : v);
+                        at[0] = v[0];
+                        if (co + 1 < a.cout) at[1] = v[1];
+                    }
+                } else {
+                    T* at = out + o * a.cout + co;
+                    if (paired) {
+                        *reinterpret_cast<vec_t<T, 2>*>(at) = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
+                    } else {
+                        at[0] = from_acc<T>(v[0]);
+                        if (co + 1 < a.cout) at[1] = from_acc<T>(v[1]);
                     }
                 }
             }

@@ -234,7 +234,8 @@ def _bits(a, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("n_in, n_out, cin, cout, taps", [
     (50, 70, 16, 24, 9), (200, 130, 40, 70, 27), (30, 20, 3, 8, 5), (30, 20, 17, 8, 5),
-    (90, 64, 8, 16, 40), (10, 1, 64, 64, 1), (120, 150, 24, 32, 27), (80, 100, 32, 16, 27)])
+    (90, 64, 8, 16, 40), (10, 1, 64, 64, 1), (120, 150, 24, 32, 27), (80, 100, 32, 16, 27),
+    (70, 90, 16, 13, 9)])
 def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, taps):
     """16-byte rows through cp.async and odd ones through registers (rows under 32 bytes padded
     to 16-byte ones: conv_kernels.padded_width), several taps a stage
@@ -333,10 +334,12 @@ def test_grad_weight_of_no_sites_is_zero(launched, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("n_out, split", [(70, True), (300, False)])
-def test_fused_relu_equals_definition(rng, launched, dtype, n_out, split):
+@pytest.mark.parametrize("cout", [24, 13])
+def test_fused_relu_equals_definition(rng, launched, dtype, n_out, split, cout):
     """relu=True: max(0, sum + bias) written by the kernel's epilogue, or by the split sum where
-    the taps are split over CTAs (few sites); about half the outputs are negative before it."""
-    n_in, cin, cout, taps = 60, 16, 24, 9
+    the taps are split over CTAs (few sites); about half the outputs are negative before it.
+    Even cout: column pairs stored as one vector; odd: one at a time."""
+    n_in, cin, taps = 60, 16, 9
     features = random_array(rng, (n_in, cin), numpy.float32)
     weight = random_array(rng, (cout, taps, cin), numpy.float32)
     bias = random_array(rng, (cout,), numpy.float32)
