@@ -702,7 +702,7 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
         const int group = min(FUSED_TAPS, tap_end - k0);
         // All of a thread's map reads in flight at once: the tile's prologue is one load's
         // latency, not PER_THREAD of them. The reads walk the row's column of the map by a
-        // pointer, a 64-bit add a tap (a product and its address took about 28 instructions).
+        // pointer: a 64-bit add a tap, where a 64-bit product and its address cost several.
         int found[PER_THREAD];
         const int* column = a.map + (i64)(k0 + t0) * a.n_out + max(position, 0);
         const i64 tap_step = (i64)TAP_STRIDE * a.n_out;
@@ -846,12 +846,11 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
 // 128-column ones): the features' rows through the map, dy's as they lie (or through the pairs).
 // Wide layers take 128 x 128 tiles, which read each pair's two rows once where 64 x 64 tiles read
 // them twice or more: by pairs, the rows are gathered from all over memory and their bytes are the
-// time. Both tiles stay site-major
-// in shared memory ([site][column], as cp.async copies them), so the fragments come through
-// transposing ldmatrix (16-bit types) or word loads rounded to TF32 (float). Each split writes
-// float sums, in out itself or in its part of a partial buffer that split_sum adds up in split
-// order (deterministic, no atomics). Rows are whole 16-byte vectors (cin and cout x the item size,
-// 16-byte aligned arrays: grad_weight_fits).
+// time. Both tiles stay site-major in shared memory ([site][column], as cp.async copies them), so
+// the fragments come through transposing ldmatrix (16-bit types) or word loads rounded to TF32
+// (float). Each split writes float sums, in out itself or in its part of a partial buffer that
+// split_sum adds up in split order (deterministic, no atomics). Rows are whole 16-byte vectors
+// (cin and cout x the item size, 16-byte aligned arrays: grad_weight_fits).
 
 #define GRAD_THREADS 128
 #define GRAD_SLOT_BYTES 36864  // static shared memory for stages, beside the chunk's map
