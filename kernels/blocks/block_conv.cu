@@ -239,13 +239,7 @@ static __device__ __forceinline__ void write_tile(const BlockConvArgs& a,
                     if (zero[half]) v[e] = 0.f;
                     v[e] += to_acc(old[half][nt].v[e]);
                 }
-                T* at = pixel[half] + co;
-                if (a.paired) {
-                    *reinterpret_cast<vec_t<T, 2>*>(at) = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
-                } else {
-                    at[0] = from_acc<T>(v[0]);
-                    if (co + 1 < a.cout) at[1] = from_acc<T>(v[1]);
-                }
+                store_pair(pixel[half] + co, v[0], v[1], a.paired, co + 1 < a.cout);
             }
         }
     }

@@ -90,6 +90,20 @@ static __device__ __forceinline__ void atomic_add(bfloat16_t* p, bfloat16_t v) {
 // V elements moved as one aligned access.
 template <typename T, int V> struct alignas(sizeof(T) * V) vec_t { T v[V]; };
 
+// An accumulator's column pair (v0, v1) stored as T at at[0] and at[1] (the MMA epilogues): one
+// vector store where `paired` (an even row length, the array aligned to it), else one element at
+// a time, at[1] only where `second` (the pair's second column lies inside the row).
+template <typename T>
+static __device__ __forceinline__ void store_pair(T* at, float v0, float v1, bool paired,
+                                                  bool second) {
+    if (paired) {
+        *reinterpret_cast<vec_t<T, 2>*>(at) = {{from_acc<T>(v0), from_acc<T>(v1)}};
+    } else {
+        at[0] = from_acc<T>(v0);
+        if (second) at[1] = from_acc<T>(v1);
+    }
+}
+
 // How a scatter combines a value with what is already in the output.
 struct Assign {
     template <typename T> static __device__ __forceinline__ void apply(T* dst, const T& v) { *dst = v; }

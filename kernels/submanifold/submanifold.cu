@@ -811,21 +811,9 @@ __global__ void __launch_bounds__(FUSED_THREADS) submanifold_fused(const FusedAr
                     if (!partial && a.relu) v[e] = fmaxf(v[e], 0.0f);
                 }
                 if (partial) {
-                    float* at = partial + o * a.cout + co;
-                    if (paired) {
-                        *reinterpret_cast<vec_t<float, 2>*>(at) = {{v[0], v[1]}};
-                    } else {
-                        at[0] = v[0];
-                        if (co + 1 < a.cout) at[1] = v[1];
-                    }
+                    store_pair(partial + o * a.cout + co, v[0], v[1], paired, co + 1 < a.cout);
                 } else {
-                    T* at = out + o * a.cout + co;
-                    if (paired) {
-                        *reinterpret_cast<vec_t<T, 2>*>(at) = {{from_acc<T>(v[0]), from_acc<T>(v[1])}};
-                    } else {
-                        at[0] = from_acc<T>(v[0]);
-                        if (co + 1 < a.cout) at[1] = from_acc<T>(v[1]);
-                    }
+                    store_pair(out + o * a.cout + co, v[0], v[1], paired, co + 1 < a.cout);
                 }
             }
         }
