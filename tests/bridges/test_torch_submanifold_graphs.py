@@ -217,9 +217,9 @@ def test_strided_grids_past_the_eager_bitmap(rng, monkeypatch):
 
 
 def test_outputs_cut_to_their_sites_and_copied(rng):
-    """_unpadded on what fn may return (a namedtuple of a list and a dict of SparseConvTensors
-    and tensors): each SparseConvTensor cut to its count, in _sparse_outputs' order, with no
-    rulebooks and unpadded; every tensor a copy."""
+    """_copied then _unpadded on what fn may return (a namedtuple of a list and a dict of
+    SparseConvTensors and tensors): every tensor a copy, whole; each SparseConvTensor then cut
+    to its count, in _sparse_outputs' order, with no rulebooks and unpadded."""
     import collections
 
     Out = collections.namedtuple("Out", ["stages", "extra"])
@@ -229,14 +229,22 @@ def test_outputs_cut_to_their_sites_and_copied(rng):
     dense = torch.randn(3, 4)
     outputs = Out([x, dense], {"y": y, "n": 7})
     assert _sparse(outputs) == [x, y]
-    got = graphs._unpadded(outputs, [25, 12])
+    copies = graphs._copied(outputs)
+    for c, t in zip(_sparse(copies), (x, y)):
+        assert c.padded and c.indice_dict == {}
+        assert torch.equal(c.features, t.features) and torch.equal(c.indices, t.indices)
+    originals = [(t.features.clone(), t.indices.clone()) for t in (x, y)]
+    for t in (x, y):  # the next replay overwrites the graph's memory
+        t.features.fill_(-7)
+        t.indices.fill_(-7)
+    got = graphs._unpadded(copies, [25, 12])
     assert isinstance(got, Out) and got.extra["n"] == 7
     (gx, gdense), gy = got.stages, got.extra["y"]
-    for g, t, count in ((gx, x, 25), (gy, y, 12)):
+    for g, (features, indices), count in ((gx, originals[0], 25), (gy, originals[1], 12)):
         assert not g.padded and g.indice_dict == {} and g.indices_checked
-        assert torch.equal(g.features, t.features[:count])
-        assert torch.equal(g.indices, t.indices[:count])
-        assert g.features.data_ptr() != t.features.data_ptr()
+        assert torch.equal(g.features, features[:count])
+        assert torch.equal(g.indices, indices[:count])
+        assert g.features.is_contiguous() and g.indices.is_contiguous()
     assert torch.equal(gdense, dense) and gdense.data_ptr() != dense.data_ptr()
 
 

@@ -55,18 +55,32 @@ def _sparse_outputs(outputs):
     return []
 
 
+def _copied(outputs):
+    """outputs with every tensor copied out of the graph's memory, which the next replay
+    overwrites: whole, padding rows included, so that the copies are queued right behind the
+    replay, before the host sync that reads the counts; SparseConvTensors with no rulebooks."""
+    if isinstance(outputs, SparseConvTensor):
+        return outputs._with(outputs.features.clone(), outputs.indices.clone(),
+                             outputs.spatial_shape, {}, True)
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone()
+    if isinstance(outputs, (list, tuple)):
+        items = [_copied(o) for o in outputs]
+        return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
+    if isinstance(outputs, dict):
+        return {k: _copied(o) for k, o in outputs.items()}
+    return outputs
+
+
 def _unpadded(outputs, counts):
-    """outputs with each SparseConvTensor cut to its real rows (counts, in _sparse_outputs'
-    order) and every tensor copied out of the graph's memory, which the next replay
-    overwrites."""
+    """outputs (_copied's) with each SparseConvTensor cut to its real rows (counts, in
+    _sparse_outputs' order): views of the copies, rows first."""
     if isinstance(outputs, SparseConvTensor):
         count = counts.pop(0)
-        out = outputs._with(outputs.features[:count].clone(), outputs.indices[:count].clone(),
+        out = outputs._with(outputs.features[:count], outputs.indices[:count],
                             outputs.spatial_shape, {}, True)
         out.padded = False
         return out
-    if isinstance(outputs, torch.Tensor):
-        return outputs.clone()
     if isinstance(outputs, (list, tuple)):
         items = [_unpadded(o, counts) for o in outputs]
         return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
@@ -130,22 +144,25 @@ class SparseGraphs:
             graph = self.graphs.get(key)
             if graph is None:
                 graph = self.graphs[key] = self._capture(x, capacity, None)
-            bad, overflowed, *counts = self._replay(graph, x)
+            copies, (bad, overflowed, *counts) = self._replay(graph, x)
             if bad:
                 _check_sites(x.indices, x.spatial_shape, x.batch_size)  # names the row
                 raise AssertionError("the graph's check and _check_sites disagree")
             if overflowed:
                 graph = self.graphs[key] = self._capture(x, capacity, graph.capacities)
-                bad, overflowed, *counts = self._replay(graph, x)
+                copies, (bad, overflowed, *counts) = self._replay(graph, x)
                 if overflowed:
                     raise AssertionError("a recorded capacity overflowed")  # a library bug
-            return _unpadded(graph.outputs, counts)
+            return _unpadded(copies, counts)
 
     @staticmethod
     def _replay(graph, x):
+        """(the outputs' copies, the stats) of a replay on x: the copies are queued before the
+        stats' host sync, so that the GPU runs them while the host waits."""
         graph.load(x)
         graph.graph.replay()
-        return graph.stats.tolist()
+        copies = _copied(graph.outputs)
+        return copies, graph.stats.tolist()
 
     def _capture(self, x, capacity, previous):
         """The _Graph of x's bucket: a recording run on x padded to `capacity`, the capacities
@@ -181,22 +198,32 @@ class SparseGraphs:
                                                       device=device)
         graph.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph.graph, pool=self.pool), bounded(capacities) as bounds:
+            main = torch.cuda.current_stream(device)
+            beside = torch.cuda.Stream(device)
+            beside.wait_stream(main)
+            with torch.cuda.stream(beside):
+                bad = self._bad(graph, padded)
             graph.outputs = self.fn(padded)
-            graph.stats = self._stats(graph, padded, bounds.counts, capacities_t)
+            main.wait_stream(beside)
+            graph.stats = self._stats(graph, bad, bounds.counts, capacities_t)
         return graph
 
-    def _stats(self, graph, padded, counts, capacities):
-        """_Graph.stats, computed in the graph: counts, the strided layers' numbers of sites,
-        and capacities their capacities (int32)."""
+    def _bad(self, graph, padded):
+        """Whether the input's rows are bad, computed in the graph on a stream of its own (the
+        network does not wait for it): a hash table's insert of the rows, its flags, and its
+        count of rows of -1 alone, which must be the padding rows load wrote (a real row of
+        -1 is outside). Zero without check."""
+        if not self.check:
+            return graph.rows.new_zeros(())
+        faults = site_faults(TORCH, graph.indices, tuple(padded.spatial_shape),
+                             padded.batch_size)
+        padding = graph.indices.shape[0] - graph.rows
+        return (faults[0] != 0) | (faults[1].long() != padding)
+
+    def _stats(self, graph, bad, counts, capacities):
+        """_Graph.stats, computed in the graph: bad (_bad's), counts, the strided layers'
+        numbers of sites, and capacities their capacities (int32)."""
         zero = graph.rows.new_zeros(())
-        bad = zero
-        if self.check:
-            # A hash table's insert of the input's rows: its flags, and its count of rows of -1
-            # alone, which must be the padding rows load wrote (a real row of -1 is outside).
-            faults = site_faults(TORCH, graph.indices, tuple(padded.spatial_shape),
-                                 padded.batch_size)
-            padding = graph.indices.shape[0] - graph.rows
-            bad = (faults[0] != 0) | (faults[1].long() != padding)
         overflowed = (torch.cat(counts) > capacities).any() if counts else zero
         sparse = [(o.indices[:, 0] >= 0).sum() for o in _sparse_outputs(graph.outputs)]
         return torch.stack([bad.long(), overflowed.long(), *(s.long() for s in sparse)])
