@@ -55,38 +55,38 @@ def _sparse_outputs(outputs):
     return []
 
 
+def _mapped(outputs, sparse, tensor):
+    """outputs with each SparseConvTensor s replaced by sparse(s) and each other tensor t by
+    tensor(t), in _sparse_outputs' order, through lists, tuples (named ones too) and dicts."""
+    if isinstance(outputs, SparseConvTensor):
+        return sparse(outputs)
+    if isinstance(outputs, torch.Tensor):
+        return tensor(outputs)
+    if isinstance(outputs, (list, tuple)):
+        items = [_mapped(o, sparse, tensor) for o in outputs]
+        return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
+    if isinstance(outputs, dict):
+        return {k: _mapped(o, sparse, tensor) for k, o in outputs.items()}
+    return outputs
+
+
 def _copied(outputs):
     """outputs with every tensor copied out of the graph's memory, which the next replay
     overwrites: whole, padding rows included, so that the copies are queued right behind the
     replay, before the host sync that reads the counts; SparseConvTensors with no rulebooks."""
-    if isinstance(outputs, SparseConvTensor):
-        return outputs._with(outputs.features.clone(), outputs.indices.clone(),
-                             outputs.spatial_shape, {}, True)
-    if isinstance(outputs, torch.Tensor):
-        return outputs.clone()
-    if isinstance(outputs, (list, tuple)):
-        items = [_copied(o) for o in outputs]
-        return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
-    if isinstance(outputs, dict):
-        return {k: _copied(o) for k, o in outputs.items()}
-    return outputs
+    return _mapped(outputs, lambda s: s._with(s.features.clone(), s.indices.clone(),
+                                              s.spatial_shape, {}, True), torch.Tensor.clone)
 
 
 def _unpadded(outputs, counts):
     """outputs (_copied's) with each SparseConvTensor cut to its real rows (counts, in
     _sparse_outputs' order): views of the copies, rows first."""
-    if isinstance(outputs, SparseConvTensor):
+    def cut(s):
         count = counts.pop(0)
-        out = outputs._with(outputs.features[:count], outputs.indices[:count],
-                            outputs.spatial_shape, {}, True)
+        out = s._with(s.features[:count], s.indices[:count], s.spatial_shape, {}, True)
         out.padded = False
         return out
-    if isinstance(outputs, (list, tuple)):
-        items = [_unpadded(o, counts) for o in outputs]
-        return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
-    if isinstance(outputs, dict):
-        return {k: _unpadded(o, counts) for k, o in outputs.items()}
-    return outputs
+    return _mapped(outputs, cut, lambda t: t)
 
 
 class SparseGraphs:
@@ -102,7 +102,8 @@ class SparseGraphs:
     sites than its capacity (then the bucket is recorded and captured again on this input, and
     replayed), and how many sites each output has. It returns fn's outputs (SparseConvTensors,
     tensors, and lists, tuples and dicts of them) copied out of the graph: each
-    SparseConvTensor with its sites alone and no rulebooks, tensors as fn made them.
+    SparseConvTensor with its sites alone (its first rows, views of a copy of the padded
+    tensor, which is queued before the sync) and no rulebooks, tensors as fn made them.
 
     fn must run the same layers whatever the input (no branches on the data), make no host
     sync of its own, and build its rulebooks from x's sites (submanifold, strided and inverse
