@@ -50,7 +50,8 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None):
     with _checks.on_device(features):
         fused = xp is not numpy and algo == "fused"
         order = (rulebook.fused_order() if fused and fused_sorts(
-            rulebook.neighbors.shape[1], features.shape[1], weight.shape[0]) else None)
+            rulebook.neighbors.shape[1], features.shape[1], weight.shape[0],
+            features.dtype.itemsize) else None)
         return conv_arrays(xp, features, rulebook.neighbors, weight, bias, algo, order)
 
 

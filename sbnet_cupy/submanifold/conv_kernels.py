@@ -47,6 +47,7 @@ FUSED_CONFIGS = (tuple((vector, stage, tile, 0) for vector in (False, True)
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
 SORT_ROWS = True  # the fused kernel takes output rows sorted by neighbour mask (fused_sorts)
 _SORT_WORK = 1 << 29  # n_out x cin x cout from which it does
+_SORT_TALL = False  # whether layers that may take tall tiles sort too (tests sort every layer)
 _FUSED_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -112,12 +113,14 @@ def ordered_map(backend, neighbors, order):
     return rows
 
 
-def fused_sorts(n_out, cin, cout):
+def fused_sorts(n_out, cin, cout, itemsize):
     """Whether the fused kernel takes the output rows in Rulebook.fused_order's order: where
-    SORT_ROWS is on and the layer's work (n_out x cin x cout) is large enough that the taps
-    its tiles skip pay for the sort's GPU and host time (wide layers at many sites: segmentation
-    U-Nets'; bench.detectors' A/B of SORT_ROWS)."""
-    return SORT_ROWS and n_out * cin * cout >= _SORT_WORK
+    SORT_ROWS is on, the layer's work (n_out x cin x cout) is large enough that the taps its
+    tiles skip pay for the sort's GPU and host time, and its channel tiles have no tall tiles
+    (tall_tiles: 96-wide ones, segmentation U-Nets' decoders), which take unsorted rows at
+    such sizes in less time than sorted 64-site tiles with the sort (bench/README's A/B)."""
+    return (SORT_ROWS and n_out * cin * cout >= _SORT_WORK
+            and (_SORT_TALL or not tall_tiles(itemsize, fused_config(True, itemsize, cout)[1])))
 
 
 def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=False):

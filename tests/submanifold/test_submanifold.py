@@ -459,6 +459,7 @@ def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
     import cupy
 
     monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)  # every layer sorts
+    monkeypatch.setattr(conv_kernels, "_SORT_TALL", True)
 
     shape = (20, 22, 24)
     coords = cupy.asarray(random_sites(rng, 2, shape, 2000))
@@ -486,9 +487,26 @@ def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
         w = cupy.asarray(random_array(rng, (24, 3, 3, 3, 16), numpy.float16))
         ordered = sm.rulebook_conv(x, rulebook, w, algo="fused")
         monkeypatch.setattr(conv_kernels, "SORT_ROWS", False)
-        assert not sm.fused_sorts(2000, 16, 24)
+        assert not sm.fused_sorts(2000, 16, 24, 2)
         close(ordered, sm.rulebook_conv(x, rulebook, w, algo="fused").get(), numpy.float16)
         monkeypatch.setattr(conv_kernels, "SORT_ROWS", True)
+
+
+def test_fused_sorts_wide_layers_without_tall_tiles(monkeypatch):
+    """Rows are sorted where the layer's work reaches _SORT_WORK and its channel tiles have no
+    tall tiles (96 wide; 16 wide in TF32): layers of tall tiles take their rows unsorted."""
+    work = conv_kernels._SORT_WORK
+    big = -(-work // (96 * 96))
+    assert sm.fused_sorts(big, 96, 96, 2) and sm.fused_sorts(big, 96, 96, 4)
+    assert not sm.fused_sorts(big - 1, 96, 96, 2)
+    for cin, cout, itemsize in ((64, 64, 2), (96, 64, 4), (128, 128, 2), (96, 256, 2),
+                                (64, 16, 2), (64, 32, 4)):
+        assert not sm.fused_sorts(-(-work // (cin * cout)), cin, cout, itemsize)
+    assert sm.fused_sorts(-(-work // (64 * 16)), 64, 16, 4)  # no tall 16-wide TF32 tiles
+    monkeypatch.setattr(conv_kernels, "_SORT_TALL", True)
+    assert sm.fused_sorts(-(-work // 4096), 64, 64, 2)
+    monkeypatch.setattr(conv_kernels, "SORT_ROWS", False)
+    assert not sm.fused_sorts(big, 96, 96, 2)
 
 
 def test_fused_splits_fill_the_gpu(monkeypatch):

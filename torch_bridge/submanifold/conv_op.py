@@ -222,7 +222,7 @@ def rulebook_conv(features, rulebook, weight, bias=None, *, algo=None, relu=Fals
                  rulebook=neighbors)
     order = order_t = None
     if cuda and algo == "fused" and fused_sorts(
-            neighbors.shape[1], features.shape[1], weight.shape[0]):
+            neighbors.shape[1], features.shape[1], weight.shape[0], features.element_size()):
         order = rulebook.fused_order()  # and the backward's dual op's, on neighbors_t
         if torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad):
             order_t = rulebook.fused_order(transposed=True)
