@@ -45,19 +45,15 @@ class _Graph:
 
 def _sparse_outputs(outputs):
     """The SparseConvTensors in outputs (a SparseConvTensor, a tensor, or lists, tuples and
-    dicts of them), in a fixed order."""
-    if isinstance(outputs, SparseConvTensor):
-        return [outputs]
-    if isinstance(outputs, (list, tuple)):
-        return [s for o in outputs for s in _sparse_outputs(o)]
-    if isinstance(outputs, dict):
-        return [s for o in outputs.values() for s in _sparse_outputs(o)]
-    return []
+    dicts of them), in _mapped's order."""
+    found = []
+    _mapped(outputs, found.append, lambda t: t)
+    return found
 
 
 def _mapped(outputs, sparse, tensor):
     """outputs with each SparseConvTensor s replaced by sparse(s) and each other tensor t by
-    tensor(t), in _sparse_outputs' order, through lists, tuples (named ones too) and dicts."""
+    tensor(t), through lists, tuples (named ones too) and dicts in their order."""
     if isinstance(outputs, SparseConvTensor):
         return sparse(outputs)
     if isinstance(outputs, torch.Tensor):
