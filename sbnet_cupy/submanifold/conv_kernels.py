@@ -116,11 +116,14 @@ def ordered_map(backend, neighbors, order):
 def fused_sorts(n_out, cin, cout, itemsize):
     """Whether the fused kernel takes the output rows in Rulebook.fused_order's order: where
     SORT_ROWS is on, the layer's work (n_out x cin x cout) is large enough that the taps its
-    tiles skip pay for the sort's GPU and host time, and its channel tiles have no tall tiles
-    (tall_tiles: 96-wide ones, segmentation U-Nets' decoders), which take unsorted rows at
-    such sizes in less time than sorted 64-site tiles with the sort (bench/README's A/B)."""
+    tiles skip pay for the sort's GPU and host time, and its output channels do not fit one
+    channel tile that may be tall (tall_tiles: 64 channels or fewer, the detectors' layers),
+    which at such sizes takes unsorted rows in less time than sorted 64-site tiles with the
+    sort. Wider layers (128 and 256 channels in 64-wide tiles, 96-wide decoders) sort
+    (bench/README's A/B)."""
     return (SORT_ROWS and n_out * cin * cout >= _SORT_WORK
-            and (_SORT_TALL or not tall_tiles(itemsize, fused_config(True, itemsize, cout)[1])))
+            and (_SORT_TALL or cout > 64
+                 or not tall_tiles(itemsize, fused_config(True, itemsize, cout)[1])))
 
 
 def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=False):

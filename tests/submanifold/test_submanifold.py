@@ -492,17 +492,22 @@ def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
         monkeypatch.setattr(conv_kernels, "SORT_ROWS", True)
 
 
-def test_fused_sorts_wide_layers_without_tall_tiles(monkeypatch):
-    """Rows are sorted where the layer's work reaches _SORT_WORK and its channel tiles have no
-    tall tiles (96 wide; 16 wide in TF32): layers of tall tiles take their rows unsorted."""
+def test_fused_sorts_layers_wider_than_one_tall_tile(monkeypatch):
+    """Rows are sorted where the layer's work reaches _SORT_WORK and its output channels do not
+    fit one channel tile that may be tall (wider than 64; 16 wide in TF32 has no tall tiles):
+    layers of 64 channels or fewer take their rows unsorted."""
     work = conv_kernels._SORT_WORK
     big = -(-work // (96 * 96))
     assert sm.fused_sorts(big, 96, 96, 2) and sm.fused_sorts(big, 96, 96, 4)
     assert not sm.fused_sorts(big - 1, 96, 96, 2)
-    for cin, cout, itemsize in ((64, 64, 2), (96, 64, 4), (128, 128, 2), (96, 256, 2),
-                                (64, 16, 2), (64, 32, 4)):
+    for cin, cout, itemsize in ((64, 128, 2), (128, 128, 2), (128, 128, 4), (96, 256, 2),
+                                (256, 256, 4), (64, 16, 4)):  # no tall 16-wide TF32 tiles
+        n = -(-work // (cin * cout))
+        assert sm.fused_sorts(n, cin, cout, itemsize)
+        assert not sm.fused_sorts(n - 1, cin, cout, itemsize)
+    for cin, cout, itemsize in ((64, 64, 2), (128, 64, 2), (96, 64, 4), (64, 16, 2),
+                                (64, 32, 4)):
         assert not sm.fused_sorts(-(-work // (cin * cout)), cin, cout, itemsize)
-    assert sm.fused_sorts(-(-work // (64 * 16)), 64, 16, 4)  # no tall 16-wide TF32 tiles
     monkeypatch.setattr(conv_kernels, "_SORT_TALL", True)
     assert sm.fused_sorts(-(-work // 4096), 64, 64, 2)
     monkeypatch.setattr(conv_kernels, "SORT_ROWS", False)
