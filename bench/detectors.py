@@ -1,8 +1,8 @@
 """The sparse backbones of published LiDAR detectors and a segmentation U-Net, ours
 (torch_bridge.submanifold) against spconv 2.3.8 with the same weights, in eval and training.
 
-    python -m bench.detectors [--quick] [--all] [--out DIR] [--repeats N] [--models ...]
-        [--scales kitti waymo semkitti] [--batches 1 2 4]
+    python -m bench.detectors [--quick] [--all] [--out DIR] [--repeats N] [--rounds N]
+        [--models ...] [--scales kitti waymo semkitti] [--batches 1 2 4]
         [--modes eval-tf32 eval-fp16 eval-tf32-fused eval-fp16-fused eval-tf32-graph
                  eval-fp16-graph train-tf32 train-amp]
         [--profile] [--budget S]
@@ -60,18 +60,19 @@ coordinates, bench.submanifold.by_site) within 1e-4 and, after one training-mode
 gradients (one vector) within 1e-2 in float32 (train-mode BatchNorm amplifies rounding; on the
 CPU, in float64, both agree to ~1e-13). Each eval mode's output is compared with our float32
 reference, TF32 off (`*_err`). Times: CUDA events around each call (bench._common.events_ms),
-median of --repeats after a warm-up, the rulebooks built in every call as a detector's forward
-builds them. With --profile, one more call a library and mode runs under torch.profiler: the
-GPU time of every kernel, split into the convolutions' kernels (`*_conv_ms`: ours
-submanifold_fused / submanifold_gather / split sums and cuBLAS; spconv's cumm implicit GEMM),
-the rulebooks' (`*_rulebook_ms`: our hash-table kernels; spconv's indice generation, hash
+the libraries timed in turns, --rounds rounds (default 3) of --repeats calls each (the first
+after a warm-up), the median of a library's round medians; the rulebooks built in every call as
+a detector's forward builds them. With --profile, one more call a library and mode runs under
+torch.profiler: the GPU time of every kernel, split into the convolutions' kernels (`*_conv_ms`:
+ours submanifold_fused / submanifold_gather / split sums and cuBLAS; spconv's cumm implicit
+GEMM), the rulebooks' (`*_rulebook_ms`: our hash-table kernels; spconv's indice generation, hash
 tables and sorts) and the rest (BatchNorm, ReLU, concatenation, loss, optimizer; `*_gpu_ms` is
-the sum of all); the classes are by kernel name (CLASSES; the 1x1 SubM shortcuts and
-MinkUNet's classifier are cuBLAS products in both libraries, counted as convolutions) and the
-largest kernels of every profile are listed in the .md, so the classification can be checked.
+the sum of all); the classes are by kernel name (CLASSES; the 1x1 SubM shortcuts and MinkUNet's
+classifier are cuBLAS products in both libraries, counted as convolutions) and the largest
+kernels of every profile are listed in the .md, so the classification can be checked.
 
---quick: each model at its smallest scale (KITTI; MinkUNet at SemanticKITTI), batch 1, 3
-repeats. The default runs every model at its scales, batches 1, 2 and 4, all four modes,
+--quick: each model at its smallest scale (KITTI; MinkUNet at SemanticKITTI), batch 1, 3 repeats
+in one round. The default runs every model at its scales, batches 1, 2 and 4, all four modes,
 ordered batch by batch, and stops starting new cases once --budget seconds (default 420) have
 passed, listing what it left out; --all lifts the budget. --device cpu (implies --quick: crops
 of the scenes, the check in float64 against spconv's CPU build, eval and train in float32)
@@ -533,6 +534,13 @@ def prepare(net, name, ns, mode, x, device):
     return step, None
 
 
+def _failed(row, name, case, error):
+    """One library failing a mode: a row that says so."""
+    message = f"{type(error).__name__}: {error}"[:300]
+    row[f"{name}_error"] = message
+    print(f"FAILED {name} {case}: {message}", flush=True)
+
+
 def run_case(model, scale, batch, modes, libs, args, cache, kernels_log):
     """The rows of one model, scale and batch: the check, then every mode."""
     device = args.device
@@ -560,34 +568,44 @@ def run_case(model, scale, batch, modes, libs, args, cache, kernels_log):
             continue
         allow_tf32(True)
         row = dict(base, mode=mode)
+        runs = {}
         for name, net in nets.items():
-            ns = libs[name]
             try:
-                run, output = prepare(net, name, ns, mode, x, device)
+                run, output = prepare(net, name, libs[name], mode, x, device)
                 if output is not None:
                     outs = output()
                     row[f"{name}_err"] = compare(outputs_by_site(outs), reference)
                     row[f"{name}_dtype"] = str(outs[0].features.dtype).replace("torch.", "")
                     del outs
-                if device == "cpu":
-                    row[f"{name}_ms"] = cpu_ms(run, args.repeats)
-                else:
-                    row[f"{name}_ms"] = events_ms(run, args.repeats, warmup=args.warmup)
-                if getattr(run, "dtypes", None):
-                    row[f"{name}_dtype"] = str(run.dtypes[0]).replace("torch.", "")
-                if args.profile and device != "cpu":
-                    totals, top = kernel_times(run, name)
-                    row[f"{name}_conv_ms"] = totals["conv"]
-                    row[f"{name}_rulebook_ms"] = totals["rulebook"]
-                    row[f"{name}_gpu_ms"] = sum(totals.values())
-                    kernels_log.append((f"{model} {scale} b{batch} {mode} {name}", top))
-                del run, output
-            except Exception as error:  # one library failing a mode: a row that says so
-                message = f"{type(error).__name__}: {error}"[:300]
-                row[f"{name}_error"] = message
-                print(f"FAILED {name} {model} {scale} b{batch} {mode}: {message}", flush=True)
-            if device == "cuda":
-                torch.cuda.empty_cache()
+                runs[name] = run
+            except Exception as error:
+                _failed(row, name, f"{model} {scale} b{batch} {mode}", error)
+        # The libraries' calls in turns, so that a slower or faster spell of the host (which
+        # eager calls are bound by) falls on both: the median of each library's round medians.
+        medians = {name: [] for name in runs}
+        for turn in range(args.rounds):
+            for name in list(runs):
+                try:
+                    medians[name].append(
+                        cpu_ms(runs[name], args.repeats) if device == "cpu" else
+                        events_ms(runs[name], args.repeats,
+                                  warmup=args.warmup if turn == 0 else 1))
+                except Exception as error:
+                    _failed(row, name, f"{model} {scale} b{batch} {mode}", error)
+                    del runs[name]
+        for name, run in runs.items():
+            row[f"{name}_ms"] = statistics.median(medians[name])
+            if getattr(run, "dtypes", None):
+                row[f"{name}_dtype"] = str(run.dtypes[0]).replace("torch.", "")
+            if args.profile and device != "cpu":
+                totals, top = kernel_times(run, name)
+                row[f"{name}_conv_ms"] = totals["conv"]
+                row[f"{name}_rulebook_ms"] = totals["rulebook"]
+                row[f"{name}_gpu_ms"] = sum(totals.values())
+                kernels_log.append((f"{model} {scale} b{batch} {mode} {name}", top))
+        del runs
+        if device == "cuda":
+            torch.cuda.empty_cache()
         if "ours_ms" in row and "spconv_ms" in row:
             row["speedup"] = row["spconv_ms"] / row["ours_ms"]
         rows.append(row)
@@ -676,6 +694,9 @@ def main(argv=None):
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int,
+                        help="rounds of --repeats calls, the libraries in turns (default 3; "
+                             "1 with --quick and on the CPU)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--scales", nargs="+", choices=list(lidar_scenes.SCALES))
     parser.add_argument("--batches", nargs="+", type=int)
@@ -691,6 +712,7 @@ def main(argv=None):
     if args.device == "cuda":
         require_gpu("bench.detectors")
     args.repeats = args.repeats or (1 if args.device == "cpu" else 3 if args.quick else 10)
+    args.rounds = args.rounds or (1 if args.device == "cpu" or args.quick else 3)
     if args.device == "cpu":  # one thread: spconv's CPU build needs it (see libraries), and
         args.quick, args.warmup = True, 0  # our NumPy backend's BLAS beside torch's OpenMP
         torch.set_num_threads(1)  # pool, both spinning, is 10-100x slower on a few cores

@@ -123,3 +123,36 @@ def test_same_as_spconv(model, cin):
     _, errors = detectors.check(nets, libs, (indices, features, SHAPE, 2), "cpu")
     assert errors["spconv_check_out"] < 1e-9
     assert errors["spconv_check_grad"] < 1e-9
+
+
+def test_libraries_are_timed_in_turns(monkeypatch):
+    """run_case times the libraries in turns, a round of --repeats calls each, and reports the
+    median of each library's round medians; a library failing in a round drops out of the row
+    with its error, the other keeps its times (faked timings: no GPU, no model)."""
+    calls, rounds = [], {"ours": [3.0, 1.0, 2.0], "spconv": [9.0, 4.0, 5.0], "broken": [7.0]}
+
+    def fake_prepare(net, name, ns, mode, x, device):
+        return (lambda: name), None
+
+    def fake_cpu_ms(run, repeats, warmup=0):
+        name = run()
+        calls.append((name, repeats))
+        done = sum(1 for c in calls if c[0] == name) - 1  # its rounds before this one
+        if done == len(rounds[name]):
+            raise RuntimeError("out of memory")
+        return rounds[name][done]
+
+    monkeypatch.setattr(detectors, "inputs", lambda *args, **kwargs: (
+        torch.zeros((5, 4)), torch.zeros((5, 4)), SHAPE))
+    monkeypatch.setattr(detectors, "build", lambda *args: torch.nn.Identity())
+    monkeypatch.setattr(detectors, "check", lambda nets, libs, x, device: (None, {}))
+    monkeypatch.setattr(detectors, "prepare", fake_prepare)
+    monkeypatch.setattr(detectors, "cpu_ms", fake_cpu_ms)
+    args = type("Args", (), dict(device="cpu", rounds=3, repeats=4, warmup=0, profile=False))
+    libs = {"ours": ours, "broken": ours, "spconv": ours}
+    rows = detectors.run_case("VoxelBackBone8x", "kitti", 1, ["eval-tf32"], libs, args, {}, [])
+    assert calls == [("ours", 4), ("broken", 4), ("spconv", 4), ("ours", 4), ("broken", 4),
+                     ("spconv", 4), ("ours", 4), ("spconv", 4)]
+    assert rows[0]["ours_ms"] == 2.0 and rows[0]["spconv_ms"] == 5.0
+    assert rows[0]["speedup"] == 2.5
+    assert "broken_ms" not in rows[0] and "out of memory" in rows[0]["broken_error"]
