@@ -578,6 +578,7 @@ def run_case(model, scale, batch, modes, libs, args, cache, kernels_log):
                     row[f"{name}_dtype"] = str(outs[0].features.dtype).replace("torch.", "")
                     del outs
                 runs[name] = run
+                del run, output  # the model and its graphs go with runs, below
             except Exception as error:
                 _failed(row, name, f"{model} {scale} b{batch} {mode}", error)
         # The libraries' calls in turns, so that a slower or faster spell of the host (which
@@ -593,12 +594,12 @@ def run_case(model, scale, batch, modes, libs, args, cache, kernels_log):
                 except Exception as error:
                     _failed(row, name, f"{model} {scale} b{batch} {mode}", error)
                     del runs[name]
-        for name, run in runs.items():
+        for name in runs:
             row[f"{name}_ms"] = statistics.median(medians[name])
-            if getattr(run, "dtypes", None):
-                row[f"{name}_dtype"] = str(run.dtypes[0]).replace("torch.", "")
+            if getattr(runs[name], "dtypes", None):
+                row[f"{name}_dtype"] = str(runs[name].dtypes[0]).replace("torch.", "")
             if args.profile and device != "cpu":
-                totals, top = kernel_times(run, name)
+                totals, top = kernel_times(runs[name], name)
                 row[f"{name}_conv_ms"] = totals["conv"]
                 row[f"{name}_rulebook_ms"] = totals["rulebook"]
                 row[f"{name}_gpu_ms"] = sum(totals.values())
