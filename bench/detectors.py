@@ -633,7 +633,8 @@ def table(rows, device, notes, kernels_log):
     lines = [f"# Detector backbones: ours against spconv 2.3.8, {device}, torch "
              f"{torch.__version__}", "", *notes, "",
              "ms: CUDA events around a call (eval: forward with its rulebooks; train: one step), "
-             "median. speed-up: spconv ms / ours ms. conv / rulebook / GPU: ms of GPU kernel "
+             "the median of a round's calls, then of the rounds (the libraries in turns). "
+             "speed-up: spconv ms / ours ms. conv / rulebook / GPU: ms of GPU kernel "
              "time in one profiled call (convolution kernels, rulebook kernels, all kernels). "
              "err: relative L2 error of the mode's output against the float32 (TF32 off) "
              "reference. check: ours against spconv in float32, TF32 off: outputs / gradients "
@@ -730,7 +731,8 @@ def main(argv=None):
              "Models written from the published layer lists (bench/detectors.py); inputs: "
              "bench.lidar_scenes, voxels shuffled. eval-fp16: model.half(); train-amp: "
              "autocast(float16) + GradScaler; train steps: forward, mean-square loss, backward, "
-             "SGD step."]
+             "SGD step.",
+             f"Timing: {args.rounds} round(s) of {args.repeats} call(s) a library and mode."]
     if args.device == "cpu":
         notes.append("CPU smoke run: crops of the scenes (every z, 120 x 120 voxels in y, x next "
                      "to the sensor); the check in float64, the modes in float32 (spconv's CPU "
