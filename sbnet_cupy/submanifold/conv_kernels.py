@@ -121,9 +121,10 @@ def fused_sorts(n_out, cin, cout, itemsize):
     which at such sizes takes unsorted rows in less time than sorted 64-site tiles with the
     sort. Wider layers (128 and 256 channels in 64-wide tiles, 96-wide decoders) sort
     (bench/README's A/B)."""
-    return (SORT_ROWS and n_out * cin * cout >= _SORT_WORK
-            and (_SORT_TALL or cout > 64
-                 or not tall_tiles(itemsize, fused_config(True, itemsize, cout)[1])))
+    if not (SORT_ROWS and n_out * cin * cout >= _SORT_WORK):
+        return False
+    tile = fused_config(True, itemsize, cout)[1]
+    return _SORT_TALL or tile < cout or not tall_tiles(itemsize, tile)
 
 
 def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=False):
