@@ -567,7 +567,7 @@ def run_case(model, scale, batch, modes, libs, args, cache, kernels_log):
         if device == "cpu" and mode not in ("eval-tf32", "eval-tf32-fused", "train-tf32"):
             continue
         allow_tf32(True)
-        row = dict(base, mode=mode)
+        row, case = dict(base, mode=mode), f"{model} {scale} b{batch} {mode}"
         runs = {}
         for name, net in nets.items():
             try:
@@ -580,7 +580,7 @@ def run_case(model, scale, batch, modes, libs, args, cache, kernels_log):
                 runs[name] = run
                 del run, output  # the model and its graphs go with runs, below
             except Exception as error:
-                _failed(row, name, f"{model} {scale} b{batch} {mode}", error)
+                _failed(row, name, case, error)
         # The libraries' calls in turns, so that a slower or faster spell of the host (which
         # eager calls are bound by) falls on both: the median of each library's round medians.
         medians = {name: [] for name in runs}
@@ -592,18 +592,22 @@ def run_case(model, scale, batch, modes, libs, args, cache, kernels_log):
                         events_ms(runs[name], args.repeats,
                                   warmup=args.warmup if turn == 0 else 1))
                 except Exception as error:
-                    _failed(row, name, f"{model} {scale} b{batch} {mode}", error)
+                    _failed(row, name, case, error)
                     del runs[name]
         for name in runs:
             row[f"{name}_ms"] = statistics.median(medians[name])
             if getattr(runs[name], "dtypes", None):
                 row[f"{name}_dtype"] = str(runs[name].dtypes[0]).replace("torch.", "")
             if args.profile and device != "cpu":
-                totals, top = kernel_times(runs[name], name)
+                try:
+                    totals, top = kernel_times(runs[name], name)
+                except Exception as error:
+                    _failed(row, name, case, error)
+                    continue
                 row[f"{name}_conv_ms"] = totals["conv"]
                 row[f"{name}_rulebook_ms"] = totals["rulebook"]
                 row[f"{name}_gpu_ms"] = sum(totals.values())
-                kernels_log.append((f"{model} {scale} b{batch} {mode} {name}", top))
+                kernels_log.append((f"{case} {name}", top))
         del runs
         if device == "cuda":
             torch.cuda.empty_cache()
