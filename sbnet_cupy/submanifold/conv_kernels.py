@@ -47,7 +47,7 @@ FUSED_CONFIGS = (tuple((vector, stage, tile, 0) for vector in (False, True)
 _FUSED_CTAS_PER_SM = 2  # taps are split over CTAs until the grid has this many an SM
 SORT_ROWS = True  # the fused kernel takes output rows sorted by neighbour mask (fused_sorts)
 _SORT_WORK = 1 << 29  # n_out x cin x cout from which it does
-_SORT_TALL = False  # whether layers that may take tall tiles sort too (tests sort every layer)
+_SORT_EVERY = False  # every layer sorts, whatever its work and tiles (tests)
 _FUSED_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -121,10 +121,12 @@ def fused_sorts(n_out, cin, cout, itemsize):
     which at such sizes takes unsorted rows in less time than sorted 64-site tiles with the
     sort. Wider layers (128 and 256 channels in 64-wide tiles, 96-wide decoders) sort
     (bench/README's A/B)."""
-    if not (SORT_ROWS and n_out * cin * cout >= _SORT_WORK):
+    if not SORT_ROWS or _SORT_EVERY:
+        return SORT_ROWS
+    if n_out * cin * cout < _SORT_WORK:
         return False
     tile = fused_config(True, itemsize, cout)[1]
-    return _SORT_TALL or tile < cout or not tall_tiles(itemsize, tile)
+    return tile < cout or not tall_tiles(itemsize, tile)
 
 
 def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=False):

@@ -274,8 +274,7 @@ def test_cuda_matches_cpu(rng, monkeypatch, dtype, algo):
     if algo.startswith("fused") and dtype == torch.float64:
         pytest.skip("the fused kernel computes on tensor cores: no float64")
     if algo == "fused-sorted":
-        monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)
-        monkeypatch.setattr(conv_kernels, "_SORT_TALL", True)
+        monkeypatch.setattr(conv_kernels, "_SORT_EVERY", True)
         algo = "fused"
     x = sparse_input(rng, 2, (20, 30, 25), 400, 16)
     net = spconv.SparseSequential(
@@ -333,8 +332,7 @@ def test_cuda_graph_with_cached_rulebooks(rng, monkeypatch, sorted_rows):
     """Once its rulebooks are built, a forward makes no host sync: it captures in a CUDA graph
     and replays the eager result (with the rulebooks' fused orders, which they keep)."""
     if sorted_rows:
-        monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)
-        monkeypatch.setattr(conv_kernels, "_SORT_TALL", True)
+        monkeypatch.setattr(conv_kernels, "_SORT_EVERY", True)
     x = sparse_input(rng, 2, (30, 40, 20), 2000, 16, torch.float16, "cuda")
     net = spconv.SparseSequential(
         spconv.SubMConv3d(16, 32, 3, indice_key="s"), torch.nn.ReLU(),

@@ -458,8 +458,7 @@ def test_fused_order_sorts_rows_by_their_taps(rng, monkeypatch):
     equals the one without (SORT_ROWS off)."""
     import cupy
 
-    monkeypatch.setattr(conv_kernels, "_SORT_WORK", 0)  # every layer sorts
-    monkeypatch.setattr(conv_kernels, "_SORT_TALL", True)
+    monkeypatch.setattr(conv_kernels, "_SORT_EVERY", True)
 
     shape = (20, 22, 24)
     coords = cupy.asarray(random_sites(rng, 2, shape, 2000))
@@ -508,10 +507,10 @@ def test_fused_sorts_layers_wider_than_one_tall_tile(monkeypatch):
     for cin, cout, itemsize in ((64, 64, 2), (128, 64, 2), (96, 64, 4), (64, 16, 2),
                                 (64, 32, 4)):
         assert not sm.fused_sorts(-(-work // (cin * cout)), cin, cout, itemsize)
-    monkeypatch.setattr(conv_kernels, "_SORT_TALL", True)
-    assert sm.fused_sorts(-(-work // 4096), 64, 64, 2)
+    monkeypatch.setattr(conv_kernels, "_SORT_EVERY", True)  # what tests of sorted rows take
+    assert sm.fused_sorts(1, 64, 64, 2) and sm.fused_sorts(1, 16, 16, 4)
     monkeypatch.setattr(conv_kernels, "SORT_ROWS", False)
-    assert not sm.fused_sorts(big, 96, 96, 2)
+    assert not sm.fused_sorts(big, 96, 96, 2) and not sm.fused_sorts(1, 64, 64, 2)
 
 
 def test_fused_splits_fill_the_gpu(monkeypatch):
