@@ -121,8 +121,10 @@ def fused_sorts(n_out, cin, cout, itemsize):
     which at such sizes takes unsorted rows in less time than sorted 64-site tiles with the
     sort. Wider layers (128 and 256 channels in 64-wide tiles, 96-wide decoders) sort
     (bench/README's A/B)."""
-    if not SORT_ROWS or _SORT_EVERY:
-        return SORT_ROWS
+    if not SORT_ROWS:
+        return False
+    if _SORT_EVERY:
+        return True
     if n_out * cin * cout < _SORT_WORK:
         return False
     tile = fused_config(True, itemsize, cout)[1]
