@@ -14,7 +14,7 @@ implementation (torch_bridge.submanifold.conv_op), as a training step's backward
 Time: bench.submanifold_tiles' (the median over --repeats of CUDA events around 20
 back-to-back calls, divided by 20).
 --pairs-ctas N...: also the kernel of each layer it runs by pairs (tap_pairs) with its sites
-split for N CTAs an SM (conv_kernels._GRAD_PAIRS_CTAS_PER_SM), a column each, so that the split
+split for N CTAs an SM (grad_kernels._GRAD_PAIRS_CTAS_PER_SM), a column each, so that the split
 rule is a measured one.
 Writes DIR/submanifold_grad_weight_<device>.csv.
 """
@@ -40,7 +40,7 @@ def main(argv=None):
     import torch
 
     import torch_bridge.submanifold as ours
-    from sbnet_cupy.submanifold import conv_kernels, grad_weight
+    from sbnet_cupy.submanifold import grad_kernels, grad_weight
     from torch_bridge.backend import TORCH
     from torch_bridge.submanifold.conv_op import _grad_weight_impl
 
@@ -68,12 +68,12 @@ def main(argv=None):
                 row[f"{route}_ms"] = round(gpu_ms(run, args.repeats), 4)
                 row[f"{route}_err"] = f"{err:.1e}"
             row["kernel/gemm"] = round(row["kernel_ms"] / row["gemm_ms"], 3)
-            if conv_kernels.grad_weight_config(cin, cout)[2]:
-                rule = conv_kernels._GRAD_PAIRS_CTAS_PER_SM
+            if grad_kernels.grad_weight_config(cin, cout)[2]:
+                rule = grad_kernels._GRAD_PAIRS_CTAS_PER_SM
                 for ctas in args.pairs_ctas:
-                    conv_kernels._GRAD_PAIRS_CTAS_PER_SM = ctas
+                    grad_kernels._GRAD_PAIRS_CTAS_PER_SM = ctas
                     row[f"pairs_{ctas}_ms"] = round(gpu_ms(routes["kernel"], args.repeats), 4)
-                conv_kernels._GRAD_PAIRS_CTAS_PER_SM = rule
+                grad_kernels._GRAD_PAIRS_CTAS_PER_SM = rule
             rows.append(row)
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     path = f"{results_stem(args.out, 'submanifold_grad_weight', torch.cuda.get_device_name())}.csv"

@@ -508,13 +508,14 @@ template <int THREADS> __global__ void tap_pairs(const PairArgs a) {
 
 // --- the fused convolution: gather and tensor-core matrix product in one kernel -------------
 //
-// out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] *
-// weight[:, k, ci] (then max(0, .) where a.relu: an eval model's ReLU, BatchNorm folded into weight
-// and bias, torch_bridge.submanifold.fuse_bn_relu), for a tile of BM output sites x BN output
-// channels a CTA (4 warps; BN 16, 32, 64, 96 or 128, the launch's choice by cout: narrow layers
-// (and segmentation U-Nets' 96 channels) do no MMA work on padding, wide ones gather each neighbour
-// row once; BM 64, or 128 where the rows are not sorted and the sites fill the GPU: a weight slice
-// then serves twice the rows, and each warp does twice the MMAs for its fragment loads). The
+// out[o, :] = bias + sum over taps k and input channels of features[map[k, o], ci] * weight[:, k,
+// ci] (then max(0, .) where a.relu: an eval model's ReLU, BatchNorm folded into weight and bias,
+// torch_bridge.submanifold.fuse_bn_relu), for a tile of BM output sites x BN output channels a CTA
+// (4 warps; BN 16, 32, 64, 96 or 128, the launch's choice by cout: narrow layers (and segmentation
+// U-Nets' 96 channels) do no MMA work on padding, wide ones gather each neighbour row once; BM 64,
+// or 128 where the sites fill the GPU (fused_tall): a weight slice then serves twice the rows, and
+// each warp does twice the MMAs for its fragment loads; 128 x 128 tiles, four warps of 64 x 64,
+// where 128 x 64 ones would leave a last round of CTAs nearly empty: fused_tall_wide). The
 // reduction runs in stages of STAGE bytes a row: the tile's rows (zeros for absent neighbours) and
 // the weight's slice [BN, STAGE bytes] staged in shared memory and multiplied with mma.sync
 // (tensor_core_mma, common.cuh): m16n8k16 for half and bfloat16, m16n8k8 TF32 for float; float32

@@ -52,31 +52,44 @@ path.
 
 The modules: validation (argument checks, rulebook geometry), rulebook (SparseTensorData,
 Rulebook and its builders), numpy_rulebook and cuda_rulebook (the two ways of building one),
-conv (the convolution and its gradients), conv_kernels (the convolution's kernels: their plans
-and launches, one function a launch for every backend's arrays).
+conv (the convolution and its gradients), conv_kernels and grad_kernels (the convolution's kernels
+and the weight gradient's: their plans and launches, one function a launch for every backend's
+arrays).
 """
 
+from ..core import kernels as _kernels
+from . import conv_kernels, grad_kernels
 from .conv import (check_conv, choose_algo, conv_arrays, gather, grad_weight_arrays,
                    inverse_conv, rulebook_conv, rulebook_conv_grad_features,
                    rulebook_conv_grad_weight, sparse_conv, submanifold_conv, transposed_weight)
-from .conv_kernels import (FUSED_CONFIGS, FUSED_TILES, GRAD_TILES, MAX_STAGE, fused_config,
-                           fused_conv, fused_sorts, fused_splits, fused_tall, gather_rows,
-                           grad_weight, grad_weight_fits, grad_weight_takes, instantiations,
-                           tall_tiles, tap_masks)
+from .conv_kernels import (FUSED_CONFIGS, FUSED_TILES, MAX_STAGE, fused_config, fused_conv,
+                           fused_sorts, fused_splits, fused_tall, fused_tall_wide, gather_rows,
+                           tall_tiles, tall_wide_tiles, tap_masks)
 from .cuda_rulebook import Built, HashTable, build_raw, hash_table, table_capacity
+from .grad_kernels import GRAD_TILES, grad_weight, grad_weight_fits, grad_weight_takes
 from .rulebook import (Rulebook, SparseTensorData, from_dense, from_mask, strided_rulebook,
                        submanifold_rulebook, to_dense)
 from .validation import (ALGOS, check_algo, check_grid, check_operands, check_weight,
                          conv_output_shape, rulebook_geometry)
+
+
+def instantiations():
+    """Name expressions of every kernel of kernels/submanifold/submanifold.cu that the package
+    launches (the compile check builds them)."""
+    return conv_kernels.instantiations() + grad_kernels.instantiations()
+
+
+_kernels.register_instantiations("submanifold", instantiations)
 
 __all__ = [
     "ALGOS", "Built", "FUSED_CONFIGS", "FUSED_TILES", "GRAD_TILES", "HashTable", "MAX_STAGE",
     "Rulebook", "SparseTensorData", "build_raw", "check_algo", "check_conv", "check_grid",
     "check_operands", "check_weight", "choose_algo", "conv_arrays", "conv_output_shape",
     "from_dense", "from_mask", "fused_config", "fused_conv", "fused_sorts", "fused_splits",
-    "fused_tall", "gather", "gather_rows", "grad_weight", "grad_weight_arrays", "grad_weight_fits",
-    "grad_weight_takes", "hash_table", "instantiations", "inverse_conv", "rulebook_conv",
-    "rulebook_conv_grad_features", "rulebook_conv_grad_weight", "rulebook_geometry", "sparse_conv",
-    "strided_rulebook", "submanifold_conv", "submanifold_rulebook", "table_capacity", "tall_tiles",
-    "tap_masks", "to_dense", "transposed_weight",
+    "fused_tall", "fused_tall_wide", "gather", "gather_rows", "grad_weight", "grad_weight_arrays",
+    "grad_weight_fits", "grad_weight_takes", "hash_table", "instantiations", "inverse_conv",
+    "rulebook_conv", "rulebook_conv_grad_features", "rulebook_conv_grad_weight",
+    "rulebook_geometry", "sparse_conv", "strided_rulebook", "submanifold_conv",
+    "submanifold_rulebook", "table_capacity", "tall_tiles", "tall_wide_tiles", "tap_masks",
+    "to_dense", "transposed_weight",
 ]

@@ -7,8 +7,8 @@ import numpy
 from ..blocks import block_conv
 from ..core import checks as _checks
 from ..core.backend import CUPY
-from .conv_kernels import (fused_conv, fused_sorts, gather_rows, grad_weight,
-                           grad_weight_takes)
+from .conv_kernels import fused_conv, fused_sorts, gather_rows
+from .grad_kernels import grad_weight, grad_weight_takes
 from .rulebook import Rulebook, SparseTensorData, strided_rulebook, submanifold_rulebook
 from .validation import DTYPES, check_algo, check_operands
 

@@ -1,6 +1,6 @@
 """The convolution's kernels (kernels/submanifold/submanifold.cu): the gemm algorithm's gather, the
 fused convolution (with the split sum after it where its taps are split over CTAs) and the neighbour
-masks that Rulebook.fused_order sorts rows by.
+masks that Rulebook.fused_order sorts rows by (the weight's gradient: grad_kernels).
 
 Each launch is one function of a backend (sbnet_cupy/core/backend.py: CUPY, torch_bridge's
 TORCH) and its arrays, which the CuPy entry points and the torch ops both call; the launches are
@@ -19,6 +19,10 @@ from .validation import MAX_DIMS
 _FUSED_SITES, _FUSED_THREADS = 64, 128  # output sites a CTA; its threads
 _TALL_SITES, _TALL_SLOTS = 128, 2  # output sites a CTA of tall tiles (fused_tall); their slots
 _TALL_CTAS_PER_SM = 2  # tall tiles where the sites make at least this many of them an SM
+_TALL_WIDE = 128  # output channels of a tall 128-wide tile (fused_tall_wide)
+# A tall 128-wide CTA's time over a 64-wide one's (twice the MMAs, each neighbour row read once
+# for 128 channels: 1.4-1.6x measured at 128 channels, less at 256; bench/README).
+_TALL_WIDE_COST = 1.5
 FUSED_TILES = (16, 32, 64, 96, 128)  # output channels a CTA (fused_config)
 MAX_STAGE = 128  # the fused kernel's widest stage, bytes of a row (fused_config)
 _FUSED_SLOT_BYTES = 37888  # static shared memory for stages (FUSED_SLOT_BYTES, submanifold.cu)
@@ -155,8 +159,11 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=Fals
     x, w = backend.pointer(features), backend.pointer(weight)
     plan = _fused_plan(device, dtype, _checks.alignment(x, w) == 16, cin, cout, taps, bool(relu))
     tall = fused_tall(device, plan, n_out, order is not None)
-    conv = plan.tall if tall else plan.conv
-    grid, split_taps = fused_grid(device, n_out, plan.channel_tiles, taps,
+    wide = tall and fused_tall_wide(plan, n_out)
+    conv = plan.tall_wide if wide else plan.tall if tall else plan.conv
+    # A layer with tall 128-wide tiles has 64-wide ones (fused_config) in pairs.
+    channel_tiles = plan.channel_tiles // 2 if wide else plan.channel_tiles
+    grid, split_taps = fused_grid(device, n_out, channel_tiles, taps,
                                   _TALL_SITES if tall else _FUSED_SITES)
     stream = backend.stream(device)
     bias = None if bias is None else backend.contiguous(bias)  # kept until the launches
@@ -224,6 +231,13 @@ def tall_tiles(itemsize, tile):
     return tile <= 64 and (itemsize == 2 or tile > 16)
 
 
+def tall_wide_tiles(itemsize, cout):
+    """Whether a layer of `itemsize`-byte items and cout output channels may take tall 128-wide
+    tiles (128 sites x 128 channels, four warps of 64 x 64; fused_tall_wide) where it takes tall
+    ones: 16-bit types, cout a multiple of 128 (which fused_config gives 64-wide tiles)."""
+    return itemsize == 2 and cout % _TALL_WIDE == 0
+
+
 def _fused_static_shared(sites):
     """Static shared memory of the fused kernel beside dynamic slots, in tiles of `sites` sites:
     the map's rows of a group of taps, the output rows, the active taps (a bound, for the
@@ -233,10 +247,11 @@ def _fused_static_shared(sites):
 
 # A layer's fused convolution, planned once for every number of output sites (which real frames
 # change every frame): the kernel's KernelPlan, its CTAs across the output channels, the split
-# sum's KernelPlan for calls that split the taps (None for one tap), and the kernel's KernelPlan
-# in tall tiles (None where the layer never takes them: fused_tall). Each call passes the sizes
-# that depend on its sites: the grid (fused_grid) and the split sum's rows and splits.
-FusedPlan = namedtuple("FusedPlan", ["conv", "channel_tiles", "split_sum", "tall"])
+# sum's KernelPlan for calls that split the taps (None for one tap), the kernel's KernelPlan in
+# tall tiles (None where the layer never takes them: fused_tall), and in tall 128-wide tiles
+# (None where it never takes them: fused_tall_wide). Each call passes the sizes that depend on
+# its sites: the grid (fused_grid) and the split sum's rows and splits.
+FusedPlan = namedtuple("FusedPlan", ["conv", "channel_tiles", "split_sum", "tall", "tall_wide"])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -258,13 +273,26 @@ def _fused_plan(device, dtype, aligned, cin, cout, taps, relu=False):
                          shared)
     split_sum = (None if taps == 1 else
                  _plan.split_sum_plan(device, "submanifold", ctype, dependent=True, relu=relu))
-    tall = None
-    tall_shared = _fused_shared(MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES)
-    if (vector and tall_tiles(itemsize, tile)
-            and tall_shared + _fused_static_shared(_TALL_SITES) <= optin):
-        tall = _fused_kernel(device, (ctype, True, MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES),
-                             tall_shared)
-    return FusedPlan(conv, _checks.grid_dim("output channels", -(-cout // tile)), split_sum, tall)
+    tall = _tall_kernel(device, ctype, tile, optin, vector and tall_tiles(itemsize, tile))
+    tall_wide = _tall_kernel(device, ctype, _TALL_WIDE, optin,
+                             tall is not None and tall_wide_tiles(itemsize, cout))
+    return FusedPlan(conv, _checks.grid_dim("output channels", -(-cout // tile)), split_sum, tall,
+                     tall_wide)
+
+
+def _tall_kernel(device, ctype, tile, optin, takes):
+    """The KernelPlan of the fused kernel in tall tiles `tile` channels wide, where the layer
+    `takes` them and their shared memory fits a CTA; else None."""
+    shared = _fused_shared(MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES)
+    if not takes or shared + _fused_static_shared(_TALL_SITES) > optin:
+        return None
+    return _fused_kernel(device, (ctype, True, MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES), shared)
+
+
+@functools.lru_cache(maxsize=1024)
+def _resident(conv):
+    """How many CTAs of the fused KernelPlan `conv` its GPU runs at once (the occupancy API)."""
+    return _plan.resident_ctas(conv.function, _FUSED_THREADS, conv.shared_mem, conv.device)
 
 
 def _fused_kernel(device, template_args, shared):
@@ -280,13 +308,27 @@ def _fused_kernel(device, template_args, shared):
 def fused_tall(device, plan, n_out, sorted_rows):
     """Whether a call of the layer planned as `plan` (a FusedPlan) at n_out output sites takes
     tiles of _TALL_SITES sites: where the plan has them (tall_tiles, rows of 16-byte vectors,
-    the shared memory for their slots), the rows are not sorted (sorted rows
-    share fewer taps over 64 sites than over 128), and the tall tiles alone give the GPU
-    _TALL_CTAS_PER_SM CTAs an SM (fewer leave SMs idle). A weight slice then serves twice the
+    the shared memory for their slots), the rows are not sorted (sorted rows share fewer taps
+    over 64 sites than over 128; but layers with tall 128-wide tiles, the detectors' 128-channel
+    levels, measured faster in tall tiles on sorted rows too), and the tall tiles alone give the
+    GPU _TALL_CTAS_PER_SM CTAs an SM (fewer leave SMs idle). A weight slice then serves twice the
     sites, and a warp's fragment loads twice the MMAs (bench.conv_time measures the rule)."""
-    return (plan.tall is not None and not sorted_rows
+    return (plan.tall is not None and (not sorted_rows or plan.tall_wide is not None)
             and -(-n_out // _TALL_SITES) * plan.channel_tiles
             >= _TALL_CTAS_PER_SM * _launch.device_info(device).sms)
+
+
+def fused_tall_wide(plan, n_out):
+    """Whether a call that takes tall tiles (fused_tall) takes the plan's tall 128-wide ones
+    instead: where their grid takes fewer rounds of the CTAs the GPU runs at once, by more than
+    their CTAs' extra time (_TALL_WIDE_COST). Half the CTAs, but fewer fit an SM (twice the
+    accumulators): they pay where 64-wide tiles would run a nearly empty last round."""
+    if plan.tall_wide is None:
+        return False
+    tiles = -(-n_out // _TALL_SITES)
+    rounds = -(-tiles * plan.channel_tiles // _resident(plan.tall))
+    wide_rounds = -(-tiles * (plan.channel_tiles // 2) // _resident(plan.tall_wide))
+    return wide_rounds * _TALL_WIDE_COST < rounds
 
 
 def fused_grid(device, n_out, channel_tiles, taps, tile_sites=_FUSED_SITES):
@@ -305,153 +347,10 @@ def fused_splits(device, tiles, taps):
                                   _FUSED_CTAS_PER_SM, round_up=False)
 
 
-_GRAD_THREADS = 128  # a CTA of the weight's gradient
-# Its tiles, (columns (tap, ci), output channels) a CTA (grad_weight_config): 64 columns by 16,
-# 32 or 64 channels over every site; 128 x 128 over the sites of one tap (tap_pairs).
-GRAD_TILES = ((64, 16), (64, 32), (64, 64), (128, 128))
-_GRAD_NARROW = 64 * 64  # cin x cout up to which tiles take every site
-_PAIR_SITES, _PAIR_THREADS = 1024, 256  # sites a CTA of the tap_pairs kernels, its threads
-_GRAD_SPLIT_SITES = 256  # a split of the sites is a multiple of this many
-_GRAD_CTAS_PER_SM = 4  # sites are split over CTAs until the grid has this many an SM
-# By pairs, a tap's CTAs cover the sites that have it, about half of them in LiDAR layers, while
-# the splits are cut from all the sites: about half of the CTAs find no work, so the grid aims at
-# more (6 measured best on MinkUNet's, UNetV2's and VoxelResBackBone8x's training steps).
-_GRAD_PAIRS_CTAS_PER_SM = 6
-
-
-def grad_weight_fits(dtype, cin, cout, aligned):
-    """Whether grad_weight's kernel can take a layer: a fused dtype, rows of dy whole 16-byte
-    vectors, rows of the features too once padded (padded_width), arrays 16-byte aligned
-    (aligned)."""
-    itemsize = _kernels.ITEMSIZES.get(dtype)
-    return (dtype in _FUSED_DTYPES and aligned and cout * itemsize % 16 == 0
-            and padded_width(cin, itemsize) * itemsize % 16 == 0)
-
-
-def grad_weight_takes(backend, features, dy):
-    """Whether the weight's gradient of features [N_in, cin] and dy [n_out, cout] (a backend's
-    arrays) goes through grad_weight's kernel: where it can (grad_weight_fits) and cin x cout is
-    at most 64 x 64 or cin at least 64, where it measured faster than writing and reading the
-    gathered rows for cuBLAS (bench.submanifold_grad_weight); narrow inputs to wide outputs take
-    the gathered rows."""
-    cin, cout = features.shape[1], dy.shape[1]
-    aligned = _checks.alignment(backend.pointer(features), backend.pointer(dy)) == 16
-    return ((cin * cout <= _GRAD_NARROW or cin >= 64)
-            and grad_weight_fits(backend.dtype_name(features), cin, cout, aligned))
-
-
-def grad_weight_config(cin, cout):
-    """(columns, channels, by_pairs) of grad_weight's tile for a layer of cin (padded) and cout
-    channels: up to 64 x 64 channels, 64 columns across taps by the narrowest of 16, 32 and 64
-    channels that holds cout (else 64), over every site; wider layers with cin >= 64, 128 x 128
-    over the sites that have each tap (tap_pairs): the rows of a tap's pairs are gathered from
-    all over memory, and the wider tile reads each of them fewer times."""
-    if cin >= 64 and cin * cout > _GRAD_NARROW:
-        return 128, 128, True
-    return 64, next((n for m, n in GRAD_TILES if m == 64 and cout <= n), 64), False
-
-
-def grad_weight(backend, features, dy, neighbors, out_dtype):
-    """The weight's gradient of the convolution of features [N_in, cin] through the int32 map
-    neighbors [taps, n_out] whose output's gradient is dy [n_out, cout] (a backend's arrays of
-    one dtype that grad_weight_fits): dw [cout, taps, cin] in out_dtype ("float32", or the
-    features' dtype), dw[co, k, ci] = sum over o of dy[o, co] * features[neighbors[k, o], ci],
-    summed in float32 (TF32 products for float32) in a deterministic order. Splits of the sites
-    write float32 sums to the backend's scratch, which split_sum adds up. Layers wider than 64 x
-    64 channels with cin >= 64 multiply only the sites that have each tap (tap_pairs)."""
-    taps, n_out = neighbors.shape
-    cin, cout = features.shape[1], dy.shape[1]
-    dtype = backend.dtype_name(features)
-    width = padded_width(cin, _kernels.ITEMSIZES[dtype])
-    if width != cin:
-        features = backend.padded(features, width)
-    features, dy = backend.contiguous(features), backend.contiguous(dy)
-    same = out_dtype == dtype  # (the emulated backend's bfloat16 is no NumPy dtype)
-    if n_out == 0 or cout * taps * width == 0:  # a sum of nothing
-        return backend.zeros((cout, taps, cin), features, None if same else out_dtype)
-    out = backend.empty((cout, taps, width), features, None if same else out_dtype)
-    device = backend.device(features)
-    plan = _grad_weight_plan(device, dtype, width, cout, taps, out_dtype)
-    grid, split_sites = grad_weight_grid(device, n_out, plan.tiles, plan.tiles_per_tap > 0)
-    stream = backend.stream(device)
-    cols, splits = taps * width, grid[2]
-    pairs = totals = None
-    if plan.tiles_per_tap:
-        pairs, totals, _counts = tap_pairs(backend, neighbors)
-    direct = splits == 1 and out_dtype == "float32"
-    sums, _owner = ((backend.pointer(out), None) if direct
-                    else backend.float_scratch(device, splits * cout * cols))
-    plan.conv.launch(stream, backend.pointer(features), backend.pointer(dy),
-                     backend.pointer(neighbors), sums, n_out, width, cout, taps, split_sites,
-                     backend.pointer(pairs), backend.pointer(totals), plan.tiles_per_tap,
-                     grid=grid)
-    if not direct:
-        plan.split_sum.launch(stream, sums, 0, backend.pointer(out), cout, cols, cols, splits,
-                              grid=_plan.split_sum_grid(cout, cols))
-    return out if width == cin else out[..., :cin]
-
-
-def tap_pairs(backend, neighbors):
-    """(pairs, totals, counts) of the int32 map neighbors [taps, n_out] (a backend's array, n_out
-    > 0): pairs [taps, n_out] whose row k starts with the sites o that have tap k (neighbors[k,
-    o] >= 0), in order, and totals [taps] how many; counts is the first pass's scratch, kept until
-    the launches are queued."""
-    taps, n_out = neighbors.shape
-    blocks = -(-n_out // _PAIR_SITES)
-    pairs, totals = backend.empty((taps, n_out), neighbors), backend.empty((taps,), neighbors)
-    counts = backend.empty((taps, blocks), neighbors)
-    device = backend.device(neighbors)
-    stream = backend.stream(device)
-    args = [backend.pointer(a) for a in (neighbors, counts, pairs, totals)] + [n_out, blocks]
-    grid = (_checks.grid_dim("site blocks", blocks, 2**31 - 1), _checks.grid_dim("taps", taps), 1)
-    for plan in _pairs_plans(device):
-        plan.launch(stream, *args, grid=grid)
-    return pairs, totals, counts
-
-
-@functools.lru_cache(maxsize=None)
-def _pairs_plans(device):
-    return tuple(_plan.KernelPlan(device, "submanifold", kernel, (_PAIR_THREADS,), (1, 1, 1),
-                                  (_PAIR_THREADS, 1, 1), 0, _records.PAIR_ARGS)
-                 for kernel in ("tap_pair_counts", "tap_pairs"))
-
-
-# A layer's weight gradient, planned once for every number of sites: the kernel's KernelPlan, its
-# CTAs across dw's columns and output channels, column tiles a tap where it multiplies the sites
-# of each tap alone (0: every site, tiles across taps), the split sum's KernelPlan.
-GradWeightPlan = namedtuple("GradWeightPlan", ["conv", "tiles", "tiles_per_tap", "split_sum"])
-
-
-@functools.lru_cache(maxsize=1024)
-def _grad_weight_plan(device, dtype, cin, cout, taps, out_dtype):
-    """The GradWeightPlan of a layer (cin: the padded width) into out_dtype."""
-    columns, channels, by_pairs = grad_weight_config(cin, cout)
-    ctype = _kernels.ARITHMETIC_CTYPES[dtype]
-    conv = _plan.KernelPlan(device, "submanifold", "submanifold_grad_weight",
-                            (ctype, columns, channels), (1, 1, 1), (_GRAD_THREADS, 1, 1), 0,
-                            _records.GRAD_WEIGHT_ARGS, dependent=True)
-    split_sum = _plan.split_sum_plan(device, "submanifold", _kernels.ARITHMETIC_CTYPES[out_dtype],
-                                     dependent=True)
-    tiles_per_tap = -(-cin // columns) if by_pairs else 0
-    tiles = (_checks.grid_dim("weight columns", taps * tiles_per_tap if by_pairs
-                              else -(-taps * cin // columns)),
-             _checks.grid_dim("output channels", -(-cout // channels)))
-    return GradWeightPlan(conv, tiles, tiles_per_tap, split_sum)
-
-
-def grad_weight_grid(device, n_out, tiles, by_pairs=False):
-    """(grid, split_sites) of the weight's gradient at n_out output sites: its tiles x splits of
-    the sites (multiples of _GRAD_SPLIT_SITES), so that the GPU gets about _GRAD_CTAS_PER_SM CTAs
-    an SM (_GRAD_PAIRS_CTAS_PER_SM by pairs)."""
-    parts = max(1, -(-n_out // _GRAD_SPLIT_SITES))
-    splits = _plan.reduction_splits(tiles[0] * tiles[1], parts, _launch.device_info(device).sms,
-                                    _GRAD_PAIRS_CTAS_PER_SM if by_pairs else _GRAD_CTAS_PER_SM)
-    split_sites = -(-parts // splits) * _GRAD_SPLIT_SITES
-    return (*tiles, max(1, -(-n_out // split_sites))), split_sites
-
-
 def instantiations():
-    """Name expressions of every kernel this op can ask for (the compile check builds them)."""
+    """Name expressions of the kernels of kernels/submanifold/submanifold.cu that this module
+    launches (the rulebooks', the gather, the fused convolution and its split sum, the masks;
+    the package adds grad_kernels' and registers them all for the compile check)."""
     fused = [_kernels.ARITHMETIC_CTYPES[dtype] for dtype in _FUSED_DTYPES]
     return ([_kernels.name_expression(rule, dims) for rule in RULE_KERNELS
              for dims in range(1, MAX_DIMS + 1)]
@@ -461,16 +360,10 @@ def instantiations():
             + [_kernels.name_expression("submanifold_fused", _kernels.ARITHMETIC_CTYPES[dtype],
                                         True, MAX_STAGE, tile, _TALL_SLOTS, _TALL_SITES)
                for dtype in _FUSED_DTYPES for tile in FUSED_TILES
-               if tall_tiles(_kernels.ITEMSIZES[dtype], tile)]
-            + [_kernels.name_expression("submanifold_grad_weight", ctype, columns, channels)
-               for ctype in fused for columns, channels in GRAD_TILES]
-            + [_kernels.name_expression(kernel, _PAIR_THREADS)
-               for kernel in ("tap_pair_counts", "tap_pairs")]
+               if tall_tiles(_kernels.ITEMSIZES[dtype], tile)
+               or tile == _TALL_WIDE and tall_wide_tiles(_kernels.ITEMSIZES[dtype], tile)]
             + [_kernels.name_expression("split_sum", ctype) for ctype in fused]
             + [_kernels.name_expression("tap_masks", "int"),
                _kernels.name_expression("ordered_map", "long long")]
             + [_kernels.name_expression("submanifold_gather", word)
                for word in _kernels.STORAGE_CTYPES.values()])
-
-
-_kernels.register_instantiations("submanifold", instantiations)

@@ -12,7 +12,7 @@ from axes import random_array
 import cuda_emulation
 from sbnet_cupy import submanifold as sm
 from sbnet_cupy.core import launch as _launch, plan as _plan
-from sbnet_cupy.submanifold import conv_kernels, cuda_rulebook, validation
+from sbnet_cupy.submanifold import conv_kernels, cuda_rulebook, grad_kernels, validation
 
 TOLERANCE = {numpy.float16: 2e-2, numpy.float32: 1e-5, numpy.float64: 1e-12}
 
@@ -240,7 +240,7 @@ def test_tap_pairs_equal_numpy(rng, n_out):
     neighbors = rng.integers(0, 50, (5, n_out)).astype(numpy.int32)
     neighbors[rng.random((5, n_out)) < 0.6] = -1
     neighbors[1], neighbors[2] = -1, 7
-    pairs, totals, _ = sm.conv_kernels.tap_pairs(CUPY, cupy.asarray(neighbors))
+    pairs, totals, _ = grad_kernels.tap_pairs(CUPY, cupy.asarray(neighbors))
     pairs, totals = pairs.get(), totals.get()
     for k in range(5):
         want = numpy.flatnonzero(neighbors[k] >= 0)
@@ -536,7 +536,7 @@ def test_grad_weight_splits_fill_the_gpu(monkeypatch, by_pairs, per_sm):
     monkeypatch.setattr(_launch, "device_info", lambda device: _launch.H100)  # 132 SMs
     for tiles, n_out in (((27, 1), 100_000), ((54, 2), 30_000), ((8, 1), 700), ((600, 2), 5000),
                          ((27, 1), 1)):
-        grid, split_sites = conv_kernels.grad_weight_grid(0, n_out, tiles, by_pairs)
+        grid, split_sites = grad_kernels.grad_weight_grid(0, n_out, tiles, by_pairs)
         parts = -(-n_out // 256)
         splits = min(parts, max(1, -(-per_sm * 132 // (tiles[0] * tiles[1]))))
         assert grid[:2] == tiles and split_sites % 256 == 0
@@ -628,7 +628,10 @@ def test_fused_tall_rule(monkeypatch):
         assert plan.tall.shared_mem == 2 * (128 + 64) * (128 + 16)
         assert not sm.fused_tall(0, plan, 131 * 128, False)
         assert sm.fused_tall(0, plan, 131 * 128 + 1, False)
-        assert not sm.fused_tall(0, plan, 200_000, True)  # sorted rows: 64-site tiles
+        assert sm.fused_tall(0, plan, 200_000, True)  # sorted rows too: it has tall 128-wide
+        narrow = conv_kernels._fused_plan(0, "float16", True, 32, 64, 27)
+        assert narrow.tall_wide is None and sm.fused_tall(0, narrow, 264 * 128 + 1, False)
+        assert not sm.fused_tall(0, narrow, 200_000, True)  # sorted rows: 64-site tiles
         assert conv_kernels._fused_plan(0, "float16", True, 8, 16, 27).tall is not None
         assert conv_kernels._fused_plan(0, "bfloat16", True, 8, 32, 27).tall is not None
         assert conv_kernels._fused_plan(0, "float32", True, 8, 40, 27).tall is not None
@@ -640,6 +643,80 @@ def test_fused_tall_rule(monkeypatch):
         assert conv_kernels._fused_plan(0, "float16", True, 32, 64, 27).tall is None
     finally:
         conv_kernels._fused_plan.cache_clear()
+
+
+def test_fused_tall_wide_rule(monkeypatch):
+    """Tall 128-wide tiles (128 x 128, four warps of 64 x 64) in 16-bit layers whose cout is a
+    multiple of 128, taken over tall 64-wide ones where their grid takes fewer rounds of the CTAs
+    the GPU runs at once by more than _TALL_WIDE_COST: on an H100 running 3 tall and 2 tall
+    128-wide CTAs an SM (the H200's occupancy), 128 channels from 25,345 to 33,792 sites (64-wide
+    tiles two rounds, 128-wide one)."""
+    monkeypatch.setattr(_launch, "device_info", lambda device: _launch.H100)
+    monkeypatch.setattr(_launch, "function", lambda device, op, kernel, *args: kernel)
+    monkeypatch.setattr(_plan, "max_dynamic_shared", lambda plan, shared: plan.function)
+    monkeypatch.setattr(conv_kernels, "_resident",
+                        lambda conv: 132 * (2 if conv.template_args[3] == 128 else 3))
+    conv_kernels._fused_plan.cache_clear()
+    try:
+        plan = conv_kernels._fused_plan(0, "float16", True, 64, 128, 27)
+        assert plan.tall_wide.name == "submanifold_fused<half_t, true, 128, 128, 2, 128>"
+        assert plan.tall_wide.shared_mem == 2 * (128 + 128) * (128 + 16)
+        for n_out, wide in [(25_344, False), (25_345, True), (33_792, True), (33_793, False),
+                            (10_000, False), (200_000, False)]:
+            assert sm.fused_tall_wide(plan, n_out) == wide, n_out
+        plan = conv_kernels._fused_plan(0, "bfloat16", True, 32, 256, 27)  # four 64-wide tiles
+        assert plan.tall_wide.name == "submanifold_fused<bfloat16_t, true, 128, 128, 2, 128>"
+        # 64-wide tiles: 2 rounds from 12,673 sites; 128-wide: 1 round up to 16,896.
+        assert [sm.fused_tall_wide(plan, n) for n in (12_672, 12_673, 16_896, 16_897)] == [
+            False, True, True, False]
+        for dtype, aligned, cin, cout in [("float32", True, 32, 128), ("float16", True, 32, 192),
+                                          ("float16", True, 32, 64), ("float16", False, 32, 128),
+                                          ("float16", True, 12, 128)]:
+            plan = conv_kernels._fused_plan(0, dtype, aligned, cin, cout, 27)
+            assert plan.tall_wide is None and not sm.fused_tall_wide(plan, 30_000)
+            assert sm.tall_wide_tiles(numpy.dtype(dtype).itemsize, cout) == (
+                dtype == "float16" and cout % 128 == 0)
+    finally:
+        conv_kernels._fused_plan.cache_clear()
+
+
+@requires_gpu
+@pytest.mark.parametrize("cin, cout", [(64, 128), (24, 256), (128, 128)])
+@pytest.mark.parametrize("rule", [False, True], ids=["forced", "rule"])
+def test_fused_tall_wide_tiles(rng, monkeypatch, cin, cout, rule):
+    """Tall 128-wide tiles against float64 on the GPU (float16; bfloat16 in the emulated
+    tests): forced on a small layer (a partial tile of sites, several channel tiles), and at
+    sites where the rule takes them on this GPU (the 64-wide tall tiles' grid one round and a
+    bit, the 128-wide one round)."""
+    import cupy
+
+    from conftest import _poison_pool
+
+    dtype = numpy.float16
+    conv_kernels._fused_plan.cache_clear()
+    if rule:
+        plan = conv_kernels._fused_plan(0, "float16", True, cin, cout, 27)
+        tiles = conv_kernels._resident(plan.tall) // (cout // 64) + 1
+        if tiles > conv_kernels._resident(plan.tall_wide) // (cout // 128):
+            pytest.skip("no number of sites where this GPU's occupancy takes them")
+        n, shape = tiles * 128, (40, 64, 64)
+        assert sm.fused_tall_wide(plan, n)
+    else:
+        monkeypatch.setattr(conv_kernels, "fused_tall",
+                            lambda device, plan, n_out, sorted_rows: True)
+        monkeypatch.setattr(conv_kernels, "fused_tall_wide", lambda plan, n_out: True)
+        n, shape = 700, (12, 14, 16)
+    _poison_pool()
+    rulebook = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, shape, n)), shape, 2, 3)
+    x = cupy.asarray(random_array(rng, (n, cin), numpy.float32).astype(dtype))
+    w = cupy.asarray(random_array(rng, (cout, 3, 3, 3, cin), numpy.float32).astype(dtype))
+    b = cupy.asarray(random_array(rng, (cout,), numpy.float32).astype(dtype))
+    try:
+        y = sm.rulebook_conv(x, rulebook, w, b, algo="fused")
+    finally:
+        conv_kernels._fused_plan.cache_clear()
+    f64 = cupy.float64
+    close(y, sm.rulebook_conv(x.astype(f64), rulebook, w.astype(f64), b.astype(f64)).get(), dtype)
 
 
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])

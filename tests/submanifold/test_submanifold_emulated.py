@@ -12,7 +12,7 @@ import cuda_emulation
 from axes import random_array
 from sbnet_cupy import submanifold
 from sbnet_cupy.core import launch
-from sbnet_cupy.submanifold import conv_kernels, cuda_rulebook
+from sbnet_cupy.submanifold import conv_kernels, cuda_rulebook, grad_kernels
 from test_submanifold import CASES, colliding_keys, random_sites
 
 pytestmark = [pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++"),
@@ -35,8 +35,9 @@ def kernels(emulation_dir):
 
 
 # The plans of the launches, which keep the kernels they were made with (emulated ones here).
-PLANS = (conv_kernels._fused_plan, conv_kernels._grad_weight_plan, conv_kernels._gather_plan,
-         conv_kernels._masks_plan, conv_kernels._pairs_plans, cuda_rulebook._rule_plan)
+PLANS = (conv_kernels._fused_plan, conv_kernels._resident, conv_kernels._gather_plan,
+         conv_kernels._masks_plan, grad_kernels._grad_weight_plan, grad_kernels._pairs_plans,
+         cuda_rulebook._rule_plan)
 
 
 @pytest.fixture
@@ -316,7 +317,7 @@ def test_tap_pairs_equal_numpy(rng, launched, n_out):
     neighbors[rng.random((4, n_out)) < 0.6] = -1
     neighbors[1] = -1
     neighbors[2] = 7
-    pairs, totals, _ = conv_kernels.tap_pairs(cuda_emulation.HostMemory(), neighbors)
+    pairs, totals, _ = grad_kernels.tap_pairs(cuda_emulation.HostMemory(), neighbors)
     for k in range(4):
         want = numpy.flatnonzero(neighbors[k] >= 0)
         assert totals[k] == want.size
@@ -482,6 +483,34 @@ def test_fused_tall_tiles(rng, launched, monkeypatch, dtype, cin, cout, split):
     want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
     tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
     numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
+                                  atol=tolerance * max(1.0, numpy.abs(want).max()))
+
+
+@pytest.mark.parametrize("dtype, cin, cout, split", [
+    ("float16", 32, 128, 1), ("float16", 24, 256, 3), ("bfloat16", 8, 128, 1)])
+def test_fused_tall_wide_tiles(rng, launched, monkeypatch, dtype, cin, cout, split):
+    """Tall 128-wide tiles (128 sites x 128 channels, four warps of 64 x 64) compute the
+    definition wherever the plan has them (fused_tall and fused_tall_wide forced): a partial last
+    tile of sites, several channel tiles, split taps, bias, absent neighbours."""
+    monkeypatch.setattr(conv_kernels, "fused_tall", lambda device, plan, n_out, sorted_rows: True)
+    monkeypatch.setattr(conv_kernels, "fused_tall_wide", lambda plan, n_out: True)
+    monkeypatch.setattr(conv_kernels, "fused_splits", lambda device, tiles, taps: split)
+    n_in, n_out, taps = 150, 200, 9
+    features = random_array(rng, (n_in, cin), numpy.float32)
+    weight = random_array(rng, (cout, taps, cin), numpy.float32)
+    bias = random_array(rng, (cout,), numpy.float32)
+    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
+    neighbors[rng.random((taps, n_out)) < 0.6] = -1
+    out = submanifold.fused_conv(cuda_emulation.HostMemory(), _bits(features, dtype),
+                                 _bits(weight, dtype), _bits(bias, dtype), neighbors)
+    ctype = {"float16": "half_t", "bfloat16": "bfloat16_t"}[dtype]
+    assert launched[0][0] == f"submanifold_fused<{ctype}, true, 128, 128, 2, 128>"
+    assert launched[0][1] == (-(-n_out // 128), cout // 128, -(-taps // -(-taps // split)))
+    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
+    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
+    got = (out.astype(numpy.uint32) << 16).view(numpy.float32) if dtype == "bfloat16" else out
+    tolerance = {"float16": 2e-3, "bfloat16": 8e-3}[dtype]
+    numpy.testing.assert_allclose(got.astype(numpy.float64), want, rtol=0,
                                   atol=tolerance * max(1.0, numpy.abs(want).max()))
 
 

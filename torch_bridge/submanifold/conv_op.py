@@ -20,8 +20,8 @@ import torch
 
 from sbnet_cupy.core import checks as _checks
 from sbnet_cupy.submanifold.conv import choose_algo
-from sbnet_cupy.submanifold.conv_kernels import (fused_conv, fused_sorts, gather_rows,
-                                                 grad_weight, grad_weight_takes)
+from sbnet_cupy.submanifold.conv_kernels import fused_conv, fused_sorts, gather_rows
+from sbnet_cupy.submanifold.grad_kernels import grad_weight, grad_weight_takes
 from sbnet_cupy.submanifold.validation import check_algo, check_operands
 
 from .._ops import _contiguous, _register, _same_device, _traced
