@@ -159,7 +159,7 @@ def fused_conv(backend, features, weight, bias, neighbors, order=None, relu=Fals
     x, w = backend.pointer(features), backend.pointer(weight)
     plan = _fused_plan(device, dtype, _checks.alignment(x, w) == 16, cin, cout, taps, bool(relu))
     tall = fused_tall(device, plan, n_out, order is not None)
-    wide = tall and fused_tall_wide(plan, n_out)
+    wide = tall and fused_tall_wide(plan, n_out, order is not None)
     conv = plan.tall_wide if wide else plan.tall if tall else plan.conv
     # A layer with tall 128-wide tiles has 64-wide ones (fused_config) in pairs.
     channel_tiles = plan.channel_tiles // 2 if wide else plan.channel_tiles
@@ -318,13 +318,17 @@ def fused_tall(device, plan, n_out, sorted_rows):
             >= _TALL_CTAS_PER_SM * _launch.device_info(device).sms)
 
 
-def fused_tall_wide(plan, n_out):
+def fused_tall_wide(plan, n_out, sorted_rows):
     """Whether a call that takes tall tiles (fused_tall) takes the plan's tall 128-wide ones
-    instead: where their grid takes fewer rounds of the CTAs the GPU runs at once, by more than
-    their CTAs' extra time (_TALL_WIDE_COST). Half the CTAs, but fewer fit an SM (twice the
-    accumulators): they pay where 64-wide tiles would run a nearly empty last round."""
+    instead: on rows sorted by neighbour mask, always (measured faster in every sorted layer
+    tried); on unsorted ones, where their grid takes fewer rounds of the CTAs the GPU runs at
+    once, by more than their CTAs' extra time (_TALL_WIDE_COST). Half the CTAs, but fewer fit an
+    SM (twice the accumulators): they pay where 64-wide tiles would run a nearly empty last
+    round."""
     if plan.tall_wide is None:
         return False
+    if sorted_rows:
+        return True
     tiles = -(-n_out // _TALL_SITES)
     rounds = -(-tiles * plan.channel_tiles // _resident(plan.tall))
     wide_rounds = -(-tiles * (plan.channel_tiles // 2) // _resident(plan.tall_wide))

@@ -663,17 +663,18 @@ def test_fused_tall_wide_rule(monkeypatch):
         assert plan.tall_wide.shared_mem == 2 * (128 + 128) * (128 + 16)
         for n_out, wide in [(25_344, False), (25_345, True), (33_792, True), (33_793, False),
                             (10_000, False), (200_000, False)]:
-            assert sm.fused_tall_wide(plan, n_out) == wide, n_out
+            assert sm.fused_tall_wide(plan, n_out, False) == wide, n_out
+            assert sm.fused_tall_wide(plan, n_out, True)  # sorted rows: always
         plan = conv_kernels._fused_plan(0, "bfloat16", True, 32, 256, 27)  # four 64-wide tiles
         assert plan.tall_wide.name == "submanifold_fused<bfloat16_t, true, 128, 128, 2, 128>"
         # 64-wide tiles: 2 rounds from 12,673 sites; 128-wide: 1 round up to 16,896.
-        assert [sm.fused_tall_wide(plan, n) for n in (12_672, 12_673, 16_896, 16_897)] == [
-            False, True, True, False]
+        assert [sm.fused_tall_wide(plan, n, False)
+                for n in (12_672, 12_673, 16_896, 16_897)] == [False, True, True, False]
         for dtype, aligned, cin, cout in [("float32", True, 32, 128), ("float16", True, 32, 192),
                                           ("float16", True, 32, 64), ("float16", False, 32, 128),
                                           ("float16", True, 12, 128)]:
             plan = conv_kernels._fused_plan(0, dtype, aligned, cin, cout, 27)
-            assert plan.tall_wide is None and not sm.fused_tall_wide(plan, 30_000)
+            assert plan.tall_wide is None and not sm.fused_tall_wide(plan, 30_000, True)
             assert sm.tall_wide_tiles(numpy.dtype(dtype).itemsize, cout) == (
                 dtype == "float16" and cout % 128 == 0)
     finally:
@@ -700,11 +701,12 @@ def test_fused_tall_wide_tiles(rng, monkeypatch, cin, cout, rule):
         if tiles > conv_kernels._resident(plan.tall_wide) // (cout // 128):
             pytest.skip("no number of sites where this GPU's occupancy takes them")
         n, shape = tiles * 128, (40, 64, 64)
-        assert sm.fused_tall_wide(plan, n)
+        assert sm.fused_tall_wide(plan, n, False)
     else:
         monkeypatch.setattr(conv_kernels, "fused_tall",
                             lambda device, plan, n_out, sorted_rows: True)
-        monkeypatch.setattr(conv_kernels, "fused_tall_wide", lambda plan, n_out: True)
+        monkeypatch.setattr(conv_kernels, "fused_tall_wide",
+                            lambda plan, n_out, sorted_rows: True)
         n, shape = 700, (12, 14, 16)
     _poison_pool()
     rulebook = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, shape, n)), shape, 2, 3)

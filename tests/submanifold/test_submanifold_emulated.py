@@ -486,14 +486,17 @@ def test_fused_tall_tiles(rng, launched, monkeypatch, dtype, cin, cout, split):
                                   atol=tolerance * max(1.0, numpy.abs(want).max()))
 
 
-@pytest.mark.parametrize("dtype, cin, cout, split", [
-    ("float16", 32, 128, 1), ("float16", 24, 256, 3), ("bfloat16", 8, 128, 1)])
-def test_fused_tall_wide_tiles(rng, launched, monkeypatch, dtype, cin, cout, split):
+@pytest.mark.parametrize("dtype, cin, cout, split, ordered", [
+    ("float16", 32, 128, 1, False), ("float16", 24, 256, 3, False), ("bfloat16", 8, 128, 1, False),
+    ("float16", 32, 256, 1, True)])
+def test_fused_tall_wide_tiles(rng, launched, monkeypatch, dtype, cin, cout, split, ordered):
     """Tall 128-wide tiles (128 sites x 128 channels, four warps of 64 x 64) compute the
-    definition wherever the plan has them (fused_tall and fused_tall_wide forced): a partial last
-    tile of sites, several channel tiles, split taps, bias, absent neighbours."""
+    definition wherever the plan has them (fused_tall forced; fused_tall_wide forced on unsorted
+    rows, its own choice on rows in a given order): a partial last tile of sites, several channel
+    tiles, split taps, bias, absent neighbours, output rows taken in a permuted order."""
     monkeypatch.setattr(conv_kernels, "fused_tall", lambda device, plan, n_out, sorted_rows: True)
-    monkeypatch.setattr(conv_kernels, "fused_tall_wide", lambda plan, n_out: True)
+    if not ordered:
+        monkeypatch.setattr(conv_kernels, "fused_tall_wide", lambda plan, n_out, sorted_rows: True)
     monkeypatch.setattr(conv_kernels, "fused_splits", lambda device, tiles, taps: split)
     n_in, n_out, taps = 150, 200, 9
     features = random_array(rng, (n_in, cin), numpy.float32)
@@ -501,8 +504,12 @@ def test_fused_tall_wide_tiles(rng, launched, monkeypatch, dtype, cin, cout, spl
     bias = random_array(rng, (cout,), numpy.float32)
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
     neighbors[rng.random((taps, n_out)) < 0.6] = -1
+    order = None
+    if ordered:  # Rulebook.fused_order's layout: the permutation, then the map's columns in it
+        permutation = rng.permutation(n_out)
+        order = numpy.vstack([permutation, neighbors[:, permutation]]).astype(numpy.int32)
     out = submanifold.fused_conv(cuda_emulation.HostMemory(), _bits(features, dtype),
-                                 _bits(weight, dtype), _bits(bias, dtype), neighbors)
+                                 _bits(weight, dtype), _bits(bias, dtype), neighbors, order)
     ctype = {"float16": "half_t", "bfloat16": "bfloat16_t"}[dtype]
     assert launched[0][0] == f"submanifold_fused<{ctype}, true, 128, 128, 2, 128>"
     assert launched[0][1] == (-(-n_out // 128), cout // 128, -(-taps // -(-taps // split)))
