@@ -376,28 +376,38 @@ def test_fused_tall_tiles(rng, monkeypatch, dtype, cin, cout, rule):
     """128-site tiles (fused_tall) against float64 on the GPU: forced on a small layer (partial
     tiles of sites and channels, TF32's 16-wide tiles and 128-wide tiles falling back to 64
     sites), and by the rule at 40k sites, where they fill an H100 or H200."""
-    import cupy
-
-    from conftest import _poison_pool
-
     if not rule:
         monkeypatch.setattr(conv_kernels, "fused_tall",
                             lambda device, plan, n_out, sorted_rows: plan.tall is not None)
     conv_kernels._fused_plan.cache_clear()
-    _poison_pool()
     shape, n = ((12, 14, 16), 700) if not rule else ((40, 64, 64), 40_000)
-    rulebook = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, shape, n)), shape, 2, 3)
-    x = cupy.asarray(random_array(rng, (n, cin), numpy.float32).astype(dtype))
-    w = cupy.asarray(random_array(rng, (cout, 3, 3, 3, cin), numpy.float32).astype(dtype))
-    b = cupy.asarray(random_array(rng, (cout,), numpy.float32).astype(dtype))
+    _fused_matches_float64(rng, shape, n, cin, cout, dtype)
     try:
-        y = sm.rulebook_conv(x, rulebook, w, b, algo="fused")
         plan = conv_kernels._fused_plan(0, numpy.dtype(dtype).name, True, cin, cout, 27)
     finally:
         conv_kernels._fused_plan.cache_clear()
     itemsize = numpy.dtype(dtype).itemsize
     assert (plan.tall is not None) == conv_kernels.tall_tiles(
         itemsize, conv_kernels.fused_config(True, itemsize, cout)[1])
+
+
+def _fused_matches_float64(rng, shape, n, cin, cout, dtype):
+    """A 3x3x3 fused convolution of random features, weight and bias of `dtype` on n random
+    sites of two frames of `shape`, memory poisoned first, against float64 (the plans made for
+    it are dropped after)."""
+    import cupy
+
+    from conftest import _poison_pool
+
+    _poison_pool()
+    rulebook = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, shape, n)), shape, 2, 3)
+    x = cupy.asarray(random_array(rng, (n, cin), numpy.float32).astype(dtype))
+    w = cupy.asarray(random_array(rng, (cout, 3, 3, 3, cin), numpy.float32).astype(dtype))
+    b = cupy.asarray(random_array(rng, (cout,), numpy.float32).astype(dtype))
+    try:
+        y = sm.rulebook_conv(x, rulebook, w, b, algo="fused")
+    finally:
+        conv_kernels._fused_plan.cache_clear()
     f64 = cupy.float64
     close(y, sm.rulebook_conv(x.astype(f64), rulebook, w.astype(f64), b.astype(f64)).get(), dtype)
 
@@ -689,11 +699,6 @@ def test_fused_tall_wide_tiles(rng, monkeypatch, cin, cout, rule):
     tests): forced on a small layer (a partial tile of sites, several channel tiles), and at
     sites where the rule takes them on this GPU (the 64-wide tall tiles' grid one round and a
     bit, the 128-wide one round)."""
-    import cupy
-
-    from conftest import _poison_pool
-
-    dtype = numpy.float16
     conv_kernels._fused_plan.cache_clear()
     if rule:
         plan = conv_kernels._fused_plan(0, "float16", True, cin, cout, 27)
@@ -708,17 +713,7 @@ def test_fused_tall_wide_tiles(rng, monkeypatch, cin, cout, rule):
         monkeypatch.setattr(conv_kernels, "fused_tall_wide",
                             lambda plan, n_out, sorted_rows: True)
         n, shape = 700, (12, 14, 16)
-    _poison_pool()
-    rulebook = sm.submanifold_rulebook(cupy.asarray(random_sites(rng, 2, shape, n)), shape, 2, 3)
-    x = cupy.asarray(random_array(rng, (n, cin), numpy.float32).astype(dtype))
-    w = cupy.asarray(random_array(rng, (cout, 3, 3, 3, cin), numpy.float32).astype(dtype))
-    b = cupy.asarray(random_array(rng, (cout,), numpy.float32).astype(dtype))
-    try:
-        y = sm.rulebook_conv(x, rulebook, w, b, algo="fused")
-    finally:
-        conv_kernels._fused_plan.cache_clear()
-    f64 = cupy.float64
-    close(y, sm.rulebook_conv(x.astype(f64), rulebook, w.astype(f64), b.astype(f64)).get(), dtype)
+    _fused_matches_float64(rng, shape, n, cin, cout, numpy.float16)
 
 
 @pytest.mark.parametrize("subm", [True, False], ids=["subm", "strided"])

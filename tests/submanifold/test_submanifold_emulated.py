@@ -409,6 +409,13 @@ def test_ordered_map_equals_numpy(rng, launched, n):
     numpy.testing.assert_array_equal(rows, numpy.concatenate([order[None], neighbors[:, order]]))
 
 
+def _random_order(rng, neighbors):
+    """A random order of the map's output rows in Rulebook.fused_order's layout: int32 [1 + taps,
+    n_out], the permutation, then the map's columns in it."""
+    permutation = rng.permutation(neighbors.shape[1]).astype(numpy.int32)
+    return numpy.concatenate([permutation[None], neighbors[:, permutation]])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("n_out, cin, cout", [(150, 16, 24), (70, 40, 130)])
 def test_fused_in_an_order_equals_definition(rng, launched, dtype, n_out, cin, cout):
@@ -421,8 +428,7 @@ def test_fused_in_an_order_equals_definition(rng, launched, dtype, n_out, cin, c
     bias = random_array(rng, (cout,), numpy.float32)
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
     neighbors[rng.random((taps, n_out)) < 0.6] = -1
-    permutation = rng.permutation(n_out).astype(numpy.int32)
-    order = numpy.concatenate([permutation[None], neighbors[:, permutation]])
+    order = _random_order(rng, neighbors)
     f, w, b = (a.astype(dtype) for a in (features, weight, bias))
     out = submanifold.fused_conv(cuda_emulation.HostMemory(), f, w, b, neighbors, order)
     gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
@@ -504,10 +510,7 @@ def test_fused_tall_wide_tiles(rng, launched, monkeypatch, dtype, cin, cout, spl
     bias = random_array(rng, (cout,), numpy.float32)
     neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
     neighbors[rng.random((taps, n_out)) < 0.6] = -1
-    order = None
-    if ordered:  # Rulebook.fused_order's layout: the permutation, then the map's columns in it
-        permutation = rng.permutation(n_out)
-        order = numpy.vstack([permutation, neighbors[:, permutation]]).astype(numpy.int32)
+    order = _random_order(rng, neighbors) if ordered else None
     out = submanifold.fused_conv(cuda_emulation.HostMemory(), _bits(features, dtype),
                                  _bits(weight, dtype), _bits(bias, dtype), neighbors, order)
     ctype = {"float16": "half_t", "bfloat16": "bfloat16_t"}[dtype]
