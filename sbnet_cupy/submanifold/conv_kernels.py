@@ -320,16 +320,17 @@ def fused_tall(device, plan, n_out, sorted_rows):
 
 def fused_tall_wide(plan, n_out, sorted_rows):
     """Whether a call that takes tall tiles (fused_tall) takes the plan's tall 128-wide ones
-    instead: on rows sorted by neighbour mask, always (measured faster in every sorted layer
-    tried); on unsorted ones, where their grid takes fewer rounds of the CTAs the GPU runs at
-    once, by more than their CTAs' extra time (_TALL_WIDE_COST). Half the CTAs, but fewer fit an
-    SM (twice the accumulators): they pay where 64-wide tiles would run a nearly empty last
-    round."""
+    instead. Half the CTAs, but fewer fit an SM (twice the accumulators). On rows sorted by
+    neighbour mask: where the 64-wide tall tiles take more than one round of the CTAs the GPU
+    runs at once (measured faster at every such size; where 64-wide ones fit in one round, the
+    128-wide grid fills under three quarters of one and measured slower). On unsorted rows:
+    where their grid takes fewer rounds by more than their CTAs' extra time (_TALL_WIDE_COST):
+    they pay where 64-wide tiles would run a nearly empty last round."""
     if plan.tall_wide is None:
         return False
-    if sorted_rows:
-        return True
     tiles = -(-n_out // _TALL_SITES)
+    if sorted_rows:
+        return tiles * plan.channel_tiles > _resident(plan.tall)
     rounds = -(-tiles * plan.channel_tiles // _resident(plan.tall))
     wide_rounds = -(-tiles * (plan.channel_tiles // 2) // _resident(plan.tall_wide))
     return wide_rounds * _TALL_WIDE_COST < rounds

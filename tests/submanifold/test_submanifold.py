@@ -658,9 +658,10 @@ def test_fused_tall_rule(monkeypatch):
 def test_fused_tall_wide_rule(monkeypatch):
     """Tall 128-wide tiles (128 x 128, four warps of 64 x 64) in 16-bit layers whose cout is a
     multiple of 128, taken over tall 64-wide ones where their grid takes fewer rounds of the CTAs
-    the GPU runs at once by more than _TALL_WIDE_COST: on an H100 running 3 tall and 2 tall
-    128-wide CTAs an SM (the H200's occupancy), 128 channels from 25,345 to 33,792 sites (64-wide
-    tiles two rounds, 128-wide one)."""
+    the GPU runs at once by more than _TALL_WIDE_COST, and on sorted rows wherever the 64-wide
+    ones take more than one round: on an H100 running 3 tall and 2 tall 128-wide CTAs an SM (the
+    H200's occupancy), 128 channels from 25,345 to 33,792 sites (64-wide tiles two rounds,
+    128-wide one), and from 25,345 on sorted rows."""
     monkeypatch.setattr(_launch, "device_info", lambda device: _launch.H100)
     monkeypatch.setattr(_launch, "function", lambda device, op, kernel, *args: kernel)
     monkeypatch.setattr(_plan, "max_dynamic_shared", lambda plan, shared: plan.function)
@@ -674,12 +675,14 @@ def test_fused_tall_wide_rule(monkeypatch):
         for n_out, wide in [(25_344, False), (25_345, True), (33_792, True), (33_793, False),
                             (10_000, False), (200_000, False)]:
             assert sm.fused_tall_wide(plan, n_out, False) == wide, n_out
-            assert sm.fused_tall_wide(plan, n_out, True)  # sorted rows: always
+            assert sm.fused_tall_wide(plan, n_out, True) == (n_out > 25_344), n_out
         plan = conv_kernels._fused_plan(0, "bfloat16", True, 32, 256, 27)  # four 64-wide tiles
         assert plan.tall_wide.name == "submanifold_fused<bfloat16_t, true, 128, 128, 2, 128>"
         # 64-wide tiles: 2 rounds from 12,673 sites; 128-wide: 1 round up to 16,896.
         assert [sm.fused_tall_wide(plan, n, False)
                 for n in (12_672, 12_673, 16_896, 16_897)] == [False, True, True, False]
+        assert [sm.fused_tall_wide(plan, n, True)
+                for n in (12_672, 12_673, 16_897, 200_000)] == [False, True, True, True]
         for dtype, aligned, cin, cout in [("float32", True, 32, 128), ("float16", True, 32, 192),
                                           ("float16", True, 32, 64), ("float16", False, 32, 128),
                                           ("float16", True, 12, 128)]:

@@ -497,12 +497,11 @@ def test_fused_tall_tiles(rng, launched, monkeypatch, dtype, cin, cout, split):
     ("float16", 32, 256, 1, True)])
 def test_fused_tall_wide_tiles(rng, launched, monkeypatch, dtype, cin, cout, split, ordered):
     """Tall 128-wide tiles (128 sites x 128 channels, four warps of 64 x 64) compute the
-    definition wherever the plan has them (fused_tall forced; fused_tall_wide forced on unsorted
-    rows, its own choice on rows in a given order): a partial last tile of sites, several channel
-    tiles, split taps, bias, absent neighbours, output rows taken in a permuted order."""
+    definition wherever the plan has them (fused_tall and fused_tall_wide forced): a partial
+    last tile of sites, several channel tiles, split taps, bias, absent neighbours, output rows
+    taken in a permuted order."""
     monkeypatch.setattr(conv_kernels, "fused_tall", lambda device, plan, n_out, sorted_rows: True)
-    if not ordered:
-        monkeypatch.setattr(conv_kernels, "fused_tall_wide", lambda plan, n_out, sorted_rows: True)
+    monkeypatch.setattr(conv_kernels, "fused_tall_wide", lambda plan, n_out, sorted_rows: True)
     monkeypatch.setattr(conv_kernels, "fused_splits", lambda device, tiles, taps: split)
     n_in, n_out, taps = 150, 200, 9
     features = random_array(rng, (n_in, cin), numpy.float32)
