@@ -232,6 +232,41 @@ def _bits(a, dtype):
     return a.astype(dtype)
 
 
+_TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 8e-3}
+
+
+def _random_layer(rng, n_in, n_out, cin, cout, taps, absent):
+    """A layer's float32 features [n_in, cin], weight [cout, taps, cin] and bias [cout] (random,
+    never zeros) and its int32 map [taps, n_out], each neighbour absent (-1) with probability
+    `absent`."""
+    features = random_array(rng, (n_in, cin), numpy.float32)
+    weight = random_array(rng, (cout, taps, cin), numpy.float32)
+    bias = random_array(rng, (cout,), numpy.float32)
+    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
+    neighbors[rng.random((taps, n_out)) < absent] = -1
+    return features, weight, bias, neighbors
+
+
+def _gathered(features, neighbors):
+    """features[neighbors[k, o]] at [k, o], zeros where the neighbour is absent, in float64."""
+    return numpy.where(neighbors[..., None] >= 0, features[neighbors], 0).astype(numpy.float64)
+
+
+def _definition(features, weight, bias, neighbors):
+    """The convolution from its definition, in float64: out[o, c] = bias[c] + the sum over taps
+    k and channels s of weight[c, k, s] * features[neighbors[k, o], s] (bias None: no bias)."""
+    want = numpy.einsum("kos,cks->oc", _gathered(features, neighbors), weight)
+    return want if bias is None else want + bias
+
+
+def _assert_matches(out, want, dtype):
+    """A kernel's out (dtype's storage: _bits) equals want within dtype's tolerance, relative to
+    want's largest magnitude (at least 1)."""
+    got = (out.astype(numpy.uint32) << 16).view(numpy.float32) if dtype == "bfloat16" else out
+    numpy.testing.assert_allclose(got.astype(numpy.float64), want, rtol=0,
+                                  atol=_TOLERANCE[dtype] * max(1.0, numpy.abs(want).max()))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("n_in, n_out, cin, cout, taps", [
     (50, 70, 16, 24, 9), (200, 130, 40, 70, 27), (30, 20, 3, 8, 5), (30, 20, 17, 8, 5),
@@ -244,23 +279,12 @@ def test_fused_equals_definition(rng, launched, dtype, n_in, n_out, cin, cout, t
     wide, part tiles of sites and channels, absent neighbours, taps no site has, more taps than
     a group of 32, bias, and taps split over CTAs (their float sums added in order by
     split_sum) where the sites are few."""
-    features = random_array(rng, (n_in, cin), numpy.float32)
-    weight = random_array(rng, (cout, taps, cin), numpy.float32)
-    bias = random_array(rng, (cout,), numpy.float32)
-    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
-    neighbors[rng.random((taps, n_out)) < 0.4] = -1
+    features, weight, bias, neighbors = _random_layer(rng, n_in, n_out, cin, cout, taps, 0.4)
     neighbors[taps // 2] = -1  # a tap no site has
-    f, w, b = (_bits(a, dtype if dtype != "float32" else numpy.float32)
-               for a in (features, weight, bias))
+    f, w, b = (_bits(a, dtype) for a in (features, weight, bias))
     memory = cuda_emulation.HostMemory()
     out = submanifold.fused_conv(memory, f, w, b, neighbors)
-    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)  # [taps, n_out, cin]
-    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
-    got = (out.astype(numpy.uint32) << 16).view(numpy.float32) if dtype == "bfloat16" else out
-    tolerance = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 8e-3}[dtype]
-    scale = max(1.0, numpy.abs(want).max())
-    numpy.testing.assert_allclose(got.astype(numpy.float64), want, rtol=0,
-                                  atol=tolerance * scale)
+    _assert_matches(out, _definition(features, weight, bias, neighbors), dtype)
     assert [name.split("<")[0] for name, *_ in launched] == (
         ["submanifold_fused", "split_sum"] if memory.scratch else ["submanifold_fused"])
 
@@ -291,9 +315,7 @@ def test_grad_weight_equals_definition(rng, launched, dtype, n_in, n_out, cin, c
     neighbors[rng.random((taps, n_out)) < 0.4] = -1
     neighbors[taps // 2] = -1  # a tap no site has
     f, g = (_bits(a, dtype) for a in (features, dy))
-    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)  # [taps, n_out, cin]
-    want = numpy.einsum("oc,kos->cks", dy.astype(numpy.float64), gathered)
-    scale = max(1.0, numpy.abs(want).max())
+    want = numpy.einsum("oc,kos->cks", dy.astype(numpy.float64), _gathered(features, neighbors))
     assert submanifold.grad_weight_fits(dtype, cin, cout, True)
     # The route: the kernel up to 64 x 64 channels or from 64 input channels.
     assert submanifold.grad_weight_takes(cuda_emulation.HostMemory(), f, g) == (
@@ -302,11 +324,7 @@ def test_grad_weight_equals_definition(rng, launched, dtype, n_in, n_out, cin, c
         memory = cuda_emulation.HostMemory()
         out = submanifold.grad_weight(memory, f, g, neighbors, out_dtype)
         assert out.shape == (cout, taps, cin)
-        got = ((out.astype(numpy.uint32) << 16).view(numpy.float32)
-               if out_dtype == "bfloat16" else out)
-        tolerance = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 8e-3}[out_dtype]
-        numpy.testing.assert_allclose(got.astype(numpy.float64), want, rtol=0,
-                                      atol=tolerance * scale)
+        _assert_matches(out, want, out_dtype)
 
 
 @pytest.mark.parametrize("n_out", [1, 1024, 2500])
@@ -340,21 +358,13 @@ def test_fused_relu_equals_definition(rng, launched, dtype, n_out, split, cout):
     """relu=True: max(0, sum + bias) written by the kernel's epilogue, or by the split sum where
     the taps are split over CTAs (few sites); about half the outputs are negative before it.
     Even cout: column pairs stored as one vector; odd: one at a time."""
-    n_in, cin, taps = 60, 16, 9
-    features = random_array(rng, (n_in, cin), numpy.float32)
-    weight = random_array(rng, (cout, taps, cin), numpy.float32)
-    bias = random_array(rng, (cout,), numpy.float32)
-    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
-    neighbors[rng.random((taps, n_out)) < 0.4] = -1
+    features, weight, bias, neighbors = _random_layer(rng, 60, n_out, 16, cout, 9, 0.4)
     f, w, b = (a.astype(dtype) for a in (features, weight, bias))
     memory = cuda_emulation.HostMemory()
     out = submanifold.fused_conv(memory, f, w, b, neighbors, relu=True)
-    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
-    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
+    want = _definition(features, weight, bias, neighbors)
     assert 0.3 < (want < 0).mean() < 0.7
-    tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
-    numpy.testing.assert_allclose(out.astype(numpy.float64), numpy.maximum(want, 0), rtol=0,
-                                  atol=tolerance * max(1.0, numpy.abs(want).max()))
+    _assert_matches(out, numpy.maximum(want, 0), dtype)
     assert bool(memory.scratch) == split
 
 
@@ -364,21 +374,15 @@ def test_fused_layer_at_changing_sites_equals_definition(rng, launched, dtype):
     frame): 300 sites (unsplit), 70 (taps in 2 splits), 20 (in 3 splits of 3 taps: 4 asked on
     the 2 SMs), 300 again, one after another with the ReLU, each equal to the definition on its
     own grid."""
-    n_in, cin, cout, taps = 60, 16, 24, 9
-    weight = random_array(rng, (cout, taps, cin), numpy.float32)
-    bias = random_array(rng, (cout,), numpy.float32)
+    _, weight, bias, _ = _random_layer(rng, 60, 0, 16, 24, 9, 0.4)
+    w, b = weight.astype(dtype), bias.astype(dtype)
     grids = []
     for n_out in (300, 70, 20, 300):
-        features = random_array(rng, (n_in, cin), numpy.float32)
-        neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
-        neighbors[rng.random((taps, n_out)) < 0.4] = -1
-        f, w, b = (a.astype(dtype) for a in (features, weight, bias))
-        out = submanifold.fused_conv(cuda_emulation.HostMemory(), f, w, b, neighbors, relu=True)
-        gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
-        want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
-        tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
-        numpy.testing.assert_allclose(out.astype(numpy.float64), numpy.maximum(want, 0), rtol=0,
-                                      atol=tolerance * max(1.0, numpy.abs(want).max()))
+        features, _, _, neighbors = _random_layer(rng, 60, n_out, 16, 24, 9, 0.4)
+        out = submanifold.fused_conv(cuda_emulation.HostMemory(), features.astype(dtype), w, b,
+                                     neighbors, relu=True)
+        _assert_matches(out, numpy.maximum(_definition(features, weight, bias, neighbors), 0),
+                        dtype)
         grids.append([grid for name, grid, *_ in launched if name.startswith("submanifold_")])
         launched.clear()
     assert grids == [[(5, 1, 1)], [(2, 1, 2)], [(1, 1, 3)], [(5, 1, 1)]]
@@ -422,20 +426,11 @@ def test_fused_in_an_order_equals_definition(rng, launched, dtype, n_out, cin, c
     """Tiles that take the output rows in a given order (Rulebook.fused_order's permutation,
     the map's columns in that order beside it) write each row where it belongs: split taps,
     bias and part tiles too."""
-    n_in, taps = 90, 9
-    features = random_array(rng, (n_in, cin), numpy.float32)
-    weight = random_array(rng, (cout, taps, cin), numpy.float32)
-    bias = random_array(rng, (cout,), numpy.float32)
-    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
-    neighbors[rng.random((taps, n_out)) < 0.6] = -1
+    features, weight, bias, neighbors = _random_layer(rng, 90, n_out, cin, cout, 9, 0.6)
     order = _random_order(rng, neighbors)
     f, w, b = (a.astype(dtype) for a in (features, weight, bias))
     out = submanifold.fused_conv(cuda_emulation.HostMemory(), f, w, b, neighbors, order)
-    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
-    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
-    tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
-    numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
-                                  atol=tolerance * max(1.0, numpy.abs(want).max()))
+    _assert_matches(out, _definition(features, weight, bias, neighbors), dtype)
 
 
 @pytest.mark.parametrize("cin", [8, 24, 20])
@@ -449,16 +444,10 @@ def test_fused_every_configuration(rng, launched, monkeypatch, stage, tile, slot
         pytest.skip("odd rows are staged 32 or 64 bytes at a time")
     monkeypatch.setattr(conv_kernels, "fused_config",
                         lambda vector, itemsize, cout: (stage, tile, slots))
-    n_in, n_out, cout, taps = 60, 70, 40, 9
-    features = random_array(rng, (n_in, cin), numpy.float32).astype(numpy.float16)
-    weight = random_array(rng, (cout, taps, cin), numpy.float32).astype(numpy.float16)
-    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
-    neighbors[rng.random((taps, n_out)) < 0.5] = -1
+    features, weight, _, neighbors = _random_layer(rng, 60, 70, cin, 40, 9, 0.5)
+    features, weight = features.astype(numpy.float16), weight.astype(numpy.float16)
     out = submanifold.fused_conv(cuda_emulation.HostMemory(), features, weight, None, neighbors)
-    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
-    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight)
-    numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
-                                  atol=2e-3 * max(1.0, numpy.abs(want).max()))
+    _assert_matches(out, _definition(features, weight, None, neighbors), "float16")
 
 
 @pytest.mark.parametrize("dtype, cin, cout, split", [
@@ -473,23 +462,15 @@ def test_fused_tall_tiles(rng, launched, monkeypatch, dtype, cin, cout, split):
     monkeypatch.setattr(conv_kernels, "fused_tall",
                         lambda device, plan, n_out, sorted_rows: plan.tall is not None)
     monkeypatch.setattr(conv_kernels, "fused_splits", lambda device, tiles, taps: split)
-    n_in, n_out, taps = 150, 300, 9
-    features = random_array(rng, (n_in, cin), numpy.float32)
-    weight = random_array(rng, (cout, taps, cin), numpy.float32)
-    bias = random_array(rng, (cout,), numpy.float32)
-    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
-    neighbors[rng.random((taps, n_out)) < 0.6] = -1
+    n_out = 300
+    features, weight, bias, neighbors = _random_layer(rng, 150, n_out, cin, cout, 9, 0.6)
     out = submanifold.fused_conv(cuda_emulation.HostMemory(), features.astype(dtype),
                                  weight.astype(dtype), bias.astype(dtype), neighbors)
     tile = conv_kernels.fused_config(True, numpy.dtype(dtype).itemsize, cout)[1]
     tall = conv_kernels.tall_tiles(numpy.dtype(dtype).itemsize, tile)
     assert launched[0][0].endswith(", 2, 128>") == tall
     assert launched[0][1][0] == -(-n_out // (128 if tall else 64))
-    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
-    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
-    tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
-    numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
-                                  atol=tolerance * max(1.0, numpy.abs(want).max()))
+    _assert_matches(out, _definition(features, weight, bias, neighbors), dtype)
 
 
 @pytest.mark.parametrize("dtype, cin, cout, split, ordered", [
@@ -503,24 +484,15 @@ def test_fused_tall_wide_tiles(rng, launched, monkeypatch, dtype, cin, cout, spl
     monkeypatch.setattr(conv_kernels, "fused_tall", lambda device, plan, n_out, sorted_rows: True)
     monkeypatch.setattr(conv_kernels, "fused_tall_wide", lambda plan, n_out, sorted_rows: True)
     monkeypatch.setattr(conv_kernels, "fused_splits", lambda device, tiles, taps: split)
-    n_in, n_out, taps = 150, 200, 9
-    features = random_array(rng, (n_in, cin), numpy.float32)
-    weight = random_array(rng, (cout, taps, cin), numpy.float32)
-    bias = random_array(rng, (cout,), numpy.float32)
-    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
-    neighbors[rng.random((taps, n_out)) < 0.6] = -1
+    n_out, taps = 200, 9
+    features, weight, bias, neighbors = _random_layer(rng, 150, n_out, cin, cout, taps, 0.6)
     order = _random_order(rng, neighbors) if ordered else None
     out = submanifold.fused_conv(cuda_emulation.HostMemory(), _bits(features, dtype),
                                  _bits(weight, dtype), _bits(bias, dtype), neighbors, order)
     ctype = {"float16": "half_t", "bfloat16": "bfloat16_t"}[dtype]
     assert launched[0][0] == f"submanifold_fused<{ctype}, true, 128, 128, 2, 128>"
     assert launched[0][1] == (-(-n_out // 128), cout // 128, -(-taps // -(-taps // split)))
-    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
-    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight) + bias
-    got = (out.astype(numpy.uint32) << 16).view(numpy.float32) if dtype == "bfloat16" else out
-    tolerance = {"float16": 2e-3, "bfloat16": 8e-3}[dtype]
-    numpy.testing.assert_allclose(got.astype(numpy.float64), want, rtol=0,
-                                  atol=tolerance * max(1.0, numpy.abs(want).max()))
+    _assert_matches(out, _definition(features, weight, bias, neighbors), dtype)
 
 
 @pytest.mark.parametrize("dtype, optin, cout, config, shared", [
@@ -540,21 +512,14 @@ def test_wide_tiles_take_the_shared_memory_the_gpu_allows(rng, launched, monkeyp
     info = launch.device_info(0)._replace(shared_per_block_optin=optin)
     monkeypatch.setattr(launch, "device_info", lambda device: info)
     conv_kernels._fused_plan.cache_clear()
-    n_in, n_out, cin, taps = 50, 70, 16, 27
-    features = random_array(rng, (n_in, cin), numpy.float32)
-    weight = random_array(rng, (cout, taps, cin), numpy.float32)
-    neighbors = rng.integers(0, n_in, (taps, n_out)).astype(numpy.int32)
-    neighbors[rng.random((taps, n_out)) < 0.5] = -1
+    cin, taps = 16, 27
+    features, weight, _, neighbors = _random_layer(rng, 50, 70, cin, cout, taps, 0.5)
     out = submanifold.fused_conv(cuda_emulation.HostMemory(), features.astype(dtype),
                                  weight.astype(dtype), None, neighbors)
     plan = conv_kernels._fused_plan(0, dtype, True, cin, cout, taps).conv
     assert plan.template_args[2:] == config and plan.shared_mem == shared
     assert launched[0][0] == plan.name and launched[0][-1] == shared
-    gathered = numpy.where(neighbors[..., None] >= 0, features[neighbors], 0)
-    want = numpy.einsum("kos,cks->oc", gathered.astype(numpy.float64), weight)
-    tolerance = {"float32": 1e-6, "float16": 2e-3}[dtype]
-    numpy.testing.assert_allclose(out.astype(numpy.float64), want, rtol=0,
-                                  atol=tolerance * max(1.0, numpy.abs(want).max()))
+    _assert_matches(out, _definition(features, weight, None, neighbors), dtype)
 
 
 @pytest.mark.parametrize("dtype, channels", [(numpy.float32, 5), (numpy.float16, 3),
