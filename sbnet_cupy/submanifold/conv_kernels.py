@@ -329,9 +329,9 @@ def fused_tall_wide(plan, n_out, sorted_rows):
     if plan.tall_wide is None:
         return False
     tiles = -(-n_out // _TALL_SITES)
-    if sorted_rows:
-        return tiles * plan.channel_tiles > _resident(plan.tall)
     rounds = -(-tiles * plan.channel_tiles // _resident(plan.tall))
+    if sorted_rows:
+        return rounds > 1
     wide_rounds = -(-tiles * (plan.channel_tiles // 2) // _resident(plan.tall_wide))
     return wide_rounds * _TALL_WIDE_COST < rounds
 
